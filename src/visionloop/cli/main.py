@@ -1,0 +1,67 @@
+"""Entry point of the `visionloop` command.
+
+Heavy imports (torch, mlflow, litdata) happen inside the commands, so `--help` stays instant.
+Errors raised on purpose (`VisionloopError`) are printed as one message without a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import typer
+
+from visionloop.cli import data as data_cli
+from visionloop.cli import demo as demo_cli
+from visionloop.cli import runs as runs_cli
+from visionloop.cli import train as train_cli
+from visionloop.cli.console import err
+from visionloop.core.errors import VisionloopError
+
+app = typer.Typer(
+    name="visionloop",
+    help=(
+        "visionloop: labelled images in; a trained, tracked, resumable model out.\n\n"
+        "Start with `visionloop demo`. State lives under $VISIONLOOP_HOME (default ~/.visionloop)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(data_cli.app, name="data")
+app.add_typer(runs_cli.app, name="runs")
+app.command("train", context_settings={"help_option_names": ["-h", "--help"]})(train_cli.train)
+app.command("demo", context_settings={"help_option_names": ["-h", "--help"]})(demo_cli.demo)
+
+
+@app.callback()
+def _root(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show debug logs and full tracebacks."),
+) -> None:
+    level = logging.DEBUG if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if verbose:
+        os.environ["VISIONLOOP_TRACEBACK"] = "1"
+    # MLflow and litdata log routine progress at INFO (database migrations, cache dirs);
+    # it buries what visionloop prints, so they speak only when something is wrong.
+    for name in ("mlflow", "alembic", "litdata"):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+def main() -> None:
+    try:
+        app()
+    except VisionloopError as e:
+        if os.environ.get("VISIONLOOP_TRACEBACK"):
+            raise
+        err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

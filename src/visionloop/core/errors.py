@@ -1,0 +1,40 @@
+"""One error hierarchy. The CLI prints `str(error)` without a traceback and exits non-zero,
+so every message must say what went wrong *and* what to do next."""
+
+from __future__ import annotations
+
+
+class VisionloopError(Exception):
+    """Base of every error visionloop raises on purpose."""
+
+    exit_code: int = 1
+
+
+class ConfigError(VisionloopError):
+    """Settings (environment, visionloop.toml) are invalid."""
+
+
+class SpecError(VisionloopError):
+    """A user-facing spec document failed validation."""
+
+    exit_code = 2
+
+
+class DataError(VisionloopError):
+    """A dataset source or a built dataset cannot be used."""
+
+
+class CheckpointError(VisionloopError):
+    """No usable checkpoint, or a checkpoint failed verification."""
+
+
+class TrainingError(VisionloopError):
+    """Training cannot start or continue."""
+
+
+class TrackingError(VisionloopError):
+    """The tracking store (MLflow) cannot be reached or holds unexpected data."""
+
+
+class NotFoundError(VisionloopError):
+    """A named run, dataset or model does not exist."""

@@ -1,0 +1,1 @@
+"""Datasets: ingest, validation, shards, manifests and the resumable loader."""

@@ -1,0 +1,134 @@
+"""`dataset.json`: what a built dataset is, in one small typed document.
+
+The manifest is the contract between ingest (which writes it) and everything that reads a
+dataset (the loader, the trainer, the model card). Its `version` is a content hash over the
+images and labels, so "which data trained this model" has a one-word answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from visionloop.core.errors import DataError
+from visionloop.core.fsutil import atomic_write_text
+
+MANIFEST_NAME = "dataset.json"
+REJECTED_NAME = "rejected.jsonl"
+DUPLICATES_NAME = "duplicates.jsonl"
+SHARDS_DIR = "shards"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val", "test")
+
+SplitName = Literal["train", "val", "test"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ImagePolicy(_Strict):
+    """How every stored image was normalised at ingest."""
+
+    mode: Literal["RGB"] = "RGB"
+    max_side: int | None = Field(None, description="longest side after ingest; None keeps the source size")
+    alpha_background: tuple[int, int, int] = (255, 255, 255)
+    lossy_quality: int = Field(95, description="JPEG quality used when a lossy source must be re-encoded")
+    min_side: int = 1
+    max_pixels: int = 100_000_000
+    max_aspect: float = 100.0
+
+
+class SourceInfo(_Strict):
+    kind: Literal["imagefolder", "csv"]
+    path: str
+    files_seen: int
+
+
+class SplitPolicy(_Strict):
+    seed: int
+    val_fraction: float
+    test_fraction: float
+    from_source: bool = Field(description="True when the source gave the split (train/ val/ test/ or a CSV column)")
+
+
+class SplitInfo(_Strict):
+    count: int
+    per_class: dict[str, int]
+    shard_dir: str = Field(description="litdata chunk folder, relative to the dataset folder")
+    bytes: int
+
+
+class ChannelStats(_Strict):
+    """Per-channel pixel statistics of the stored train split, in [0, 1]."""
+
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+class SizeStats(_Strict):
+    """Stored image sizes (after --max-side), as (width, height)."""
+
+    min: tuple[int, int]
+    median: tuple[int, int]
+    max: tuple[int, int]
+
+
+class DatasetManifest(_Strict):
+    format_version: int = FORMAT_VERSION
+    version: str = Field(description="content hash over images, labels and splits: the dataset's version")
+    task: Literal["classification"] = "classification"
+    classes: list[str]
+    splits: dict[SplitName, SplitInfo]
+    image_policy: ImagePolicy
+    source: SourceInfo
+    split_policy: SplitPolicy
+    channel_stats: ChannelStats
+    size_stats: SizeStats
+    rejected: int = 0
+    duplicates: int = 0
+    created_at: str
+    visionloop_version: str
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+def manifest_path(dataset_dir: Path) -> Path:
+    return Path(dataset_dir) / MANIFEST_NAME
+
+
+def write_manifest(dataset_dir: Path, manifest: DatasetManifest) -> None:
+    atomic_write_text(manifest_path(dataset_dir), manifest.model_dump_json(indent=2) + "\n")
+
+
+def read_manifest(dataset_dir: Path) -> DatasetManifest:
+    """Load and validate `DIR/dataset.json`, with errors that say how to get a good one."""
+    path = manifest_path(dataset_dir)
+    if not path.is_file():
+        hint = (
+            f"{dataset_dir} does not exist"
+            if not Path(dataset_dir).exists()
+            else f"{dataset_dir} has no {MANIFEST_NAME}"
+        )
+        raise DataError(
+            f"{hint}: it is not a visionloop dataset. Build one with "
+            f"`visionloop data ingest SOURCE --out {dataset_dir}`."
+        )
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} cannot be read as JSON ({e}); re-run `visionloop data ingest`.") from e
+    if isinstance(raw, dict) and raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format_version {raw['format_version']}, newer than this visionloop understands "
+            f"({FORMAT_VERSION}); upgrade visionloop."
+        )
+    try:
+        return DatasetManifest.model_validate(raw)
+    except ValidationError as e:
+        raise DataError(f"{path} is not a valid dataset manifest:\n{e}\nRe-run `visionloop data ingest`.") from e

@@ -1,0 +1,102 @@
+"""Shards on disk: litdata chunk folders holding one record per image.
+
+A record is `{"image": <encoded PNG or JPEG bytes>, "label": int, "index": int}` where
+`index` is the image's id, unique across the whole dataset (it seeds per-sample
+augmentation, so it must never change once written).
+
+Writing goes through litdata's `BinaryWriter`; reading through litdata's `StreamingDataset`
+with random access. The reader also exposes the chunk boundaries so that samplers can
+shuffle chunk-locally (reading one chunk at a time is ~4x faster than jumping between them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, TypedDict
+
+from visionloop.core.errors import DataError
+
+CHUNK_BYTES = "32MB"
+_INDEX = "index.json"
+
+
+class Record(TypedDict):
+    image: bytes
+    label: int
+    index: int
+
+
+class ShardWriter:
+    """Append records to a litdata chunk folder; call `close()` to write its index."""
+
+    def __init__(self, out_dir: Path, chunk_bytes: str = CHUNK_BYTES) -> None:
+        from litdata.streaming.writer import BinaryWriter
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self._writer = BinaryWriter(str(out_dir), chunk_bytes=chunk_bytes)
+        self._n = 0
+        self.bytes = 0
+
+    def add(self, record: Record) -> None:
+        self._writer[self._n] = {
+            "image": record["image"],
+            "label": int(record["label"]),
+            "index": int(record["index"]),
+        }
+        self._n += 1
+        self.bytes += len(record["image"])
+
+    def __len__(self) -> int:
+        return self._n
+
+    def close(self) -> None:
+        if self._n == 0:
+            # litdata cannot represent an empty folder; an index with no chunks says "empty".
+            (self.out_dir / _INDEX).write_text(json.dumps({"chunks": [], "config": None}))
+            return
+        self._writer.done()
+        self._writer.merge()
+
+
+class ShardReader:
+    """Random access to a shard folder. Safe to pickle into DataLoader workers: the litdata
+    dataset is opened lazily in whichever process first reads."""
+
+    def __init__(self, shard_dir: Path) -> None:
+        self.shard_dir = Path(shard_dir)
+        index_file = self.shard_dir / _INDEX
+        try:
+            index = json.loads(index_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(
+                f"{self.shard_dir} is not a readable shard folder ({e}); re-run `visionloop data ingest`."
+            ) from e
+        self.chunk_sizes: list[int] = [int(c["chunk_size"]) for c in index.get("chunks", [])]
+        self._len = sum(self.chunk_sizes)
+        self._ds: Any = None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_ds"] = None  # each process opens its own
+        return state
+
+    def _open(self) -> Any:
+        if self._ds is None:
+            from litdata import StreamingDataset
+
+            # litdata logs at INFO on every open; that is noise in a training log.
+            logging.getLogger("litdata").setLevel(logging.WARNING)
+            self._ds = StreamingDataset(str(self.shard_dir))
+        return self._ds
+
+    def __getitem__(self, i: int) -> Record:
+        if not 0 <= i < self._len:
+            raise IndexError(f"record {i} out of range for {self._len} records in {self.shard_dir}")
+        item = self._open()[i]
+        return Record(image=bytes(item["image"]), label=int(item["label"]), index=int(item["index"]))

@@ -1,0 +1,32 @@
+"""Shared fixtures. Every test runs against its own temporary VISIONLOOP_HOME."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Markers come from the folder, as in LitServe: tests/unit -> unit, and so on.
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for kind in ("unit", "integration", "e2e"):
+            if kind in parts:
+                item.add_marker(getattr(pytest.mark, kind))
+        if "gpu" in item.keywords:
+            import torch
+
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(autouse=True)
+def vl_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private visionloop home (and MLflow store) for each test."""
+    home = tmp_path_factory.mktemp("vlhome")
+    monkeypatch.setenv("VISIONLOOP_HOME", str(home))
+    monkeypatch.delenv("VISIONLOOP_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    yield home
