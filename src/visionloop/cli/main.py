@@ -42,6 +42,10 @@ def _root(
 ) -> None:
     level = logging.DEBUG if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # visionloop's own loggers run at INFO so that train.log gets everything; the terminal
+    # shows only warnings and errors (unless --verbose), the rest is rendered by Rich.
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(level)
     if verbose:
         os.environ["VISIONLOOP_TRACEBACK"] = "1"
     # MLflow and litdata log routine progress at INFO (database migrations, cache dirs);

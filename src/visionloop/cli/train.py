@@ -2,7 +2,181 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
 
-def train() -> None:
-    """Train a model from a YAML spec (placeholder)."""
-    raise NotImplementedError
+import typer
+
+from visionloop.cli.console import err, out
+from visionloop.core.errors import TrainingError
+
+EXIT_PREEMPTED = 75
+
+
+def train(
+    spec: Path = typer.Argument(..., help="The YAML train spec (see README for every field)."),
+    run_dir: Path | None = typer.Option(
+        None,
+        "--run-dir",
+        help="Where checkpoints, logs and the final model go. Rerunning on the same directory resumes it. "
+        "Default: $VISIONLOOP_HOME/runs/<spec name>-<spec hash>.",
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="Override a spec field, e.g. --set optimizer.lr=0.01 --set epochs=20 (repeatable)."
+    ),
+    nproc_per_node: int = typer.Option(
+        1,
+        "--nproc-per-node",
+        min=1,
+        help="Run N processes with DDP on this machine (via torchrun; gloo on CPU, NCCL on GPU). "
+        "data.batch_size stays the global batch.",
+    ),
+    no_track: bool = typer.Option(False, "--no-track", help="Do not record the run in MLflow."),
+) -> None:
+    """Train a model from SPEC, or resume it from its latest valid checkpoint.
+
+    SIGTERM, SIGUSR1 or Ctrl-C make the trainer finish the current step, write a checkpoint
+    and exit with code 75; running the same command again resumes exactly where it stopped.
+    Exit codes: 0 done, 75 stopped and resumable, anything else failed.
+    """
+    from visionloop.train.signals import StopRequest
+
+    stop = StopRequest().install() if nproc_per_node == 1 else None
+    from visionloop.core.settings import load_settings
+    from visionloop.specs import load_train_spec
+    from visionloop.train.rundir import spec_fingerprint
+
+    settings = load_settings()
+    spec_text = _read_text(spec)
+    model, doc = load_train_spec(spec, overrides)
+    resolved = model.model_dump(mode="json")
+    if run_dir is None:
+        run_dir = settings.runs_dir / f"{spec.stem}-{spec_fingerprint(resolved)[:8]}"
+    run_dir = run_dir.expanduser().resolve()
+
+    if nproc_per_node > 1:
+        if os.environ.get("WORLD_SIZE"):
+            raise TrainingError("--nproc-per-node cannot be used inside torchrun; the launcher already set WORLD_SIZE.")
+        raise typer.Exit(_launch(spec, run_dir, overrides, nproc_per_node, no_track))
+
+    from visionloop.cli.progress import RichReporter
+    from visionloop.train.api import train as run_training
+    from visionloop.train.report import Reporter
+
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    if is_main:
+        err.print(f"run dir: {run_dir}")
+    reporter = RichReporter(err) if is_main else Reporter()
+    with reporter if isinstance(reporter, RichReporter) else _nullctx():
+        result = run_training(
+            model, run_dir, spec_text=spec_text, resolved=resolved, settings=settings, reporter=reporter, track=not no_track, stop=stop
+        )
+    if is_main:
+        _summary(result, spec, overrides)
+    raise typer.Exit(result.exit_code)
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        from visionloop.core.errors import SpecError
+        from visionloop.specs import MINIMAL_TRAIN_SPEC
+
+        raise SpecError(f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        from visionloop.core.errors import SpecError
+
+        raise SpecError(f"cannot read spec file {path}: {e}") from e
+
+
+def resume_command(spec: Path, run_dir: Path, overrides: list[str]) -> str:
+    sets = "".join(f" --set {o}" for o in overrides)
+    return f"visionloop train {spec} --run-dir {run_dir}{sets}"
+
+
+def _summary(result: object, spec: Path, overrides: list[str]) -> None:
+    from visionloop.train.report import TrainResult
+
+    assert isinstance(result, TrainResult)
+    if result.exit_code == EXIT_PREEMPTED:
+        out.print(f"[yellow]stopped at step {result.step}/{result.total_steps}; checkpoint written.[/]")
+        out.print(f"resume with: {resume_command(spec, result.run_dir, overrides)}")
+        return
+    if result.already_finished:
+        out.print(f"[green]this run already finished[/] at step {result.step} ({result.run_dir}).")
+        out.print("To train again, pass a new --run-dir.")
+    else:
+        out.print(f"[bold green]done[/]: {result.step} steps in {result.train_seconds:.1f} s ({result.images_per_s:,.0f} img/s)")
+    acc = result.final_metrics.get("accuracy")
+    if acc is not None:
+        out.print(f"  val accuracy   {acc:.2%}")
+    out.print(f"  run dir        {result.run_dir}")
+    if result.final_weights:
+        out.print(f"  final model    {result.final_weights}")
+    if result.model_card:
+        out.print(f"  model card     {result.model_card}")
+    if result.checkpoints:
+        out.print(f"  checkpoints    {result.checkpoints[0].parent} ({len(result.checkpoints)} kept)")
+    if result.run_id:
+        out.print(f"  MLflow run     {result.run_id}")
+    if result.ui_command:
+        out.print(f"  open the UI    {result.ui_command}")
+
+
+def _launch(spec: Path, run_dir: Path, overrides: list[str], n: int, no_track: bool) -> int:
+    """Run this same command under torchrun with n processes; map its exit to ours."""
+    from visionloop.train.rundir import RunDir
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        "-m",
+        "visionloop",
+        "train",
+        str(spec),
+        "--run-dir",
+        str(run_dir),
+    ]
+    for o in overrides:
+        cmd += ["--set", o]
+    if no_track:
+        cmd.append("--no-track")
+    err.print(f"launching {n} processes: {' '.join(cmd[2:])}", style="dim")
+    launched_at = time.time()
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // n, 1)))
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if code == 0:
+        return 0
+    # torchrun reports any non-zero worker exit as its own failure (1); the run's own record
+    # says whether the workers stopped cleanly after a checkpoint.
+    meta = RunDir(run_dir).read_meta() or {}
+    fresh = float(meta.get("updated", 0)) >= launched_at
+    return EXIT_PREEMPTED if fresh and meta.get("status") == "preempted" else code

@@ -1,0 +1,299 @@
+"""User-facing spec documents, as pydantic models.
+
+A YAML spec validates into `TrainSpec`; a bad field gets an error that names the field, the
+value given and a valid example (`load_train_spec`). Specs are saved verbatim with every run.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from visionloop.core.errors import SpecError
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+
+
+class _Spec(BaseModel):
+    # Unknown keys are errors: a typo such as `batchsize` must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AugmentSpec(_Spec):
+    """Training-time augmentation for classification (all randomness is seeded per sample)."""
+
+    random_resized_crop: bool = Field(True, examples=[True])
+    scale: tuple[float, float] = Field((0.35, 1.0), examples=[[0.08, 1.0]])
+    ratio: tuple[float, float] = Field((3 / 4, 4 / 3), examples=[[0.75, 1.333]])
+    hflip: float = Field(0.5, ge=0.0, le=1.0, examples=[0.5])
+    color_jitter: float = Field(0.0, ge=0.0, le=1.0, examples=[0.2])
+
+    @field_validator("scale", "ratio")
+    @classmethod
+    def _ordered(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < v[0] <= v[1]:
+            raise ValueError("needs 0 < low <= high")
+        return v
+
+    @field_validator("scale")
+    @classmethod
+    def _scale_at_most_one(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if v[1] > 1.0:
+            raise ValueError("is a fraction of the image area, so high must be <= 1")
+        return v
+
+
+class DataSpec(_Spec):
+    dataset: Path = Field(examples=["~/.visionloop/datasets/digits"])
+    batch_size: int = Field(64, ge=1, examples=[64], description="global batch size, over all processes")
+    eval_batch_size: int | None = Field(None, ge=1, examples=[256])
+    workers: int = Field(2, ge=0, le=64, examples=[2])
+    image_size: int = Field(224, ge=8, le=4096, examples=[224])
+    crop_pct: float = Field(
+        1.0, gt=0.0, le=1.0, examples=[0.875], description="eval: resize to size/crop_pct, centre-crop size"
+    )
+    normalize: Literal["auto", "dataset", "imagenet"] = Field("auto", examples=["dataset"])
+    augment: AugmentSpec = AugmentSpec()
+    shuffle_window: int = Field(
+        8, ge=1, examples=[8], description="shuffle among this many shard chunks at a time"
+    )
+
+
+class ModelSpec(_Spec):
+    arch: str = Field(examples=["resnet18"])
+    pretrained: Path | None = Field(None, examples=["weights/resnet18.safetensors"])
+    kwargs: dict[str, Any] = Field(default_factory=dict, examples=[{"dropout": 0.2}])
+    channels_last: bool = Field(False, examples=[True])
+    compile: bool = Field(False, examples=[False], description="torch.compile the model (CUDA)")
+
+
+class OptimizerSpec(_Spec):
+    name: Literal["sgd", "adamw", "adam"] = Field("adamw", examples=["sgd"])
+    lr: float = Field(1e-3, gt=0.0, examples=[0.1])
+    weight_decay: float = Field(0.0, ge=0.0, examples=[0.05])
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, examples=[0.9])
+    nesterov: bool = Field(False, examples=[True])
+    betas: tuple[float, float] = Field((0.9, 0.999), examples=[[0.9, 0.999]])
+    grad_clip_norm: float | None = Field(None, gt=0.0, examples=[1.0])
+
+
+class ScheduleSpec(_Spec):
+    name: Literal["cosine", "linear", "constant", "step"] = Field("cosine", examples=["cosine"])
+    warmup_steps: int = Field(0, ge=0, examples=[100])
+    warmup_epochs: float = Field(0.0, ge=0.0, examples=[1.0])
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, examples=[0.01])
+    step_epochs: float = Field(30.0, gt=0.0, examples=[30], description="'step': decay every this many epochs")
+    gamma: float = Field(0.1, gt=0.0, le=1.0, examples=[0.1])
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> ScheduleSpec:
+        if self.warmup_steps and self.warmup_epochs:
+            raise ValueError("give warmup_steps or warmup_epochs, not both (e.g. warmup_epochs: 1)")
+        return self
+
+
+class CheckpointSpec(_Spec):
+    every_steps: int | None = Field(None, ge=1, examples=[500])
+    every_minutes: float | None = Field(10.0, gt=0.0, examples=[10])
+    keep_last: int = Field(3, ge=1, examples=[3])
+    keep_best: int = Field(1, ge=0, examples=[1])
+    best_metric: str = Field("val/accuracy", examples=["val/accuracy"])
+    best_mode: Literal["max", "min"] = Field("max", examples=["max"])
+
+
+class EvalSpec(_Spec):
+    every_epochs: int = Field(1, ge=1, examples=[1])
+
+
+class TrackingSpec(_Spec):
+    experiment: str | None = Field(None, examples=["digits"])
+    run_name: str | None = Field(None, examples=["digits-small-cnn"])
+    log_every_steps: int = Field(1, ge=1, examples=[1])
+    system_metrics_every_s: float = Field(10.0, gt=0.0, examples=[10])
+
+
+class LossSpec(_Spec):
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, examples=[0.1])
+
+
+class TrainSpec(_Spec):
+    task: Literal["classification"] = Field("classification", examples=["classification"])
+    data: DataSpec
+    model: ModelSpec
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    loss: LossSpec = LossSpec()
+    epochs: int | None = Field(None, ge=1, examples=[10])
+    steps: int | None = Field(None, ge=1, examples=[2000])
+    precision: Precision = Field("auto", examples=["bf16"])
+    seed: int = Field(0, ge=0, examples=[0])
+    deterministic: bool = Field(False, examples=[True])
+    device: str = Field("auto", examples=["auto", "cpu", "cuda", "cuda:1"])
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    eval: EvalSpec = EvalSpec()
+    tracking: TrackingSpec = TrackingSpec()
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        ok = v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit())
+        if not ok:
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
+
+    @model_validator(mode="after")
+    def _length(self) -> TrainSpec:
+        if (self.epochs is None) == (self.steps is None):
+            raise ValueError("give exactly one of `epochs` or `steps` (e.g. epochs: 10)")
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _example_for(model: type[BaseModel], loc: Sequence[int | str]) -> Any:
+    """The `examples` of the field at `loc`, walking nested spec models."""
+    current: Any = model
+    example: Any = None
+    for part in loc:
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return example
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+        example = field.examples[0] if field.examples else None
+        annotation = field.annotation
+        current = annotation if isinstance(annotation, type) else None
+    return example
+
+
+def _fields_at(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        field = current.model_fields.get(str(part)) if isinstance(current, type) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        current = field.annotation
+    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+
+
+def format_validation_error(e: ValidationError, model: type[BaseModel], source: str) -> str:
+    lines = [f"{source} is not a valid {model.__name__}:"]
+    for err in e.errors():
+        loc = list(err["loc"])
+        dotted = ".".join(str(p) for p in loc) or "(top level)"
+        value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            known = _fields_at(model, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else f" Known fields here: {', '.join(known)}."
+            lines.append(f"  - {dotted}: unknown field.{hint}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        shown = "missing" if err["type"] == "missing" else f"got {value!r}"
+        line = f"  - {dotted}: {msg} ({shown})."
+        example = _example_for(model, [p for p in loc if isinstance(p, str)])
+        if example is not None and loc:
+            line += f" Example: {loc[-1]}: {_yaml_inline(example)}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _yaml_inline(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
+
+
+def _set_dotted(doc: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = doc
+    for k in keys[:-1]:
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        if not isinstance(child, dict):
+            raise SpecError(f"--set {dotted}: `{k}` is a value, not a section, so it has no field `{keys[-1]}`.")
+        node = child
+    node[keys[-1]] = value
+
+
+def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides (values parsed as YAML scalars) to a spec document."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--set expects key=value, e.g. --set optimizer.lr=0.01; got {item!r}.")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise SpecError(f"--set {item!r}: the value is not valid YAML ({e}).") from e
+        _set_dotted(doc, key.strip(), value)
+    return doc
+
+
+def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(f"{source} is not valid YAML: {e}") from e
+    if doc is None:
+        raise SpecError(f"{source} is empty. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}")
+    if not isinstance(doc, dict):
+        raise SpecError(f"{source} must be a mapping of fields, got a {type(doc).__name__}. Example:\n{MINIMAL_TRAIN_SPEC}")
+    return doc
+
+
+def validate_train_spec(doc: Mapping[str, Any], source: str = "the spec") -> TrainSpec:
+    try:
+        return TrainSpec.model_validate(doc)
+    except ValidationError as e:
+        raise SpecError(format_validation_error(e, TrainSpec, source)) from e
+
+
+def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpec, dict[str, Any]]:
+    """Read, override and validate a train spec; return the model and the effective document.
+
+    Relative paths in the spec (dataset, pretrained weights) are resolved against the spec
+    file's folder, so a spec works from any working directory.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read spec file {path}: {e}") from e
+    doc = apply_overrides(parse_yaml_mapping(text, str(path)), overrides)
+    spec = validate_train_spec(doc, str(path))
+    return resolve_paths(spec, path.parent), doc
+
+
+def resolve_paths(spec: TrainSpec, base: Path) -> TrainSpec:
+    def fix(p: Path) -> Path:
+        p = p.expanduser()
+        return p if p.is_absolute() else (base / p).resolve()
+
+    data = spec.data.model_copy(update={"dataset": fix(spec.data.dataset)})
+    model = spec.model
+    if model.pretrained is not None:
+        model = model.model_copy(update={"pretrained": fix(model.pretrained)})
+    return spec.model_copy(update={"data": data, "model": model})
+
+
+def spec_to_yaml(spec: TrainSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+MINIMAL_TRAIN_SPEC = """\
+data:
+  dataset: path/to/dataset     # a folder made by `visionloop data ingest`
+  batch_size: 64
+  image_size: 224
+model:
+  arch: resnet18               # `visionloop archs` lists the choices
+epochs: 10
+"""

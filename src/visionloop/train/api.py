@@ -1,0 +1,264 @@
+"""`train()`: one call that trains, or resumes, a run directory from a spec.
+
+Exit semantics (also the CLI's exit code): 0 done, 75 stopped by a signal after writing a
+checkpoint (rerun to resume); errors raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from visionloop.core.errors import TrainingError
+from visionloop.core.settings import Settings, load_settings
+from visionloop.specs import TrainSpec
+from visionloop.train import dist
+from visionloop.train import rng as rng_state
+from visionloop.train.checkpoint import load_verified
+from visionloop.train.device import configure_determinism, resolve_device, resolve_precision
+from visionloop.train.finalize import finalize
+from visionloop.train.loop import Loop
+from visionloop.train.report import Reporter, StartInfo, TrainResult
+from visionloop.train.rundir import RunDir, spec_fingerprint
+from visionloop.train.setup import Components, build
+from visionloop.train.signals import EXIT_PREEMPTED, StopRequest
+
+log = logging.getLogger("visionloop.train")
+
+
+def _attach_log_file(path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("visionloop")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    return handler
+
+
+def train(
+    spec: TrainSpec,
+    run_dir: Path,
+    *,
+    spec_text: str | None = None,
+    resolved: Mapping[str, Any] | None = None,
+    settings: Settings | None = None,
+    reporter: Reporter | None = None,
+    track: bool = True,
+    stop: StopRequest | None = None,
+) -> TrainResult:
+    """Train (or resume) `run_dir` from `spec`. Safe to call under torchrun."""
+    settings = settings or load_settings()
+    reporter = reporter or Reporter()
+    resolved = dict(resolved) if resolved is not None else spec.model_dump(mode="json")
+    spec_text = spec_text if spec_text is not None else _dump(resolved)
+    info = dist.from_env()
+    device = resolve_device(spec.device, info)
+    dist.init(info, device)
+    # The CLI installs the handlers before its slow imports, so a SIGTERM during start-up is
+    # also a clean, resumable stop; library callers get them installed here.
+    stop = stop or StopRequest().install()
+    rd = RunDir(run_dir)
+    handler: logging.Handler | None = None
+    loop: Loop | None = None
+    tracker: Any = None
+    try:
+        meta: dict[str, Any] | None = None
+        if info.is_main:
+            rd.lock()
+            meta, _ = rd.prepare(spec_text, resolved)
+            handler = _attach_log_file(rd.log_file)
+        meta = dist.broadcast_object(meta, info)
+        assert meta is not None
+        if meta.get("status") == "succeeded" and rd.final_weights.is_file():
+            return _already_finished(rd, meta)
+
+        configure_determinism(spec.deterministic, device)
+        rng_state.seed_everything(spec.seed)
+        c = build(spec, info, device, rd, spec_fingerprint(resolved))
+        if info.rank:
+            rng_state.seed_everything(spec.seed + 7919 * info.rank)  # per-rank dropout streams
+        precision = resolve_precision(spec.precision, device, spec.deterministic)
+        loop = Loop(c, precision=precision, reporter=reporter, stop=stop, tracker=None)
+        resumed_from = _resume(loop, info, reporter)
+
+        if info.is_main and track:
+            tracker = _open_tracker(settings, spec, c, rd, meta, precision.name, resolved, lambda: loop.pos.step)
+            loop.tracker = tracker
+            rd.update_meta(mlflow_run_id=tracker.run_id, status="running")
+        elif info.is_main:
+            rd.update_meta(status="running")
+        reporter.start(_start_info(c, rd, tracker, resumed_from, precision.name, device))
+        log.info("training %s from step %d of %d", rd.path, loop.pos.step, c.total_steps)
+
+        completed = loop.run()
+        if not completed:
+            if tracker is not None:
+                tracker.set_tags({"visionloop.state": "preempted"})
+                tracker.close(status="KILLED")
+            if info.is_main:
+                rd.update_meta(status="preempted", step=loop.pos.step)
+            result = _result(EXIT_PREEMPTED, c, loop, rd, tracker)
+            reporter.finish(result)
+            return result
+
+        final = finalize(c, loop, tracker) if info.is_main else {}
+        if tracker is not None:
+            tracker.set_tags({"visionloop.state": "succeeded"})
+            tracker.close(status="FINISHED")
+        if info.is_main:
+            rd.update_meta(status="succeeded", step=loop.pos.step, final_metrics=final, finished=time.time())
+        dist.barrier(info)
+        result = _result(0, c, loop, rd, tracker)
+        reporter.finish(result)
+        return result
+    except BaseException as e:
+        if tracker is not None:
+            tracker.set_tags({"visionloop.state": "failed", "visionloop.error": str(e)[:500]})
+            tracker.close(status="FAILED")
+        if info.is_main and rd.meta_file.is_file():
+            rd.update_meta(status="failed", error=str(e)[:2000])
+        raise
+    finally:
+        stop.uninstall()
+        if loop is not None:
+            loop.ckpt.close()
+        if handler is not None:
+            logging.getLogger("visionloop").removeHandler(handler)
+            handler.close()
+        rd.unlock()
+        dist.shutdown()
+
+
+def _dump(doc: Mapping[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(dict(doc), sort_keys=False)
+
+
+def _resume(loop: Loop, info: dist.DistInfo, reporter: Reporter) -> int | None:
+    chosen: str | None = None
+    state: dict[str, Any] | None = None
+    if info.is_main:
+        found = loop.ckpt.load_latest()
+        if found is not None:
+            chosen, state = str(found[0].path), found[1]
+    chosen = dist.broadcast_object(chosen, info)
+    if chosen is None:
+        return None
+    if state is None:
+        state = load_verified(Path(chosen))
+    loop.load_state_dict(state)
+    reporter.message(f"resuming from {Path(chosen).name} (step {loop.pos.step})")
+    log.info("resumed from %s at step %d", chosen, loop.pos.step)
+    return loop.pos.step
+
+
+def _open_tracker(
+    settings: Settings,
+    spec: TrainSpec,
+    c: Components,
+    rd: RunDir,
+    meta: Mapping[str, Any],
+    precision: str,
+    resolved: Mapping[str, Any],
+    step_fn: Callable[[], int],
+) -> Any:
+    from visionloop.track import environment_tags, open_run
+
+    tags = {
+        "visionloop.uid": str(meta["uid"]),
+        "visionloop.run_dir": str(rd.path),
+        "visionloop.dataset_version": c.manifest.version,
+        "visionloop.dataset_dir": str(spec.data.dataset),
+        "visionloop.arch": spec.model.arch,
+        "visionloop.task": spec.task,
+        "visionloop.state": "running",
+    }
+    tags.update(environment_tags(Path.cwd()))
+    tracker = open_run(
+        settings,
+        uid=str(meta["uid"]),
+        experiment=spec.tracking.experiment or settings.experiment,
+        run_name=spec.tracking.run_name or rd.path.name,
+        run_dir=rd.path,
+        tags=tags,
+    )
+    tracker.log_params(dict(resolved))
+    tracker.log_params(
+        {
+            "derived.num_params": c.num_params,
+            "derived.world_size": c.dist.world_size,
+            "derived.steps_per_epoch": c.steps_per_epoch,
+            "derived.total_steps": c.total_steps,
+            "derived.precision": precision,
+            "derived.device_type": c.device.type,
+            "derived.train_images": len(c.train_reader),
+            "derived.eval_split": c.eval_split or "none",
+        }
+    )
+    spec_file = rd.path / "spec.yaml"
+    if spec_file.is_file():
+        tracker.log_artifact(spec_file, artifact_path="spec")
+        tracker.log_artifact(rd.path / "spec.resolved.yaml", artifact_path="spec")
+    tracker.start_system_metrics(step_fn=step_fn, every_s=spec.tracking.system_metrics_every_s)
+    return tracker
+
+
+def _start_info(
+    c: Components, rd: RunDir, tracker: Any, resumed_from: int | None, precision: str, device: Any
+) -> StartInfo:
+    return StartInfo(
+        run_dir=rd.path,
+        run_id=tracker.run_id if tracker is not None else None,
+        resumed_from_step=resumed_from,
+        total_steps=c.total_steps,
+        steps_per_epoch=c.steps_per_epoch,
+        epochs=c.epochs,
+        device=str(device),
+        precision=precision,
+        world_size=c.dist.world_size,
+        num_params=c.num_params,
+        train_images=len(c.train_reader),
+        val_images=len(c.eval_dataset) if c.eval_dataset is not None else 0,  # type: ignore[arg-type]
+        dataset_version=c.manifest.version,
+    )
+
+
+def _result(code: int, c: Components, loop: Loop, rd: RunDir, tracker: Any) -> TrainResult:
+    train_s = loop.pos.train_time_s
+    return TrainResult(
+        exit_code=code,
+        run_dir=rd.path,
+        step=loop.pos.step,
+        total_steps=c.total_steps,
+        run_id=tracker.run_id if tracker is not None else None,
+        final_metrics=dict(loop.last_eval.metrics) if loop.last_eval else {},
+        best_metric=loop.pos.best_metric,
+        checkpoints=[i.path for i in loop.ckpt.list()],
+        final_weights=rd.final_weights if rd.final_weights.is_file() else None,
+        model_card=rd.model_card if rd.model_card.is_file() else None,
+        train_seconds=train_s,
+        images_per_s=loop.pos.images_seen / train_s if train_s else 0.0,
+        ui_command=tracker.ui_command() if tracker is not None else None,
+    )
+
+
+def _already_finished(rd: RunDir, meta: Mapping[str, Any]) -> TrainResult:
+    raise_if = meta.get("step")
+    if raise_if is None:
+        raise TrainingError(f"{rd.meta_file} says the run succeeded but records no step; the file is damaged.")
+    return TrainResult(
+        exit_code=0,
+        run_dir=rd.path,
+        step=int(meta["step"]),
+        total_steps=int(meta["step"]),
+        run_id=meta.get("mlflow_run_id"),
+        final_metrics=dict(meta.get("final_metrics") or {}),
+        final_weights=rd.final_weights,
+        model_card=rd.model_card if rd.model_card.is_file() else None,
+        already_finished=True,
+    )

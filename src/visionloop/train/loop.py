@@ -1,0 +1,344 @@
+"""The training loop: task-agnostic, resumable at any step, exact on CPU.
+
+Position in training is four numbers — epoch, batch within the epoch, global step and
+whether the epoch's evaluation is still owed — and everything random is either restored from
+the checkpoint (torch/python/numpy RNG, per rank) or derived from (seed, epoch, sample).
+That is why a run killed at any moment and resumed ends bitwise identical to one that never
+stopped (CPU, deterministic mode).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from visionloop.core.errors import TrainingError
+from visionloop.data.loader import make_loader
+from visionloop.data.sampler import EvalBatchSampler, ResumableBatchSampler
+from visionloop.tasks.base import EvalResult
+from visionloop.tasks.classification.transforms import Normalizer
+from visionloop.train import dist
+from visionloop.train import rng as rng_state
+from visionloop.train.checkpoint import CheckpointManager
+from visionloop.train.device import Precision
+from visionloop.train.report import Reporter
+from visionloop.train.setup import Components
+from visionloop.train.signals import StopRequest
+
+log = logging.getLogger("visionloop.train")
+
+
+@dataclass
+class Position:
+    epoch: int = 0
+    batch: int = 0  # next batch to train within `epoch`
+    step: int = 0  # optimizer steps taken
+    pending_eval: bool = False
+    evals_done: int = 0
+    best_metric: float | None = None
+    train_time_s: float = 0.0
+    images_seen: int = 0
+
+
+class Loop:
+    """Runs steps and evaluations from a Position until done or asked to stop."""
+
+    def __init__(
+        self,
+        c: Components,
+        *,
+        precision: Precision,
+        reporter: Reporter,
+        stop: StopRequest,
+        tracker: Any | None,
+    ) -> None:
+        self.c = c
+        self.spec = c.spec
+        self.precision = precision
+        self.reporter = reporter
+        self.stop = stop
+        self.tracker = tracker
+        self.info = c.dist
+        self.device = c.device
+        self.pos = Position()
+        self.last_eval: EvalResult | None = None
+        self.normalize = Normalizer(c.mean, c.std)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision.needs_scaler)
+        self.ckpt = CheckpointManager(
+            c.run_dir.checkpoints,
+            keep_last=self.spec.checkpoint.keep_last,
+            keep_best=self.spec.checkpoint.keep_best,
+            best_mode=self.spec.checkpoint.best_mode,
+        )
+        self.sampler = ResumableBatchSampler(
+            c.train_reader.chunk_sizes,
+            self.spec.data.batch_size,
+            seed=self.spec.seed,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            window=self.spec.data.shuffle_window,
+        )
+        pin = self.device.type == "cuda"
+        self.train_loader = make_loader(
+            c.train_dataset, self.sampler, workers=self.spec.data.workers, pin_memory=pin, seed=self.spec.seed
+        )
+        self.eval_loader = None
+        if c.eval_dataset is not None:
+            eval_bs = self.spec.data.eval_batch_size or max(self.spec.data.batch_size // self.info.world_size, 1)
+            eval_sampler = EvalBatchSampler(
+                len(c.eval_dataset), eval_bs, rank=self.info.rank, world_size=self.info.world_size
+            )
+            self.eval_loader = make_loader(
+                c.eval_dataset, eval_sampler, workers=self.spec.data.workers, pin_memory=pin, seed=self.spec.seed
+            )
+        self._last_ckpt_time = time.monotonic()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def module(self) -> nn.Module:
+        m = self.c.model
+        m = m.module if isinstance(m, DistributedDataParallel) else m
+        return getattr(m, "_orig_mod", m)
+
+    def state_dict(self) -> dict[str, Any]:
+        ranks_rng = dist.gather_objects(rng_state.capture(), self.info)
+        return {
+            "format": 1,
+            "position": asdict(self.pos),
+            "model": self.module.state_dict(),
+            "optimizer": self.c.optimizer.state_dict(),
+            "scheduler": self.c.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            "rng": ranks_rng,
+            "world_size": self.info.world_size,
+            "last_eval": self.last_eval.metrics if self.last_eval else None,
+            "spec_sha256": self.c.spec_sha256,
+            "dataset_version": self.c.manifest.version,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("dataset_version") != self.c.manifest.version:
+            raise TrainingError(
+                f"the checkpoint was trained on dataset version {state.get('dataset_version')}, but "
+                f"{self.spec.data.dataset} is now version {self.c.manifest.version}. Point data.dataset at the "
+                f"original dataset, or start a new run directory."
+            )
+        self.module.load_state_dict(state["model"])
+        self.c.optimizer.load_state_dict(state["optimizer"])
+        self.c.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"] and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self.pos = Position(**state["position"])
+        if state.get("last_eval"):
+            self.last_eval = EvalResult(metrics=dict(state["last_eval"]))
+        # RNG last: building the model and loaders above may have drawn from it.
+        ranks_rng = state["rng"]
+        if len(ranks_rng) == self.info.world_size:
+            rng_state.restore(ranks_rng[self.info.rank])
+        else:
+            log.warning(
+                "checkpoint was written by %d process(es), now %d: RNG streams are re-seeded, so this "
+                "resumption is not bitwise reproducible",
+                len(ranks_rng),
+                self.info.world_size,
+            )
+            rng_state.seed_everything(self.spec.seed + 1_000_003 * self.pos.step + self.info.rank)
+
+    def save_checkpoint(self, metric: float | None = None, *, block: bool = False) -> None:
+        state = self.state_dict()
+        if self.info.is_main:
+            self.ckpt.save(state, self.pos.step, metric, block=block)
+            self.reporter.checkpoint(self.pos.step, self.ckpt.last_stall_s)
+            log.info("checkpoint at step %d (loop blocked %.3f s)", self.pos.step, self.ckpt.last_stall_s)
+        self._last_ckpt_time = time.monotonic()
+        if block:
+            dist.barrier(self.info)
+
+    # ------------------------------------------------------------------ main
+    @property
+    def done(self) -> bool:
+        return self.pos.step >= self.c.total_steps and not self.pos.pending_eval
+
+    def run(self) -> bool:
+        """Train until done (True) or until a stop was requested and checkpointed (False)."""
+        if dist.any_flag([self.stop.requested], self.device, self.info)[0]:
+            return self._stop_now()  # stopped while starting up
+        while not self.done:
+            if self.pos.pending_eval:
+                if not self._evaluate():
+                    return self._stop_now()
+                continue
+            if not self._train_epoch():
+                return self._stop_now()
+        self.ckpt.wait()
+        return True
+
+    def _stop_now(self) -> bool:
+        log.info("stop requested (%s): checkpointing at step %d", self.stop.signal_name, self.pos.step)
+        self.reporter.message(f"stopping ({self.stop.signal_name}): writing a checkpoint at step {self.pos.step}")
+        self.save_checkpoint(block=True)
+        return False
+
+    def _should_stop_or_checkpoint(self) -> tuple[bool, bool]:
+        cp = self.spec.checkpoint
+        due = bool(cp.every_steps and self.pos.step % cp.every_steps == 0)
+        if cp.every_minutes and time.monotonic() - self._last_ckpt_time >= cp.every_minutes * 60:
+            due = True
+        # Every rank must agree, or one would wait forever in a collective the others skip.
+        stop, due = dist.any_flag([self.stop.requested, due], self.device, self.info)
+        return stop, due
+
+    def _train_epoch(self) -> bool:
+        c, pos = self.c, self.pos
+        steps_per_epoch = self.sampler.steps_per_epoch
+        last = min(steps_per_epoch, pos.batch + (c.total_steps - pos.step))
+        self.sampler.set_position(pos.epoch, pos.batch)
+        self.c.model.train()
+        self.reporter.epoch_start(pos.epoch, pos.step + 1, pos.step + (last - pos.batch))
+        log_every = self.spec.tracking.log_every_steps
+        losses: list[torch.Tensor] = []
+        lrs: list[float] = []
+        t_interval = time.perf_counter()
+        t_epoch = t_interval
+        images_interval = 0
+        stop = False
+        for x, y in self.train_loader:
+            lrs.append(self.c.scheduler.get_last_lr()[0])
+            losses.append(self._step(x, y))
+            pos.batch += 1
+            pos.step += 1
+            pos.images_seen += self.spec.data.batch_size
+            images_interval += self.spec.data.batch_size
+            end_of_epoch = pos.batch >= steps_per_epoch
+            finished = pos.step >= c.total_steps
+            if end_of_epoch or finished:
+                pos.epoch, pos.batch = (pos.epoch + 1, 0) if end_of_epoch else (pos.epoch, pos.batch)
+                every = self.spec.eval.every_epochs
+                pos.pending_eval = finished or (end_of_epoch and pos.epoch % every == 0)
+            if len(losses) >= log_every or end_of_epoch or finished:
+                now = time.perf_counter()
+                self._log_steps(losses, lrs, images_interval / max(now - t_interval, 1e-9))
+                losses, lrs, images_interval, t_interval = [], [], 0, now
+            stop, due = self._should_stop_or_checkpoint()
+            if due and not pos.pending_eval:  # the post-eval checkpoint covers the epoch boundary
+                self.save_checkpoint()
+            if stop or end_of_epoch or finished:
+                break
+        pos.train_time_s += time.perf_counter() - t_epoch
+        if losses:
+            self._log_steps(losses, lrs, None)
+        return not stop
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        x = self.normalize(x.to(self.device, non_blocking=True), self.spec.model.channels_last)
+        y = y.to(self.device, non_blocking=True)
+        with self.precision.autocast(self.device):
+            out = c.model(x)
+            loss = c.loss_fn(out, y)
+        c.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        if self.spec.optimizer.grad_clip_norm:
+            self.scaler.unscale_(c.optimizer)
+            nn.utils.clip_grad_norm_(c.model.parameters(), self.spec.optimizer.grad_clip_norm)
+        self.scaler.step(c.optimizer)
+        self.scaler.update()
+        c.scheduler.step()
+        return loss.detach()
+
+    def _log_steps(self, losses: list[torch.Tensor], lrs: list[float], images_per_s: float | None) -> None:
+        # One device→host sync per logging interval, not per step.
+        values = torch.stack(losses).float()
+        if self.info.enabled:
+            values = dist.all_reduce_sum(values, self.info) / self.info.world_size
+        host = values.tolist()
+        first = self.pos.step - len(host) + 1
+        if not self.precision.needs_scaler and not all(math.isfinite(v) for v in host):
+            raise TrainingError(
+                f"the training loss became {host[-1]} around step {self.pos.step}. Lower optimizer.lr, "
+                f"add schedule.warmup_epochs or optimizer.grad_clip_norm, then rerun the same command: it "
+                f"resumes from the last checkpoint (or start a new --run-dir)."
+            )
+        if self.info.is_main:
+            for i, (loss, lr) in enumerate(zip(host, lrs, strict=True)):
+                metrics = {"train/loss": loss, "train/lr": lr}
+                if images_per_s is not None:
+                    metrics["train/images_per_s"] = images_per_s
+                if self.tracker is not None:
+                    self.tracker.log_metrics(metrics, step=first + i)
+            self.reporter.step(self.pos.step, host[-1], lrs[-1], images_per_s)
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self) -> bool:
+        """Evaluate the held-out split; False if stopped midway (the eval is redone on resume)."""
+        pos = self.pos
+        if self.eval_loader is None:
+            pos.pending_eval = False
+            return True
+        evaluator = self.c.task.evaluator(self.c.manifest.classes)
+        self.c.model.eval()
+        # Ranks hold different numbers of eval batches (strided split); every rank runs the
+        # same number of stop checks so that the collectives stay matched.
+        rounds = self._eval_rounds()
+        self.reporter.eval_start(pos.epoch, rounds)
+        batches = iter(self.eval_loader)
+        with torch.no_grad():
+            for _ in range(rounds):
+                if dist.any_flag([self.stop.requested], self.device, self.info)[0]:
+                    return False
+                batch = next(batches, None)
+                if batch is None:
+                    continue
+                x, y = batch
+                x = self.normalize(x.to(self.device, non_blocking=True), self.spec.model.channels_last)
+                y = y.to(self.device, non_blocking=True)
+                with self.precision.autocast(self.device):
+                    out = self.c.model(x)
+                    loss = self.c.loss_fn(out, y)
+                evaluator.update(out.float(), y, float(loss) * y.shape[0])
+                self.reporter.eval_batch()
+        evaluator.load_state(dist.all_reduce_sum(evaluator.state().to(self.device), self.info).cpu())
+        result = evaluator.compute()
+        self.last_eval = result
+        pos.pending_eval = False
+        pos.evals_done += 1
+        metric = result.metrics.get(self.spec.checkpoint.best_metric.removeprefix("val/"))
+        if metric is not None and self._is_better(metric):
+            pos.best_metric = metric
+        if self.info.is_main:
+            if self.tracker is not None:
+                self.tracker.log_metrics({f"val/{k}": v for k, v in result.metrics.items()}, step=pos.step)
+                self.tracker.log_metrics({"epoch": float(pos.epoch)}, step=pos.step)
+            out_dir = self.c.run_dir.eval_dir / f"step-{pos.step:09d}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            from visionloop.core.fsutil import atomic_write_json
+
+            atomic_write_json(out_dir / "report.json", {"step": pos.step, "epoch": pos.epoch, **result.report})
+            evaluator.write_artifacts(result, out_dir)
+            self.c.last_eval_dir = out_dir
+            self.reporter.eval_end(pos.epoch, pos.step, result.metrics, result.summary)
+            log.info("eval at step %d (epoch %d): %s", pos.step, pos.epoch, result.summary)
+        self.save_checkpoint(metric)
+        self.c.model.train()
+        return True
+
+    def _eval_rounds(self) -> int:
+        """Eval batches of the busiest rank (rank 0 holds the most under a strided split)."""
+        assert self.eval_loader is not None
+        n = len(self.c.eval_dataset) if self.c.eval_dataset is not None else 0
+        per_rank = -(-n // self.info.world_size)
+        bs = self.eval_loader.batch_sampler.batch_size  # type: ignore[union-attr]
+        return -(-per_rank // bs)
+
+    def _is_better(self, metric: float) -> bool:
+        best = self.pos.best_metric
+        if best is None:
+            return True
+        return metric > best if self.spec.checkpoint.best_mode == "max" else metric < best

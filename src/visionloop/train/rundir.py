@@ -1,0 +1,160 @@
+"""The run directory: one training run's home on disk.
+
+    RUN_DIR/
+      .lock                 held (flock) by the trainer while it runs
+      run.json              uid, status, the spec hash, the MLflow run id
+      spec.yaml             the spec as the user wrote it (verbatim)
+      spec.resolved.yaml    the effective spec after --set and path resolution
+      checkpoints/          step-*.ckpt (see checkpoint.py)
+      eval/                 per-epoch evaluation reports and plots
+      final.safetensors     the final weights
+      model_card.json       what a consumer needs to use them
+      train.log             what the trainer printed
+
+Running `visionloop train` again on the same directory resumes it, provided the spec is the
+same in every field that affects the result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from visionloop.core.errors import TrainingError
+from visionloop.core.fsutil import atomic_write_json, atomic_write_text
+
+# Fields that may change between a run and its resumption: they change how the run is
+# executed or recorded, not what it computes.
+RESUMABLE_CHANGES = {
+    "data.workers",
+    "device",
+    "checkpoint.every_steps",
+    "checkpoint.every_minutes",
+    "checkpoint.keep_last",
+    "tracking.system_metrics_every_s",
+}
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            yield from _flatten(v, key + ".")
+        else:
+            yield key, v
+
+
+def spec_fingerprint(resolved: Mapping[str, Any]) -> str:
+    relevant = {k: v for k, v in _flatten(resolved) if k not in RESUMABLE_CHANGES}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path).expanduser().resolve()
+        self._lock_file: IO[str] | None = None
+
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    eval_dir = property(lambda self: self.path / "eval")
+    final_weights = property(lambda self: self.path / "final.safetensors")
+    model_card = property(lambda self: self.path / "model_card.json")
+    log_file = property(lambda self: self.path / "train.log")
+    meta_file = property(lambda self: self.path / "run.json")
+
+    # ------------------------------------------------------------------ locking
+    def lock(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        f = open(self.path / ".lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise TrainingError(
+                f"{self.path} is in use by {holder}. Wait for it to finish (or stop it), "
+                f"or pass a different --run-dir."
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        f.flush()
+        self._lock_file = f
+
+    def unlock(self) -> None:
+        if self._lock_file is not None:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+            self._lock_file = None
+
+    # ------------------------------------------------------------------ metadata
+    def read_meta(self) -> dict[str, Any] | None:
+        if not self.meta_file.is_file():
+            return None
+        try:
+            meta = json.loads(self.meta_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TrainingError(f"{self.meta_file} is unreadable ({e}); this run directory is damaged.") from e
+        return meta if isinstance(meta, dict) else None
+
+    def write_meta(self, meta: Mapping[str, Any]) -> None:
+        atomic_write_json(self.meta_file, dict(meta))
+
+    def update_meta(self, **fields: Any) -> dict[str, Any]:
+        meta = self.read_meta() or {}
+        meta.update(fields)
+        meta["updated"] = time.time()
+        self.write_meta(meta)
+        return meta
+
+    def prepare(self, spec_text: str, resolved: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create the run's metadata or check that a resumed run uses a compatible spec.
+
+        Returns (meta, resuming). The uid is written here, before any MLflow run exists, so a
+        crash at any later point still finds the same tracking run on the next start.
+        """
+        fingerprint = spec_fingerprint(resolved)
+        meta = self.read_meta()
+        if meta is None:
+            meta = {
+                "uid": uuid.uuid4().hex,
+                "created": time.time(),
+                "spec_sha256": fingerprint,
+                "status": "created",
+            }
+            atomic_write_text(self.path / "spec.yaml", spec_text)
+            atomic_write_text(self.path / "spec.resolved.yaml", yaml.safe_dump(dict(resolved), sort_keys=False))
+            self.write_meta(meta)
+            return meta, False
+        if meta.get("spec_sha256") != fingerprint:
+            raise TrainingError(self._describe_spec_change(resolved))
+        # Allowed changes (workers, device, ...) are recorded so the run directory tells the truth.
+        atomic_write_text(self.path / "spec.resolved.yaml", yaml.safe_dump(dict(resolved), sort_keys=False))
+        return meta, True
+
+    def _describe_spec_change(self, resolved: Mapping[str, Any]) -> str:
+        old_file = self.path / "spec.resolved.yaml"
+        changed: list[str] = []
+        try:
+            old = dict(_flatten(yaml.safe_load(old_file.read_text()) or {}))
+            new = dict(_flatten(resolved))
+            for key in sorted(set(old) | set(new)):
+                if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
+                    changed.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+        except (OSError, yaml.YAMLError):
+            pass
+        detail = ("\n  " + "\n  ".join(changed[:10])) if changed else ""
+        return (
+            f"{self.path} holds a run started with a different spec; resuming it would not reproduce "
+            f"that run.{detail}\nUse a new --run-dir for the new spec, or restore the original spec. "
+            f"Fields that may change on resume: {', '.join(sorted(RESUMABLE_CHANGES))}."
+        )

@@ -1,0 +1,147 @@
+"""Build everything a training run needs from the spec, in a fixed order.
+
+The order matters for exactness: on a fresh run the model's initial weights are the first
+draws from the freshly seeded RNG; on a resumed run the RNG is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import Dataset
+
+from visionloop.core.errors import DataError, TrainingError
+from visionloop.data.manifest import DatasetManifest, read_manifest
+from visionloop.data.shards import ShardReader
+from visionloop.models import create_model
+from visionloop.specs import TrainSpec
+from visionloop.tasks.base import LossFn, Task, get_task
+from visionloop.train.dist import DistInfo
+from visionloop.train.rundir import RunDir
+from visionloop.train.schedule import build_optimizer, build_scheduler
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass
+class Components:
+    spec: TrainSpec
+    dist: DistInfo
+    device: torch.device
+    run_dir: RunDir
+    manifest: DatasetManifest
+    task: Task
+    train_reader: ShardReader
+    train_dataset: Dataset[Any]
+    eval_dataset: Dataset[Any] | None
+    eval_split: str | None
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    loss_fn: LossFn
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    total_steps: int
+    steps_per_epoch: int
+    num_params: int
+    spec_sha256: str
+    last_eval_dir: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def epochs(self) -> int:
+        return math.ceil(self.total_steps / self.steps_per_epoch)
+
+
+def normalization(spec: TrainSpec, manifest: DatasetManifest) -> tuple[tuple[float, float, float], ...]:
+    choice = spec.data.normalize
+    if choice == "auto":
+        choice = "imagenet" if spec.model.pretrained else "dataset"
+    if choice == "imagenet":
+        return IMAGENET_MEAN, IMAGENET_STD
+    stats = manifest.channel_stats
+    # A constant channel (std 0) would divide by zero; treat it as unit variance.
+    std = tuple(s if s > 1e-6 else 1.0 for s in stats.std)
+    return tuple(stats.mean), std  # type: ignore[return-value]
+
+
+def open_split(manifest: DatasetManifest, dataset_dir: Path, split: str) -> ShardReader | None:
+    info = manifest.splits.get(split)  # type: ignore[call-overload]
+    if info is None or info.count == 0:
+        return None
+    return ShardReader(dataset_dir / info.shard_dir)
+
+
+def build(
+    spec: TrainSpec, info: DistInfo, device: torch.device, run_dir: RunDir, spec_sha256: str
+) -> Components:
+    manifest = read_manifest(spec.data.dataset)
+    task = get_task(spec.task)
+    train_reader = open_split(manifest, spec.data.dataset, "train")
+    if train_reader is None:
+        raise DataError(f"{spec.data.dataset} has no training images; re-ingest with a train split.")
+    eval_split, eval_reader = None, None
+    for split in ("val", "test"):
+        eval_reader = open_split(manifest, spec.data.dataset, split)
+        if eval_reader is not None:
+            eval_split = split
+            break
+
+    if spec.data.batch_size % info.world_size:
+        raise TrainingError(
+            f"data.batch_size {spec.data.batch_size} is the global batch and must divide evenly over "
+            f"{info.world_size} processes; use e.g. {spec.data.batch_size // info.world_size * info.world_size or info.world_size}."
+        )
+    steps_per_epoch = len(train_reader) // spec.data.batch_size
+    if steps_per_epoch == 0:
+        raise TrainingError(
+            f"the train split has {len(train_reader)} images, fewer than one batch of {spec.data.batch_size}; "
+            f"lower data.batch_size."
+        )
+    total_steps = spec.steps or (spec.epochs or 1) * steps_per_epoch
+
+    model = create_model(
+        spec.model.arch, manifest.num_classes, pretrained=spec.model.pretrained, **spec.model.kwargs
+    )
+    model.to(device)
+    if spec.model.channels_last:
+        model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    num_params = sum(p.numel() for p in model.parameters())
+    optimizer = build_optimizer(model, spec.optimizer)
+    scheduler = build_scheduler(optimizer, spec.schedule, total_steps, steps_per_epoch)
+    wrapped: nn.Module = model
+    if info.enabled:
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if spec.model.compile:
+        wrapped = torch.compile(wrapped)  # type: ignore[assignment]
+    mean, std = normalization(spec, manifest)
+    return Components(
+        spec=spec,
+        dist=info,
+        device=device,
+        run_dir=run_dir,
+        manifest=manifest,
+        task=task,
+        train_reader=train_reader,
+        train_dataset=task.train_dataset(train_reader, spec),
+        eval_dataset=task.eval_dataset(eval_reader, spec) if eval_reader is not None else None,
+        eval_split=eval_split,
+        model=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_fn=task.loss_fn(spec),
+        mean=mean,
+        std=std,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        num_params=num_params,
+        spec_sha256=spec_sha256,
+    )
