@@ -1,7 +1,307 @@
-"""`visionloop data ...`: build and inspect datasets."""
+"""`visionloop data ...`: build and inspect datasets.
+
+Thin over `visionloop.data.ingest` and `visionloop.data.manifest`: parse flags, show progress,
+print what happened. The library modules are imported inside the commands so `--help` stays
+instant.
+"""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import typer
+from rich.markup import escape
+from rich.table import Table
+
+from visionloop.cli.console import err, out
+
+if TYPE_CHECKING:
+    from visionloop.data.ingest import IngestReport
+    from visionloop.data.manifest import DatasetManifest
 
 app = typer.Typer(help="Build datasets from labelled images and inspect them.", no_args_is_help=True)
+
+_SPLITS = ("train", "val", "test")
+
+
+def _parse_rgb(value: str) -> tuple[int, int, int]:
+    """'white', '#fafafa' or '250,250,250'."""
+    text = value.strip()
+    try:
+        if "," in text:
+            parts = [int(p) for p in text.split(",")]
+            if len(parts) != 3 or not all(0 <= p <= 255 for p in parts):
+                raise ValueError
+            return parts[0], parts[1], parts[2]
+        from PIL import ImageColor
+
+        rgb = ImageColor.getrgb(text)
+        return rgb[0], rgb[1], rgb[2]
+    except ValueError:
+        raise typer.BadParameter(
+            f"{value!r} is not a colour; use a name (white), #RRGGBB (#ffffff) or R,G,B (255,255,255)."
+        ) from None
+
+
+@app.command("ingest")
+def ingest_command(
+    source: Path = typer.Argument(
+        ...,
+        help="An ImageFolder (SOURCE/<class>/*.jpg, optionally under train/ val/ test/) "
+        "or a CSV file with the header path,label[,split].",
+        show_default=False,
+    ),
+    out_dir: Path = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        help="Folder to build the dataset in (created; must be new or empty).",
+        show_default=False,
+    ),
+    val_fraction: float = typer.Option(
+        0.1,
+        "--val-fraction",
+        help="Share of each class held out for validation (ignored when the source gives splits).",
+    ),
+    test_fraction: float = typer.Option(
+        0.0,
+        "--test-fraction",
+        help="Share of each class held out for test (ignored when the source gives splits).",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the split and of the shard write order."),
+    max_side: int | None = typer.Option(
+        None,
+        "--max-side",
+        help="Shrink images so the longest side is at most this many pixels (never enlarges). "
+        "Default: keep the size.",
+        show_default=False,
+    ),
+    min_side: int = typer.Option(1, "--min-side", help="Reject images whose shortest side is below this."),
+    max_pixels: int = typer.Option(
+        100_000_000,
+        "--max-pixels",
+        help="Reject images declaring more pixels (checked before decoding: bomb-safe).",
+    ),
+    max_aspect: float = typer.Option(
+        100.0,
+        "--max-aspect",
+        help="Reject images whose long side / short side exceeds this (slivers, strips).",
+    ),
+    workers: int | None = typer.Option(
+        None, "--workers", "-j", help="Decode processes. Default: the CPUs available.", show_default=False
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace an existing dataset at --out (swapped in only once the new one is done).",
+    ),
+    keep_duplicates: bool = typer.Option(
+        False,
+        "--keep-duplicates",
+        help="Keep byte-identical files (they are always reported). "
+        "Default: keep only the first in path order.",
+    ),
+    alpha_background: str = typer.Option(
+        "white",
+        "--alpha-background",
+        help="Colour transparent pixels are composited onto: name, #RRGGBB or R,G,B.",
+    ),
+    jpeg_quality: int = typer.Option(
+        95, "--jpeg-quality", help="JPEG quality when a lossy source (JPEG, WebP) must be re-encoded."
+    ),
+) -> None:
+    """Build a dataset (shards + dataset.json) from labelled images.
+
+    Every image is decoded and checked; bad ones are listed in DIR/rejected.jsonl, not stored.
+
+    The source is only ever read. DIR appears only once complete.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+    from visionloop.data.ingest import IngestOptions, default_workers, ingest
+
+    options = IngestOptions(
+        val_fraction=val_fraction,
+        test_fraction=test_fraction,
+        seed=seed,
+        max_side=max_side,
+        min_side=min_side,
+        max_pixels=max_pixels,
+        max_aspect=max_aspect,
+        workers=workers if workers is not None else default_workers(),
+        overwrite=overwrite,
+        keep_duplicates=keep_duplicates,
+        alpha_background=_parse_rgb(alpha_background),
+        lossy_quality=jpeg_quality,
+    )
+    labels = {"hash": "hashing files", "decode": "decoding images"}
+    with Progress(
+        TextColumn("{task.description:>16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+    ) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(labels.get(stage, stage), total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        report = ingest(source, out_dir, options, progress=progress)
+    _print_summary(report)
+
+
+def _line(text: str) -> None:
+    # soft_wrap: a path broken across lines can't be copied or grepped.
+    out.print(text, soft_wrap=True)
+
+
+def _print_summary(report: IngestReport) -> None:
+    m = report.manifest
+    splits = " · ".join(f"{s} {m.splits[s].count:,}" for s in _SPLITS if s in m.splits)
+    _line(
+        f"[bold green]Ingested[/] {report.kept:,} images in {m.num_classes} classes "
+        f"from {escape(m.source.path)} ({m.source.kind}) in {report.seconds:.1f} s"
+    )
+    _line(f"  kept        {splits}" + ("  (split from the source)" if m.split_policy.from_source else ""))
+    if report.skipped:
+        _line(f"  skipped     {report.skipped:,} files without an image extension")
+    if m.rejected:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in report.rejected_by_reason.items())
+        _line(f"  rejected    {m.rejected:,} ({reasons}) → {escape(str(report.rejected_file))}")
+    else:
+        _line("  rejected    0")
+    if m.duplicates:
+        fate = "kept (--keep-duplicates)" if report.duplicates_kept else "dropped, first in path order kept"
+        conflict = (
+            f", {report.conflicting_duplicates} with conflicting labels"
+            if report.conflicting_duplicates
+            else ""
+        )
+        _line(
+            f"  duplicates  {m.duplicates:,} byte-identical{conflict}; {fate} "
+            f"→ {escape(str(report.duplicates_file))}"
+        )
+    _line(f"  version     {m.version}")
+    for warning in report.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    where = escape(str(report.out))
+    _line(f"Next: [bold]visionloop data info {where}[/]")
+    _line(f"      and point a train spec at it:  data: {{dataset: {where}}}")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, object]]:
+    """Rows of a JSON-lines side file; unreadable lines are skipped (it is informational)."""
+    rows: list[dict[str, object]] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _summary_table(m: DatasetManifest) -> Table:
+    t = Table(title=f"dataset {m.version[:12]}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(overflow="fold")
+    policy = m.image_policy
+    shown = ", ".join(escape(c) for c in m.classes[:20]) + (
+        f", … ({m.num_classes - 20} more)" if m.num_classes > 20 else ""
+    )
+    split = (
+        "from the source"
+        if m.split_policy.from_source
+        else f"stratified, seed {m.split_policy.seed}, val {m.split_policy.val_fraction:g}, "
+        f"test {m.split_policy.test_fraction:g}"
+    )
+    t.add_row("version", m.version)
+    t.add_row("source", f"{m.source.kind}: {escape(m.source.path)} ({m.source.files_seen:,} files seen)")
+    t.add_row("classes", f"{m.num_classes}: {shown}")
+    t.add_row("split", split)
+    t.add_row(
+        "image policy",
+        f"{policy.mode}, max side {policy.max_side or 'unchanged'}, alpha onto {policy.alpha_background}, "
+        f"JPEG quality {policy.lossy_quality}; reject sides < {policy.min_side}, "
+        f"> {policy.max_pixels:,} pixels, aspect > {policy.max_aspect:g}",
+    )
+    fmt = ", ".join
+    t.add_row("channel mean", fmt(f"{v:.4f}" for v in m.channel_stats.mean))
+    t.add_row("channel std", fmt(f"{v:.4f}" for v in m.channel_stats.std))
+    s = m.size_stats
+    t.add_row(
+        "size (w×h)",
+        f"min {s.min[0]}×{s.min[1]}, median {s.median[0]}×{s.median[1]}, max {s.max[0]}×{s.max[1]}",
+    )
+    t.add_row("created", f"{m.created_at} by visionloop {m.visionloop_version}")
+    return t
+
+
+def _counts_table(m: DatasetManifest) -> Table:
+    splits = [s for s in _SPLITS if s in m.splits]
+    t = Table(title="images per split and class", title_justify="left", show_footer=True)
+    t.add_column("class", footer="total")
+    for s in splits:
+        t.add_column(s, justify="right", footer=f"{m.splits[s].count:,}")
+    t.add_column("total", justify="right", footer=f"{sum(m.splits[s].count for s in splits):,}")
+    for cls in m.classes:
+        counts = [m.splits[s].per_class.get(cls, 0) for s in splits]
+        t.add_row(escape(cls), *(f"{c:,}" for c in counts), f"{sum(counts):,}")
+    return t
+
+
+@app.command("info")
+def info_command(
+    dataset: Path = typer.Argument(
+        ..., help="A dataset folder made by `visionloop data ingest`.", show_default=False
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw manifest (dataset.json) as JSON."),
+) -> None:
+    """Show a dataset: version, source, classes, counts per split, rejections and duplicates."""
+    from visionloop.data.manifest import DUPLICATES_NAME, REJECTED_NAME, read_manifest
+
+    m = read_manifest(dataset)
+    if as_json:
+        typer.echo(m.model_dump_json(indent=2))
+        return
+    out.print(_summary_table(m))
+    out.print(_counts_table(m))
+
+    rejected = _read_jsonl(dataset / REJECTED_NAME)
+    if m.rejected:
+        t = Table(
+            title=f"rejected: {m.rejected:,} ({escape(str(dataset / REJECTED_NAME))})", title_justify="left"
+        )
+        t.add_column("reason")
+        t.add_column("count", justify="right")
+        t.add_column("example", overflow="fold")
+        by_reason = Counter(str(r.get("reason")) for r in rejected)
+        example = {str(r.get("reason")): str(r.get("message", r.get("path"))) for r in reversed(rejected)}
+        for reason, n in sorted(by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
+            t.add_row(escape(reason), f"{n:,}", escape(example[reason]))
+        out.print(t)
+    else:
+        out.print("rejected: none")
+
+    if m.duplicates:
+        dups = _read_jsonl(dataset / DUPLICATES_NAME)
+        conflicts = sum(1 for d in dups if d.get("labels_conflict"))
+        dropped = any(d.get("dropped") for d in dups)
+        out.print(
+            f"duplicates: {m.duplicates:,} byte-identical files ({conflicts} with conflicting labels), "
+            f"{'dropped' if dropped else 'kept'}; see {escape(str(dataset / DUPLICATES_NAME))}"
+        )
+    else:
+        out.print("duplicates: none")

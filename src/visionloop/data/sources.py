@@ -1,0 +1,288 @@
+"""List a labelled-image source: which files, which class, and (when the source says) which split.
+
+Two layouts are understood:
+
+- an **ImageFolder**: one folder per class, optionally under top-level `train/`, `val/`,
+  `test/` folders, in which case the split comes from the source;
+- a **CSV** file with the header `path,label[,split]`, paths relative to the CSV's folder
+  or absolute.
+
+Listing reads directory entries and the CSV only, never image bytes. Every problem with the
+layout itself is a `DataError` that names the problem, the fix and an example layout; problems
+with single files (unreadable, not an image) are left to ingest, which rejects them one by one.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, cast
+
+from visionloop.core.errors import DataError
+from visionloop.data.imageio import is_image_name
+from visionloop.data.manifest import SPLITS, SplitName
+
+SourceKind = Literal["imagefolder", "csv"]
+
+LAYOUT_EXAMPLE = """\
+Expected one of:
+  an ImageFolder, one folder per class:
+    SOURCE/cat/001.jpg
+    SOURCE/dog/002.png
+  the same under split folders (the split then comes from the source):
+    SOURCE/train/cat/001.jpg
+    SOURCE/val/cat/101.jpg
+  or a CSV file with the header `path,label[,split]`:
+    path,label,split
+    images/001.jpg,cat,train
+    images/101.jpg,cat,val"""
+
+CSV_EXAMPLE = """\
+Example (paths relative to the CSV's folder, or absolute; the split column is optional):
+  path,label,split
+  images/001.jpg,cat,train
+  images/002.jpg,dog,val"""
+
+_CSV_COLUMNS = ("path", "label", "split")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One image file the source lists."""
+
+    rel: str  # as the source names it: relative to its root (posix), or the CSV's absolute path
+    path: str  # where to read it (a str: a million Path objects cost half a gigabyte)
+    label: int  # index into SourceListing.classes
+    split: SplitName | None  # given by the source, or None to let ingest split
+
+
+@dataclass(frozen=True)
+class SourceListing:
+    kind: SourceKind
+    root: Path  # the ImageFolder, or the CSV file
+    classes: list[str]
+    candidates: list[Candidate]  # sorted by `rel`: the order that defines each image's index
+    skipped: int  # files without an image extension
+    split_from_source: bool
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def files_seen(self) -> int:
+        return len(self.candidates) + self.skipped
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def list_source(source: Path) -> SourceListing:
+    """List an ImageFolder or CSV source. Raises `DataError` for an unusable layout."""
+    source = Path(source).expanduser()
+    if not source.exists():
+        raise DataError(
+            f"source {source} does not exist. Give an ImageFolder or a CSV file.\n{LAYOUT_EXAMPLE}"
+        )
+    source = source.resolve()
+    if source.is_dir():
+        return _list_imagefolder(source)
+    if source.suffix.lower() == ".csv":
+        return _list_csv(source)
+    raise DataError(
+        f"source {source} is a file but not a .csv; give a folder of class folders or a CSV manifest.\n"
+        f"{LAYOUT_EXAMPLE}"
+    )
+
+
+def _walk_images(folder: Path, root: Path) -> tuple[list[str], int]:
+    """Relative paths (posix, from `root`) of the image files under `folder`, and how many
+    other visible files were seen. Hidden files and folders are not descended into."""
+    images: list[str] = []
+    skipped = 0
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not _hidden(d)]
+        base = Path(dirpath).relative_to(root).as_posix()
+        for name in filenames:
+            if _hidden(name):
+                continue
+            if is_image_name(name):
+                images.append(f"{base}/{name}")
+            else:
+                skipped += 1
+    return images, skipped
+
+
+def _top_level(folder: Path) -> tuple[list[str], list[str], int]:
+    """(sub-folder names, image file names, count of other files) directly in `folder`."""
+    dirs: list[str] = []
+    images: list[str] = []
+    others = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if _hidden(entry.name):
+                continue
+            if entry.is_dir():
+                dirs.append(entry.name)
+            elif is_image_name(entry.name):
+                images.append(entry.name)
+            else:
+                others += 1
+    return sorted(dirs), sorted(images), others
+
+
+def _no_loose_images(folder: Path, images: list[str], what: str) -> None:
+    if images:
+        shown = ", ".join(images[:3]) + (", ..." if len(images) > 3 else "")
+        raise DataError(
+            f"{folder} has {len(images)} image(s) directly inside it ({shown}), but {what} must hold only "
+            f"class folders: move each image into a folder named after its class, e.g. "
+            f"{folder}/cat/{images[0]}.\n{LAYOUT_EXAMPLE}"
+        )
+
+
+def _list_imagefolder(root: Path) -> SourceListing:
+    dirs, images, skipped = _top_level(root)
+    split_dirs = [d for d in dirs if d in SPLITS]
+    if split_dirs and len(split_dirs) != len(dirs):
+        classes = [d for d in dirs if d not in SPLITS]
+        raise DataError(
+            f"{root} mixes split folders ({', '.join(split_dirs)}) with class folders "
+            f"({', '.join(classes[:5])}). Either put every class folder under train/ (and val/, test/), "
+            f"or rename the class folders named like a split.\n{LAYOUT_EXAMPLE}"
+        )
+    _no_loose_images(root, images, "an ImageFolder's top level")
+
+    # (split or None, folder holding that split's class folders)
+    layers: list[tuple[SplitName | None, Path]] = (
+        [(cast(SplitName, s), root / s) for s in split_dirs] if split_dirs else [(None, root)]
+    )
+    entries: list[tuple[str, str, SplitName | None]] = []  # (rel path, class name, split)
+    class_dirs: set[str] = set()
+    per_split: dict[SplitName | None, set[str]] = {}
+    for split, folder in layers:
+        names = dirs
+        if split is not None:
+            names, loose, others = _top_level(folder)
+            _no_loose_images(folder, loose, f"the split folder {split}/")
+            skipped += others
+        class_dirs.update(names)
+        for cls in names:
+            rels, more = _walk_images(folder / cls, root)
+            skipped += more
+            entries.extend((rel, cls, split) for rel in rels)
+            if rels:
+                per_split.setdefault(split, set()).add(cls)
+
+    if not entries:
+        raise DataError(
+            f"found no image files in {root} ({skipped} other file(s) skipped; image extensions are "
+            f".jpg .png .webp .bmp .gif .tif ...).\n{LAYOUT_EXAMPLE}"
+        )
+    classes = sorted({cls for _, cls, _ in entries})
+    warnings: list[str] = []
+    empty = sorted(class_dirs - set(classes))
+    if empty:
+        warnings.append(f"folder(s) with no images, not used as classes: {', '.join(empty[:10])}")
+    for split, _ in layers:
+        missing = sorted(set(classes) - per_split.get(split, set()))
+        if split is not None and missing:
+            warnings.append(f"{split}/ has no images of class(es): {', '.join(missing[:10])}")
+    return _listing("imagefolder", root, classes, entries, skipped, bool(split_dirs), warnings, root)
+
+
+def _csv_error(path: Path, problem: str) -> DataError:
+    return DataError(f"{path}: {problem}\n{CSV_EXAMPLE}")
+
+
+def _read_header(path: Path, header: list[str] | None) -> dict[str, int]:
+    if header is None:
+        raise _csv_error(
+            path, "the file is empty; it needs the header line `path,label` or `path,label,split`."
+        )
+    names = [h.strip().lower() for h in header]
+    unknown = [h for h in names if h not in _CSV_COLUMNS]
+    missing = [c for c in ("path", "label") if c not in names]
+    if missing or unknown or len(set(names)) != len(names):
+        found = ",".join(h.strip() for h in header)
+        details = []
+        if missing:
+            details.append(f"missing column(s) {', '.join(missing)}")
+        if unknown:
+            details.append(f"unknown column(s) {', '.join(repr(u) for u in unknown)}")
+        if len(set(names)) != len(names):
+            details.append("a column is named twice")
+        raise _csv_error(
+            path,
+            f"bad header `{found}`: {'; '.join(details)}. "
+            "The header must be `path,label` or `path,label,split`.",
+        )
+    return {name: i for i, name in enumerate(names)}
+
+
+def _list_csv(path: Path) -> SourceListing:
+    base = path.parent
+    entries: list[tuple[str, str, SplitName | None]] = []
+    skipped = 0
+    try:
+        # utf-8-sig: spreadsheets put a byte-order mark in front of the header.
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.reader(f)
+            columns = _read_header(path, next(reader, None))
+            has_split = "split" in columns
+            for row in reader:
+                line = reader.line_num
+                if not any(cell.strip() for cell in row):
+                    continue
+                if len(row) != len(columns):
+                    raise _csv_error(
+                        path, f"line {line} has {len(row)} field(s), but the header has {len(columns)}."
+                    )
+                rel = row[columns["path"]].strip()
+                label = row[columns["label"]].strip()
+                if not rel:
+                    raise _csv_error(path, f"line {line} has an empty path; give the image's path.")
+                if not label:
+                    raise _csv_error(
+                        path,
+                        f"line {line} ({rel}) has an empty label; give every image a class or drop the row.",
+                    )
+                split: SplitName | None = None
+                if has_split:
+                    value = row[columns["split"]].strip().lower()
+                    if value not in SPLITS:
+                        raise _csv_error(
+                            path,
+                            f"line {line} ({rel}) has split {row[columns['split']]!r}; use one of "
+                            f"{', '.join(SPLITS)}, or remove the split column to let visionloop split.",
+                        )
+                    split = cast(SplitName, value)
+                if not is_image_name(rel):
+                    skipped += 1
+                    continue
+                entries.append((Path(rel).as_posix(), label, split))
+    except UnicodeDecodeError as e:
+        raise _csv_error(path, f"is not UTF-8 text ({e}); save it as UTF-8 CSV.") from e
+    except csv.Error as e:
+        raise _csv_error(path, f"is not valid CSV ({e}).") from e
+    if not entries:
+        raise _csv_error(path, f"lists no image files ({skipped} row(s) without an image extension skipped).")
+    classes = sorted({label for _, label, _ in entries})
+    return _listing("csv", path, classes, entries, skipped, has_split, [], base)
+
+
+def _listing(
+    kind: SourceKind,
+    root: Path,
+    classes: list[str],
+    entries: list[tuple[str, str, SplitName | None]],
+    skipped: int,
+    split_from_source: bool,
+    warnings: list[str],
+    base: Path,
+) -> SourceListing:
+    label_of = {name: i for i, name in enumerate(classes)}
+    # Stable sort: a CSV naming one file twice keeps its rows in file order.
+    entries.sort(key=lambda e: e[0])
+    candidates = [Candidate(rel, str(base / rel), label_of[cls], split) for rel, cls, split in entries]
+    return SourceListing(kind, root, classes, candidates, skipped, split_from_source, warnings)
