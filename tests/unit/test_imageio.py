@@ -11,6 +11,9 @@ import io
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image
+
 from _imgfactory import (
     bomb_png,
     cmyk_jpeg,
@@ -23,9 +26,6 @@ from _imgfactory import (
     rgb16_png,
     truncate,
 )
-from PIL import Image
-from torchvision.io import ImageReadMode, decode_image
-
 from visionloop.data.imageio import (
     Normalised,
     Rejection,
