@@ -27,6 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import TypeVar
 
@@ -169,6 +170,20 @@ def _ordered_map(
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
+
+
+def _worker_context() -> BaseContext:
+    """Never plain fork: the parent may hold threads (litdata, torch) that fork would copy
+    mid-operation. A fork server is a clean single-threaded process that already imported the
+    worker's modules, so after the first ingest in a process (tests, notebooks, the API
+    server) a pool starts in milliseconds instead of re-importing numpy and Pillow per worker."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")  # Windows
+    ctx = multiprocessing.get_context("forkserver")
+    # Takes effect only if the server is not running yet. "__main__" is imported once in the
+    # server; otherwise every worker would import the parent's main module again.
+    ctx.set_forkserver_preload(["__main__", "visionloop.data.imageio"])
+    return ctx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,11 +382,9 @@ class _Run:
         writers = {s: ShardWriter(self.tmp / SHARDS_DIR / s) for s in SPLIT_NAMES}
         batches = list(self._batches())
         workers = max(1, min(self.options.workers, len(batches)))
-        # spawn, not fork: the parent may hold threads (litdata, torch) that fork would copy
-        # mid-operation; workers import only Pillow and numpy, so spawning costs well under a second.
         pool = ProcessPoolExecutor(
             max_workers=workers,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=_worker_context(),
             initializer=init_worker,
         )
         work = partial(normalise_files, policy=self.policy)
