@@ -11,7 +11,8 @@ Nothing imported here imports mlflow; that happens on first use (it costs ~2 s).
 from visionloop.track.environment import environment_tags
 from visionloop.track.metrics_logger import MetricWriter, StepFilter, WriterStats
 from visionloop.track.naming import flatten_params, metric_key, sanitize_key
-from visionloop.track.run import CloseSummary, RunTracker, open_run
+from visionloop.track.resume import open_run
+from visionloop.track.run import CloseSummary, RunTracker
 from visionloop.track.store import ui_command
 from visionloop.track.system import SystemSampler
 

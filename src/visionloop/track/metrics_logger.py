@@ -153,7 +153,8 @@ class MetricWriter(Generic[T]):
                     f"unreachable): dropped the oldest, {self._dropped_full} dropped so far"
                 )
                 self._cond.notify_all()
-            if len(self._queue) >= self._batch_size > before:
+            # Wake the writer when it sleeps on an empty queue, or when a full batch is ready.
+            if before == 0 or len(self._queue) >= self._batch_size > before:
                 self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:

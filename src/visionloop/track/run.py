@@ -1,20 +1,15 @@
-"""One training run as one MLflow run: open (create or continue), log, close.
+"""`RunTracker`: what a trainer logs through once a run is open (see `resume.open_run`).
 
-The trainer persists a run uid in its run directory *before* calling `open_run`, and the uid is
-written as a tag in the same insert that creates the MLflow run. So whatever moment a process
-is killed at, the next attempt finds that run by its uid and continues it: one training run is
-always one MLflow run, however many times it was interrupted.
+Metrics go through a background writer and a per-key step filter (exactly once per step, even
+across a crash and resume); params, tags and artifacts are written before the call returns.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import getpass
 import logging
 import operator
-import re
-import shlex
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,10 +18,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from visionloop.core.errors import TrackingError, VisionloopError
+from visionloop.core.errors import TrackingError
 from visionloop.core.settings import Settings
 from visionloop.track import store
-from visionloop.track.environment import environment_tags
 from visionloop.track.metrics_logger import MetricWriter, StepFilter
 from visionloop.track.naming import flatten_params, sanitize_key, tag_value
 from visionloop.track.system import SystemSampler
@@ -38,8 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
-_MAX_PARAMS_TAGS_PER_BATCH = 100  # MLflow's limit per log_batch call
-_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+MAX_PARAMS_TAGS_PER_BATCH = 100  # MLflow's limit per log_batch call
 R = TypeVar("R")
 
 
@@ -57,7 +50,7 @@ class CloseSummary:
     error: str | None = None
 
 
-def _retry(fn: Callable[[], R], attempts: int = 3, delay_s: float = 0.5) -> R:
+def retry(fn: Callable[[], R], attempts: int = 3, delay_s: float = 0.5) -> R:
     for i in range(attempts):
         try:
             return fn()
@@ -201,9 +194,9 @@ class RunTracker:
 
     def _write_sync(self, action: str, write: Callable[[list[Any]], Any], items: list[Any]) -> None:
         try:
-            for i in range(0, len(items), _MAX_PARAMS_TAGS_PER_BATCH):
-                chunk = items[i : i + _MAX_PARAMS_TAGS_PER_BATCH]
-                _retry(functools.partial(write, chunk))
+            for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+                chunk = items[i : i + MAX_PARAMS_TAGS_PER_BATCH]
+                retry(functools.partial(write, chunk))
         except Exception as e:
             raise store.store_error(f"{action} for run {self.run_id}", self.settings, e) from e
 
@@ -222,16 +215,16 @@ class RunTracker:
         try:
             if p.is_dir():
                 dest = artifact_path if artifact_path is not None else p.name
-                _retry(lambda: self._client.log_artifacts(self.run_id, str(p), artifact_path=dest))
+                retry(lambda: self._client.log_artifacts(self.run_id, str(p), artifact_path=dest))
             else:
-                _retry(lambda: self._client.log_artifact(self.run_id, str(p), artifact_path=artifact_path))
+                retry(lambda: self._client.log_artifact(self.run_id, str(p), artifact_path=artifact_path))
         except Exception as e:
             raise store.store_error(f"upload {p} for run {self.run_id}", self.settings, e) from e
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self._check_open()
         try:
-            _retry(lambda: self._client.log_text(self.run_id, text, artifact_file))
+            retry(lambda: self._client.log_text(self.run_id, text, artifact_file))
         except Exception as e:
             raise store.store_error(f"upload {artifact_file} for run {self.run_id}", self.settings, e) from e
 
@@ -239,7 +232,7 @@ class RunTracker:
         """Store `obj` as JSON, or as YAML when `artifact_file` ends in .yaml/.yml."""
         self._check_open()
         try:
-            _retry(lambda: self._client.log_dict(self.run_id, dict(obj), artifact_file))
+            retry(lambda: self._client.log_dict(self.run_id, dict(obj), artifact_file))
         except Exception as e:
             raise store.store_error(f"upload {artifact_file} for run {self.run_id}", self.settings, e) from e
 
@@ -290,14 +283,14 @@ class RunTracker:
             )
             try:
                 tag = str(self._dropped_before + dropped)
-                _retry(lambda: self._client.set_tag(self.run_id, store.DROPPED_TAG, tag))
+                retry(lambda: self._client.set_tag(self.run_id, store.DROPPED_TAG, tag))
             except Exception as e:
                 log.warning("could not record the dropped-metrics count on run %s: %s", self.run_id, e)
         ended = True
         if dropped:
             error = stats.last_error
         try:
-            _retry(lambda: self._client.set_terminated(self.run_id, status))
+            retry(lambda: self._client.set_terminated(self.run_id, status))
         except Exception as e:
             ended = False
             error = f"{type(e).__name__}: {e}"
@@ -346,100 +339,3 @@ class RunTracker:
             self.close("KILLED")
         else:
             self.close("FAILED")
-
-
-def _user() -> str | None:
-    try:
-        return getpass.getuser()
-    except Exception:  # no passwd entry in some containers
-        return None
-
-
-def _deleted_run_error(settings: Settings, run_id: str) -> TrackingError:
-    uri = shlex.quote(store.redact_uri(settings.tracking_uri))
-    return TrackingError(
-        f"the tracking run of this run directory (MLflow run {run_id}) was deleted. Restore it with "
-        f"`MLFLOW_TRACKING_URI={uri} mlflow runs restore --run-id {run_id}` to continue it, "
-        "or start a new run directory."
-    )
-
-
-def open_run(
-    settings: Settings,
-    *,
-    uid: str,
-    experiment: str | None = None,
-    run_name: str | None = None,
-    run_dir: Path | None = None,
-    tags: Mapping[str, Any] | None = None,
-    environment: bool = True,
-    code_dir: Path | None = None,
-    flush_interval_s: float = 1.0,
-    max_queue: int = 100_000,
-) -> RunTracker:
-    """Continue the run tagged `visionloop.uid == uid`, or create it.
-
-    `experiment` defaults to `settings.experiment`; a continued run stays in the experiment it
-    was created in. `run_dir` is recorded as tag `visionloop.run_dir` (so `visionloop runs show
-    <dir>` finds the run). With `environment`, git state of `code_dir` (default: the working
-    directory), library versions, host and GPUs are tagged, refreshed on every resume: after a
-    spot interruption the run may continue elsewhere. `visionloop.attempts` counts the starts.
-    """
-    if not _UID.match(uid):
-        raise TrackingError(
-            f"run uid {uid!r} is not usable: use 1-128 letters, digits, '_', '.' or '-', "
-            "starting with a letter or digit (e.g. a uuid4 hex)."
-        )
-    run_tags: dict[str, str] = {store.UID_TAG: uid}
-    if run_dir is not None:
-        run_tags[store.RUN_DIR_TAG] = str(Path(run_dir).resolve())
-    if environment:
-        run_tags.update(environment_tags(code_dir))
-    user = _user()
-    if user:
-        run_tags["mlflow.user"] = user
-    run_tags.update({sanitize_key(k): tag_value(v) for k, v in (tags or {}).items()})
-    exp_name = experiment or settings.experiment
-
-    client = store.client(settings)
-    try:
-        run = store.find_run_by_uid(client, uid)
-        if run is None:
-            exp_id = store.ensure_experiment(client, settings, exp_name)
-            run_tags[store.ATTEMPTS_TAG] = "1"
-            # The uid tag goes in with the run, in one insert: there is no moment at which the
-            # run exists but cannot be found by its uid.
-            created = client.create_run(exp_id, run_name=run_name, tags=run_tags)
-            run = client.get_run(created.info.run_id)
-            resumed = False
-        else:
-            run_id = run.info.run_id
-            if run.info.lifecycle_stage == "deleted":
-                raise _deleted_run_error(settings, run_id)
-            try:
-                attempts = int(run.data.tags.get(store.ATTEMPTS_TAG, "1")) + 1
-            except ValueError:
-                attempts = 2
-            run_tags[store.ATTEMPTS_TAG] = str(attempts)
-            from mlflow.entities import RunTag
-
-            client.update_run(run_id, status="RUNNING")
-            items = [RunTag(k, v) for k, v in run_tags.items()]
-            for i in range(0, len(items), _MAX_PARAMS_TAGS_PER_BATCH):
-                client.log_batch(run_id, tags=items[i : i + _MAX_PARAMS_TAGS_PER_BATCH], synchronous=True)
-            run = client.get_run(run_id)
-            resumed = True
-            exp = client.get_experiment(run.info.experiment_id)
-            if experiment is not None and exp.name != experiment:
-                log.warning(
-                    "run %s is in experiment %r; continuing it there, not in %r", run_id, exp.name, experiment
-                )
-    except VisionloopError:
-        raise
-    except Exception as e:
-        raise store.store_error(f"open the run with uid {uid}", settings, e) from e
-    tracker = RunTracker(
-        client, settings, run, resumed=resumed, flush_interval_s=flush_interval_s, max_queue=max_queue
-    )
-    log.info("%s tracking run %s (%s)", "continuing" if resumed else "started", tracker.run_id, exp_name)
-    return tracker
