@@ -130,6 +130,7 @@ def populated(tmp_path_factory: pytest.TempPathFactory) -> Store:
 def test_list_shows_the_runs_newest_first(populated: Store) -> None:
     r = populated.results["list"]
     assert r.code == 0, r.err
+    assert r.err == ""  # no MLflow log chatter, no warnings
     line = next(ln for ln in r.out.splitlines() if populated.finished_id[:8] in ln)
     for cell in ("digits-small_cnn", "digits", "FINISHED", "30", "0.9125", "ds-7f3a", str(populated.run_dir)):
         assert cell in line, (cell, line)
@@ -156,6 +157,7 @@ def test_list_json_holds_the_values(populated: Store) -> None:
 def test_show_by_prefix_as_json(populated: Store) -> None:
     r = populated.results["show_json"]
     assert r.code == 0, r.err
+    assert r.err == ""
     d = json.loads(r.out)
     assert d["run_id"] == populated.finished_id
     assert d["params"] == {"optimizer.lr": "0.05", "epochs": "3"}
