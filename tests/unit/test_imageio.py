@@ -45,7 +45,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWa
 def tv_decode(data: bytes) -> np.ndarray:
     """Decode as the training loader does: torchvision, forced to RGB, (H, W, 3) uint8."""
     t = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    return t.permute(1, 2, 0).numpy()
+    arr: np.ndarray = t.permute(1, 2, 0).numpy()
+    return arr
 
 
 def pil_decode(data: bytes) -> np.ndarray:
