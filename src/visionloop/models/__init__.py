@@ -1,4 +1,5 @@
-"""Architectures (a timm-style registry over native and torchvision models) and weights on disk.
+"""Architectures (a timm-style registry over native and torchvision models), weights on disk,
+and the model card saved with every trained model.
 
 Importing this package is cheap: torch is imported by the first call that needs it. The
 weights functions are re-exported lazily for that reason (they import torch and safetensors).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from visionloop.models.card import MODEL_CARD_NAME, EvalPreprocess, ModelCard, ModelCardError, eval_preprocess
 from visionloop.models.registry import (
     ModelDefaults,
     create_model,
@@ -31,10 +33,15 @@ if TYPE_CHECKING:
 _LAZY = {"LoadReport", "WeightsError", "find_classifier", "load_pretrained", "load_weights", "save_weights"}
 
 __all__ = [
+    "MODEL_CARD_NAME",
+    "EvalPreprocess",
     "LoadReport",
+    "ModelCard",
+    "ModelCardError",
     "ModelDefaults",
     "WeightsError",
     "create_model",
+    "eval_preprocess",
     "find_classifier",
     "is_model",
     "list_models",

@@ -1,0 +1,273 @@
+"""The model card: everything needed to use a trained model, saved beside its weights.
+
+Serving, export and benchmarking rebuild the model and its eval preprocessing from the card
+alone (`card.create_model`, `card.eval_preprocess()`), never from their own defaults, so
+they can never disagree with how the model was trained and evaluated (timm's habit of
+weights carrying their preprocessing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from visionloop import __version__
+from visionloop.core.errors import NotFoundError, VisionloopError
+from visionloop.core.fsutil import atomic_write_text
+from visionloop.data.manifest import DatasetManifest
+from visionloop.models import registry
+from visionloop.models.registry import Interpolation, ModelDefaults, model_defaults
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from torch import nn
+
+MODEL_CARD_NAME = "model_card.json"
+CARD_FORMAT_VERSION = 1
+
+
+class ModelCardError(VisionloopError):
+    """A model card is unreadable or inconsistent."""
+
+
+class EvalPreprocess(BaseModel):
+    """Eval-time preprocessing, as data: resize, centre-crop, scale to [0, 1], normalise.
+
+    The short side is resized to `floor(crop / crop_pct)` (both sides, for a non-square crop),
+    then the centre `crop_size` is cut out — timm's and torchvision's eval recipe.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    channels: int
+    resize_size: tuple[int, int] | int = Field(description="an int resizes the short side, keeping aspect")
+    crop_size: tuple[int, int]
+    interpolation: Interpolation
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    alpha_background: tuple[int, int, int] = (255, 255, 255)
+
+    def to_transform(self) -> Callable[[Any], torch.Tensor]:
+        """A torchvision v2 transform: PIL image or uint8 tensor (C, H, W) → normalised float.
+
+        PIL images are first brought to RGB exactly as ingest stored them (EXIF orientation
+        applied, transparency composited onto `alpha_background`), so a served image meets
+        the same pixels a training image did.
+        """
+        import torch
+        from torchvision.transforms import v2
+
+        mode = v2.InterpolationMode(self.interpolation)
+        colour = v2.RGB() if self.channels == 3 else v2.Grayscale(num_output_channels=self.channels)
+        size = self.resize_size if isinstance(self.resize_size, int) else list(self.resize_size)
+        transform: Callable[[Any], torch.Tensor] = v2.Compose(
+            [
+                _IngestRGB(self.alpha_background),
+                colour,
+                v2.Resize(size, interpolation=mode, antialias=True),
+                v2.CenterCrop(list(self.crop_size)),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(list(self.mean), list(self.std)),
+            ]
+        )
+        return transform
+
+
+class _IngestRGB:
+    """PIL image → uint8 tensor (3, H, W) via ingest's own conversion; tensors pass through."""
+
+    def __init__(self, background: tuple[int, int, int]) -> None:
+        self.background = background
+
+    def __call__(self, img: Any) -> Any:
+        from PIL import Image, ImageOps
+
+        if not isinstance(img, Image.Image):
+            return img
+        import torch
+
+        from visionloop.data.imageio import to_rgb
+
+        rgb = to_rgb(ImageOps.exif_transpose(img), self.background)
+        return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+
+
+def eval_preprocess(
+    defaults: ModelDefaults, alpha_background: tuple[int, int, int] = (255, 255, 255)
+) -> EvalPreprocess:
+    """The eval recipe for an input size, crop_pct, interpolation and mean/std."""
+    c, h, w = defaults.input_size
+    if h == w:
+        resize: tuple[int, int] | int = math.floor(h / defaults.crop_pct)
+    else:
+        resize = (math.floor(h / defaults.crop_pct), math.floor(w / defaults.crop_pct))
+    return EvalPreprocess(
+        channels=c,
+        resize_size=resize,
+        crop_size=(h, w),
+        interpolation=defaults.interpolation,
+        mean=defaults.mean,
+        std=defaults.std,
+        alpha_background=alpha_background,
+    )
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class ModelCard(BaseModel):
+    # protected_namespaces=(): `model_kwargs` is our field, not pydantic's `model_` API.
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    format_version: int = CARD_FORMAT_VERSION
+    task: Literal["classification"] = "classification"
+    arch: str = Field(description="registry name, e.g. resnet18 or small_cnn")
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    num_classes: int = Field(ge=1)
+    class_names: list[str]
+    input_size: tuple[int, int, int] = Field(description="(C, H, W) the model was trained and evaluated at")
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    crop_pct: float = Field(gt=0.0, le=1.0)
+    interpolation: Interpolation = "bilinear"
+    alpha_background: tuple[int, int, int] = Field(
+        (255, 255, 255), description="ingest composited transparent pixels onto this colour"
+    )
+    dataset_version: str | None = None
+    created_at: str = Field(default_factory=_now)
+    visionloop_version: str = __version__
+    metrics: dict[str, float] | None = None
+    run_uid: str | None = None
+
+    @field_validator("model_kwargs")
+    @classmethod
+    def _json_safe(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"must be JSON-serialisable (numbers, strings, lists, dicts): {e}") from e
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelCard:
+        if len(self.class_names) != self.num_classes:
+            raise ValueError(
+                f"class_names has {len(self.class_names)} names but num_classes is {self.num_classes}"
+            )
+        if len(set(self.class_names)) != len(self.class_names):
+            dupes = sorted({n for n in self.class_names if self.class_names.count(n) > 1})
+            raise ValueError(f"class_names must be unique; repeated: {dupes}")
+        c = self.input_size[0]
+        if min(self.input_size) < 1:
+            raise ValueError(f"input_size must be positive (C, H, W), got {self.input_size}")
+        if len(self.mean) != c or len(self.std) != c:
+            raise ValueError(
+                f"mean and std need {c} values (one per input channel), got {self.mean} and {self.std}"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"std values must be > 0, got {self.std}")
+        return self
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def from_manifest(
+        cls,
+        manifest: DatasetManifest,
+        *,
+        arch: str,
+        model_kwargs: dict[str, Any] | None = None,
+        input_size: tuple[int, int, int] | None = None,
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+        crop_pct: float | None = None,
+        interpolation: Interpolation | None = None,
+        metrics: dict[str, float] | None = None,
+        run_uid: str | None = None,
+    ) -> ModelCard:
+        """A card for `arch` trained on `manifest`'s dataset; unset preprocessing comes from
+        the registry's `model_defaults(arch)`."""
+        d = model_defaults(arch)
+        return cls(
+            arch=arch,
+            model_kwargs=dict(model_kwargs or {}),
+            num_classes=manifest.num_classes,
+            class_names=list(manifest.classes),
+            input_size=input_size or d.input_size,
+            mean=mean or d.mean,
+            std=std or d.std,
+            crop_pct=crop_pct if crop_pct is not None else d.crop_pct,
+            interpolation=interpolation or d.interpolation,
+            alpha_background=manifest.image_policy.alpha_background,
+            dataset_version=manifest.version,
+            metrics=metrics,
+            run_uid=run_uid,
+        )
+
+    # ----------------------------------------------------------------- use
+
+    @property
+    def defaults(self) -> ModelDefaults:
+        return ModelDefaults(
+            input_size=self.input_size,
+            mean=self.mean,
+            std=self.std,
+            crop_pct=self.crop_pct,
+            interpolation=self.interpolation,
+        )
+
+    def eval_preprocess(self) -> EvalPreprocess:
+        return eval_preprocess(self.defaults, self.alpha_background)
+
+    def create_model(self, weights: Path | None = None) -> nn.Module:
+        """The architecture this card describes, with `weights` (a state dict file) loaded."""
+        return registry.create_model(self.arch, self.num_classes, pretrained=weights, **self.model_kwargs)
+
+    # ----------------------------------------------------------------- files
+
+    def save(self, path: Path) -> Path:
+        """Write the card as JSON, atomically. A directory gets `model_card.json` inside."""
+        path = _card_path(path)
+        atomic_write_text(path, self.model_dump_json(indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> ModelCard:
+        """Read and validate a card (a file, or a directory holding `model_card.json`)."""
+        path = _card_path(path)
+        if not path.is_file():
+            raise NotFoundError(
+                f"no model card at {path}. A model folder holds {MODEL_CARD_NAME} beside its weights; "
+                "point at the folder of a trained model (train writes one with every model)."
+            )
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelCardError(
+                f"{path} cannot be read as JSON ({e}); restore it from the run's artifacts."
+            ) from e
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        if isinstance(version, int) and version > CARD_FORMAT_VERSION:
+            raise ModelCardError(
+                f"{path} has format_version {version}, newer than this visionloop "
+                f"understands ({CARD_FORMAT_VERSION}); upgrade visionloop."
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise ModelCardError(
+                f"{path} is not a valid model card:\n{e}\nRestore it from the run's artifacts."
+            ) from e
+
+
+def _card_path(path: Path) -> Path:
+    path = Path(path)
+    return path / MODEL_CARD_NAME if path.is_dir() else path
