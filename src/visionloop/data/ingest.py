@@ -69,9 +69,9 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 _POLICY_DEFAULTS = ImagePolicy()
 # A decode batch holds at most this many files or source bytes: enough to amortise the IPC
-# round trip, small enough that the batches in flight never hold much memory.
+# round trip, small enough that the batches in flight (3 per worker) never hold much memory.
 _BATCH_FILES = 64
-_BATCH_BYTES = 16 * 1024 * 1024
+_BATCH_BYTES = 4 * 1024 * 1024
 
 
 def default_workers() -> int:
@@ -269,13 +269,13 @@ def ingest(
     """
     options = options or IngestOptions()
     started = time.monotonic()
-    report = progress or (lambda stage, done, total: None)
+    notify = progress or (lambda stage, done, total: None)
     # resolve(): the containment checks below compare real paths, symlinks followed.
     out = Path(out).expanduser().resolve()
     listing = list_source(Path(source))
     _check_out(out, listing, options.overwrite)
     with building(out) as tmp:
-        run = _Run(listing, options, report, tmp)
+        run = _Run(listing, options, notify, tmp)
         run.hash_and_plan()
         run.decode_and_write()
         manifest = run.finish()
@@ -365,11 +365,13 @@ class _Run:
             self.splits = dict(zip(todo, assigned, strict=True))
         self.order = [todo[k] for k in write_order(len(todo), self.options.seed)]
 
-    def _batches(self) -> Iterator[list[int]]:
+    def _batches(self, workers: int) -> Iterator[list[int]]:
+        # At least ~4 batches per worker, so a small dataset still spreads over every worker.
+        max_files = max(1, min(_BATCH_FILES, len(self.order) // (4 * workers)))
         batch: list[int] = []
         size = 0
         for i in self.order:
-            if batch and (len(batch) >= _BATCH_FILES or size + self.sizes[i] > _BATCH_BYTES):
+            if batch and (len(batch) >= max_files or size + self.sizes[i] > _BATCH_BYTES):
                 yield batch
                 batch, size = [], 0
             batch.append(i)
@@ -380,7 +382,7 @@ class _Run:
     def decode_and_write(self) -> None:
         cands = self.listing.candidates
         writers = {s: ShardWriter(self.tmp / SHARDS_DIR / s) for s in SPLIT_NAMES}
-        batches = list(self._batches())
+        batches = list(self._batches(self.options.workers))
         workers = max(1, min(self.options.workers, len(batches)))
         pool = ProcessPoolExecutor(
             max_workers=workers,
