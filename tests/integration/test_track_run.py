@@ -226,6 +226,12 @@ def test_closed_tracker_refuses_more_logging(settings: Settings) -> None:
         open_run(settings, uid="uid-closed", environment=False).log_metrics({"x": "high"}, step=2)  # type: ignore[dict-item]
 
 
+def test_an_unusable_store_is_a_tracking_error_that_names_it(tmp_path: Path) -> None:
+    uri = "sqlite:////proc/visionloop-no-such-dir/mlflow.db"  # not creatable, even by root
+    with pytest.raises(TrackingError, match=r"tracking store sqlite:////proc/.*VISIONLOOP_TRACKING_URI"):
+        open_run(Settings(home=tmp_path, tracking_uri=uri), uid="u1", environment=False)
+
+
 def test_a_bad_uid_is_rejected_before_touching_the_store(settings: Settings) -> None:
     with pytest.raises(TrackingError, match="uid"):
         open_run(settings, uid="has'quote", environment=False)

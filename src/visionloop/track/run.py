@@ -51,11 +51,12 @@ class CloseSummary:
 
 
 def retry(fn: Callable[[], R], attempts: int = 3, delay_s: float = 0.5) -> R:
+    """Call `fn`, retrying a store blip (lock, timeout, 5xx) twice; a refusal (4xx) at once."""
     for i in range(attempts):
         try:
             return fn()
-        except Exception:
-            if i == attempts - 1:
+        except Exception as e:
+            if i == attempts - 1 or store.is_permanent_error(e):
                 raise
             time.sleep(delay_s * 2**i)
     raise AssertionError("unreachable")  # pragma: no cover
@@ -149,7 +150,11 @@ class RunTracker:
         self._client.log_batch(self.run_id, metrics=batch, synchronous=True)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Block until every metric queued so far is stored (or dropped); False on timeout."""
+        """Block until every metric queued so far is stored (or dropped); False on timeout.
+
+        While the store keeps failing, the writer keeps retrying and `timeout=None` keeps
+        waiting: inside a training loop, pass a timeout.
+        """
         return self._writer.flush(timeout)
 
     # ------------------------------------------------------------------ params and tags

@@ -100,12 +100,16 @@ def client(settings: Settings) -> MlflowClient:
 
     if not is_server_uri(settings.tracking_uri):
         settings.ensure()
-    return MlflowClient(tracking_uri=settings.tracking_uri)
+    try:
+        # For a database URI this connects, and creates or migrates the schema, right here.
+        return MlflowClient(tracking_uri=settings.tracking_uri)
+    except Exception as e:
+        raise store_error("connect", settings, e) from e
 
 
 def store_error(action: str, settings: Settings, error: BaseException) -> TrackingError:
     return TrackingError(
-        f"could not {action} in the tracking store {redact_uri(settings.tracking_uri)}: {error}. "
+        f"tracking store {redact_uri(settings.tracking_uri)}: could not {action}: {str(error).strip()}. "
         "Check that the store is reachable and writable (set it with VISIONLOOP_TRACKING_URI or "
         "tracking_uri in visionloop.toml)."
     )
