@@ -102,6 +102,16 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == [MODEL_CARD_NAME]
 
 
+def test_non_finite_metrics_are_stored_as_null(tmp_path: Path) -> None:
+    card = ModelCard.from_manifest(
+        _manifest(), arch="small_cnn", metrics={"loss": float("nan"), "accuracy": 0.1, "x": float("inf")}
+    )
+    assert card.metrics == {"loss": None, "accuracy": 0.1, "x": None}
+    path = card.save(tmp_path / "card.json")
+    assert json.loads(path.read_text())["metrics"] == {"loss": None, "accuracy": 0.1, "x": None}
+    assert ModelCard.load(path) == card
+
+
 def test_inconsistent_cards_are_refused() -> None:
     base = ModelCard.from_manifest(_manifest(), arch="small_cnn").model_dump()
     for change, match in [

@@ -144,8 +144,16 @@ class ModelCard(BaseModel):
     dataset_version: str | None = None
     created_at: str = Field(default_factory=_now)
     visionloop_version: str = __version__
-    metrics: dict[str, float] | None = None
+    # None stands for a non-finite value (a diverged run's NaN loss): JSON has no NaN.
+    metrics: dict[str, float | None] | None = None
     run_uid: str | None = None
+
+    @field_validator("metrics")
+    @classmethod
+    def _finite_or_none(cls, v: dict[str, float | None] | None) -> dict[str, float | None] | None:
+        if v is None:
+            return None
+        return {k: x if x is not None and math.isfinite(x) else None for k, x in v.items()}
 
     @field_validator("model_kwargs")
     @classmethod
@@ -190,7 +198,7 @@ class ModelCard(BaseModel):
         std: tuple[float, ...] | None = None,
         crop_pct: float | None = None,
         interpolation: Interpolation | None = None,
-        metrics: dict[str, float] | None = None,
+        metrics: dict[str, float | None] | None = None,
         run_uid: str | None = None,
     ) -> ModelCard:
         """A card for `arch` trained on `manifest`'s dataset; unset preprocessing comes from
