@@ -11,7 +11,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 from torchvision.io import ImageReadMode, decode_image
 
 from _imgfactory import (
@@ -89,6 +89,18 @@ def test_rgb_jpeg_is_stored_byte_for_byte_and_torchvision_agrees_with_pillow() -
     n = ok(data)
     assert n.stored_as == "original" and n.data == data
     assert np.array_equal(tv_decode(n.data), pil_decode(data))
+
+
+def test_progressive_jpeg_is_re_encoded_as_baseline() -> None:
+    # Only baseline JPEGs are kept as they are: GPU hardware decoders refuse progressive ones.
+    source = jpeg(noise(16, 8, seed=2), quality=90, progressive=True, subsampling=0)
+    n = ok(source)
+    assert n.stored_as == "jpeg" and n.data != source
+    stored = Image.open(io.BytesIO(n.data))
+    assert not stored.info.get("progressive")
+    assert JpegImagePlugin.get_sampling(stored) == 0  # the source's 4:4:4 chroma is kept
+    assert np.array_equal(tv_decode(n.data), pil_decode(n.data))
+    assert np.abs(tv_decode(n.data).astype(int) - pil_decode(source)).mean() < 2
 
 
 def test_channel_sums_are_exact() -> None:

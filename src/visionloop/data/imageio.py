@@ -4,6 +4,11 @@
 8-bit RGB, upright, at most `max_side` on its longest side, as PNG or JPEG. It never raises
 for a bad file; it returns a `Rejection` with a reason code and a message saying what to do.
 
+What is stored: the original bytes when they already are what a loader wants (a baseline
+JPEG or an 8-bit RGB PNG, upright, no resize needed); otherwise a re-encode, PNG for lossless
+sources and JPEG at the policy's quality for lossy ones (JPEG, lossy WebP), since storing a
+lossy source losslessly only inflates it.
+
 This module imports only Pillow, numpy and the manifest's policy model, so that a freshly
 spawned worker process starts in a fraction of a second.
 """
@@ -21,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
-from PIL import ExifTags, Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageFile, ImageOps, JpegImagePlugin, UnidentifiedImageError
 
 from visionloop.data.manifest import ImagePolicy
 
@@ -173,6 +178,28 @@ def target_size(width: int, height: int, max_side: int | None) -> tuple[int, int
     return (max_side, new_short) if width >= height else (new_short, max_side)
 
 
+def _jpeg_is_baseline(data: bytes) -> bool:
+    """True for a sequential Huffman-coded JPEG (SOF0/SOF1): the kind every decoder handles,
+    including the hardware JPEG decoders of data-centre GPUs, which refuse progressive and
+    arithmetic-coded files. Walks the marker segments up to the frame header."""
+    pos = 2  # after SOI
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            return False
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0xC0, 0xC1):
+            return True
+        if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # other SOFn
+            return False
+        if marker == 0xDA:  # start of scan without a frame header: malformed
+            return False
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    return False
+
+
 def _webp_is_lossless(data: bytes) -> bool:
     """True when the WebP bitstream is VP8L (lossless). Walks the RIFF chunks, since an
     extended (VP8X) file puts ICC/animation/alpha chunks before the image chunk."""
@@ -243,10 +270,10 @@ def _channel_sums(rgb: Image.Image) -> tuple[tuple[int, int, int], tuple[int, in
     return (int(sums[0]), int(sums[1]), int(sums[2])), (int(sq_sums[0]), int(sq_sums[1]), int(sq_sums[2]))
 
 
-def _encode(im: Image.Image, lossy: bool, quality: int) -> tuple[bytes, StoredAs]:
+def _encode(im: Image.Image, lossy: bool, quality: int, subsampling: int) -> tuple[bytes, StoredAs]:
     buf = io.BytesIO()
     if lossy:
-        im.save(buf, "JPEG", quality=quality)
+        im.save(buf, "JPEG", quality=quality, subsampling=subsampling)
         return buf.getvalue(), "jpeg"
     im.save(buf, "PNG", compress_level=6)
     return buf.getvalue(), "png"
@@ -307,7 +334,10 @@ def _normalise_open_image(
         target is None
         and im.mode == "RGB"
         and "transparency" not in im.info
-        and (fmt in _JPEG_FORMATS or (fmt == "PNG" and rawmode == "RGB"))
+        and (
+            (fmt in _JPEG_FORMATS and getattr(im, "bits", 8) == 8 and _jpeg_is_baseline(data))
+            or (fmt == "PNG" and rawmode == "RGB")
+        )
     )
     if target is not None and fmt in _JPEG_FORMATS:
         # Let libjpeg decode at 1/2, 1/4 or 1/8 scale (DCT scaling): several times faster for
@@ -321,6 +351,9 @@ def _normalise_open_image(
         pixel_sum, pixel_sq_sum = _channel_sums(im)
         return Normalised(data, "original", width, height, sha, pixel_sum, pixel_sq_sum)
 
+    # Re-encode a JPEG with its own chroma subsampling: 4:2:0 on a 4:4:4 source would throw
+    # away half the colour resolution on top of the requantisation. Otherwise Pillow's 4:2:0.
+    sampling = JpegImagePlugin.get_sampling(im) if fmt in _JPEG_FORMATS else -1
     if orientation in _ROTATES:
         im = ImageOps.exif_transpose(im)
         if target is not None and orientation in _SWAPS_AXES:
@@ -330,7 +363,7 @@ def _normalise_open_image(
     if target is not None and rgb.size != target:
         rgb = rgb.resize(target, Image.Resampling.LANCZOS, reducing_gap=_REDUCING_GAP)
     lossy = fmt in _LOSSY_FORMATS and not (fmt == "WEBP" and _webp_is_lossless(data))
-    encoded, stored_as = _encode(rgb, lossy, policy.lossy_quality)
+    encoded, stored_as = _encode(rgb, lossy, policy.lossy_quality, sampling if sampling >= 0 else 2)
     pixel_sum, pixel_sq_sum = _channel_sums(rgb)
     return Normalised(encoded, stored_as, rgb.width, rgb.height, sha, pixel_sum, pixel_sq_sum)
 
