@@ -234,6 +234,8 @@ def test_register_model_adds_a_listed_model_and_refuses_a_second_factory(
 
     with pytest.raises(ValueError, match="already registered"):
         register_model("test_only_linear")(other)
+    with pytest.raises(ValueError, match=r"already registered \(torchvision\)"):
+        register_model("resnet18")(other)
 
 
 def test_importing_the_registry_does_not_import_torch() -> None:

@@ -87,8 +87,8 @@ def register_model(name: str, *, defaults: ModelDefaults | None = None) -> Calla
         existing = _REGISTRY.get(name)
         # Re-registering the same function (a module reloaded in a notebook) is harmless;
         # two different factories under one name is a bug that would silently pick one.
-        if existing is not None and existing.factory.__qualname__ != factory.__qualname__:
-            raise ValueError(f"model {name!r} is already registered by {existing.factory.__module__}")
+        if existing is not None and getattr(existing.factory, "__qualname__", None) != factory.__qualname__:
+            raise ValueError(f"model {name!r} is already registered ({existing.source}); pick another name")
         _REGISTRY[name] = _Entry(
             name=name,
             factory=factory,
@@ -131,12 +131,11 @@ def create_model(name: str, num_classes: int, *, pretrained: Path | None = None,
     entry = _entry(name)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise SpecError(f"num_classes must be a positive integer, got {num_classes!r} (e.g. num_classes=10).")
-    for banned in ("weights", "pretrained_weights"):
-        if banned in kwargs:
-            raise SpecError(
-                f"model kwarg {banned!r} is not accepted: visionloop never downloads weights. "
-                f"Pass pretrained=PATH to a local .safetensors or .pt state dict instead."
-            )
+    if "weights" in kwargs:
+        raise SpecError(
+            "model kwarg 'weights' is not accepted: visionloop never downloads weights. "
+            "Pass pretrained=PATH to a local .safetensors or .pt state dict instead."
+        )
     try:
         model = entry.factory(num_classes, **kwargs)
     except (TypeError, ValueError) as e:

@@ -92,7 +92,7 @@ def save_weights(
     bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise WeightsError(
-            f"only tensors can be saved as weights; {len(bad)} entr(y/ies) are not: {bad[:_SHOW]}. "
+            f"only tensors can be saved as weights; {len(bad)} value(s) are not: {bad[:_SHOW]}. "
             "Pass model.state_dict(), or keep non-tensor state (step, config) in a checkpoint."
         )
     tensors: dict[str, torch.Tensor] = {}
