@@ -3,45 +3,38 @@
 The stages, each in its own module:
 
 1. list the source (`sources`): layout errors surface here, before any work;
-2. hash every file (threads: file reads and hashlib release the GIL) and find byte duplicates;
+2. hash every file (`ingest_pool`; threads, as file reads and hashlib release the GIL) and
+   find byte duplicates;
 3. plan (`split`): assign splits from content hashes, fix a seeded write order;
 4. decode, check and normalise every image in worker processes (`imageio`), streaming results
    in order into one litdata shard writer per split; memory stays bounded by a small window
    of batches in flight, whatever the dataset's size;
-5. write `dataset.json`, `rejected.jsonl`, `duplicates.jsonl`, and move the finished folder
-   into place (`publish`): `out` never holds half a dataset.
+5. write `dataset.json` (counts and statistics from `ingest_stats`), `rejected.jsonl`,
+   `duplicates.jsonl`, and move the finished folder into place (`publish`): `out` never
+   holds half a dataset.
+
+Options and the report live in `ingest_options` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
-from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import TypeVar
 
 from visionloop import __version__
 from visionloop.core.errors import DataError
-from visionloop.data.imageio import (
-    Normalised,
-    Rejection,
-    RejectReason,
-    empty_file,
-    init_worker,
-    normalise_files,
-    unreadable,
-)
+from visionloop.data.imageio import Normalised, Rejection, RejectReason, init_worker, normalise_files
+from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn, default_workers
+from visionloop.data.ingest_pool import chunks, hash_files, ordered_map, worker_context
 from visionloop.data.ingest_stats import SPLIT_NAMES, StatsAccumulator, dataset_version
 from visionloop.data.manifest import (
     DUPLICATES_NAME,
@@ -49,7 +42,6 @@ from visionloop.data.manifest import (
     REJECTED_NAME,
     SHARDS_DIR,
     DatasetManifest,
-    ImagePolicy,
     SourceInfo,
     SplitName,
     SplitPolicy,
@@ -60,158 +52,13 @@ from visionloop.data.shards import Record, ShardWriter
 from visionloop.data.sources import SourceListing, list_source
 from visionloop.data.split import Duplicate, assign_splits, find_duplicates, write_order
 
+__all__ = ["IngestOptions", "IngestReport", "ProgressFn", "default_workers", "ingest"]
+
 log = logging.getLogger(__name__)
-
-ProgressFn = Callable[[str, int, int], None]
-"""`progress(stage, done, total)`, called from the calling thread; stage is "hash" or "decode"."""
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-_POLICY_DEFAULTS = ImagePolicy()
 # A decode batch holds at most this many files or source bytes: enough to amortise the IPC
 # round trip, small enough that the batches in flight (3 per worker) never hold much memory.
 _BATCH_FILES = 64
 _BATCH_BYTES = 4 * 1024 * 1024
-
-
-def default_workers() -> int:
-    """CPUs this process may use (the affinity mask, which containers and taskset narrow)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
-@dataclass(frozen=True)
-class IngestOptions:
-    val_fraction: float = 0.1
-    test_fraction: float = 0.0
-    seed: int = 0
-    max_side: int | None = None
-    min_side: int = _POLICY_DEFAULTS.min_side
-    max_pixels: int = _POLICY_DEFAULTS.max_pixels
-    max_aspect: float = _POLICY_DEFAULTS.max_aspect
-    workers: int = field(default_factory=default_workers)
-    overwrite: bool = False
-    keep_duplicates: bool = False
-    alpha_background: tuple[int, int, int] = _POLICY_DEFAULTS.alpha_background
-    lossy_quality: int = _POLICY_DEFAULTS.lossy_quality
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not (0.0 <= self.val_fraction < 1.0 and 0.0 <= self.test_fraction < 1.0):
-            problems.append("val_fraction and test_fraction must each be in [0, 1), e.g. 0.1")
-        elif self.val_fraction + self.test_fraction >= 1.0:
-            problems.append("val_fraction + test_fraction must be below 1 to leave images for training")
-        if self.max_side is not None and self.max_side < 1:
-            problems.append(f"max_side must be a positive number of pixels, e.g. 512 (got {self.max_side})")
-        if self.min_side < 1 or self.max_pixels < 1:
-            problems.append("min_side and max_pixels must be at least 1")
-        if self.max_aspect < 1.0:
-            problems.append(f"max_aspect is long side / short side, so at least 1 (got {self.max_aspect})")
-        if self.workers < 1:
-            problems.append(f"workers must be at least 1 (got {self.workers})")
-        if not 1 <= self.lossy_quality <= 100:
-            problems.append(f"lossy_quality is a JPEG quality, 1..100 (got {self.lossy_quality})")
-        if len(self.alpha_background) != 3 or not all(0 <= c <= 255 for c in self.alpha_background):
-            problems.append(
-                "alpha_background must be 3 values in 0..255, e.g. (255, 255, 255) "
-                f"(got {self.alpha_background})"
-            )
-        if problems:
-            raise DataError("invalid ingest options: " + "; ".join(problems) + ".")
-
-    def image_policy(self) -> ImagePolicy:
-        return ImagePolicy(
-            max_side=self.max_side,
-            alpha_background=self.alpha_background,
-            lossy_quality=self.lossy_quality,
-            min_side=self.min_side,
-            max_pixels=self.max_pixels,
-            max_aspect=self.max_aspect,
-        )
-
-
-@dataclass(frozen=True)
-class IngestReport:
-    out: Path
-    manifest: DatasetManifest
-    skipped: int  # files without an image extension
-    rejected_by_reason: dict[str, int]
-    duplicates: int
-    conflicting_duplicates: int  # duplicates whose labels differ
-    duplicates_kept: bool
-    stored_as: dict[str, int]  # "original" / "png" / "jpeg" -> count
-    warnings: list[str]
-    seconds: float
-
-    @property
-    def kept(self) -> int:
-        return sum(s.count for s in self.manifest.splits.values())
-
-    @property
-    def rejected_file(self) -> Path:
-        return self.out / REJECTED_NAME
-
-    @property
-    def duplicates_file(self) -> Path:
-        return self.out / DUPLICATES_NAME
-
-
-def _ordered_map(
-    executor: Executor, fn: Callable[[_T], _R], items: Iterable[_T], window: int
-) -> Iterator[_R]:
-    """`executor.map` that keeps at most `window` tasks in flight. The stdlib `map` submits
-    everything at once, so a fast pool feeding a slow consumer would buffer the whole dataset."""
-    pending: deque[Future[_R]] = deque()
-    for item in items:
-        pending.append(executor.submit(fn, item))
-        if len(pending) >= window:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
-
-
-def _worker_context() -> BaseContext:
-    """Never plain fork: the parent may hold threads (litdata, torch) that fork would copy
-    mid-operation. A fork server is a clean single-threaded process that already imported the
-    worker's modules, so after the first ingest in a process (tests, notebooks, the API
-    server) a pool starts in milliseconds instead of re-importing numpy and Pillow per worker."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")  # Windows
-    ctx = multiprocessing.get_context("forkserver")
-    # Takes effect only if the server is not running yet. "__main__" is imported once in the
-    # server; otherwise every worker would import the parent's main module again.
-    ctx.set_forkserver_preload(["__main__", "visionloop.data.imageio"])
-    return ctx
-
-
-# ---------------------------------------------------------------------------------------------
-# Stage 2: hashes
-
-
-def _hash_file(path: str) -> tuple[str, int] | Rejection:
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return empty_file()
-            return hashlib.file_digest(f, "sha256").hexdigest(), size
-    except FileNotFoundError:
-        return Rejection(
-            RejectReason.MISSING_FILE, "does not exist; fix its path or remove it from the source"
-        )
-    except OSError as e:
-        return unreadable(e)
-
-
-def _hash_batch(paths: Sequence[str]) -> list[tuple[str, int] | Rejection]:
-    return [_hash_file(p) for p in paths]
-
-
-def _chunks(seq: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
-    for i in range(0, len(seq), size):
-        yield seq[i : i + size]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,9 +182,9 @@ class _Run:
         done = 0
         self.progress("hash", 0, len(cands))
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vl-hash") as pool:
-            batches = list(_chunks(range(len(cands)), 16))
+            batches = list(chunks(range(len(cands)), 16))
             paths = ([cands[i].path for i in b] for b in batches)
-            results = _ordered_map(pool, _hash_batch, paths, threads * 4)
+            results = ordered_map(pool, hash_files, paths, threads * 4)
             for batch, result_batch in zip(batches, results, strict=True):
                 for i, result in zip(batch, result_batch, strict=True):
                     if isinstance(result, Rejection):
@@ -386,7 +233,7 @@ class _Run:
         workers = max(1, min(self.options.workers, len(batches)))
         pool = ProcessPoolExecutor(
             max_workers=workers,
-            mp_context=_worker_context(),
+            mp_context=worker_context(),
             initializer=init_worker,
         )
         work = partial(normalise_files, policy=self.policy)
@@ -394,7 +241,7 @@ class _Run:
         done = 0
         self.progress("decode", 0, len(self.order))
         try:
-            results = _ordered_map(pool, work, paths, workers * 3)
+            results = ordered_map(pool, work, paths, workers * 3)
             for batch in batches:
                 try:
                     outcomes = next(results)

@@ -1,0 +1,72 @@
+"""Parallel plumbing for ingest: a bounded, ordered map over an executor, the context worker
+processes start from, and the hashing done in threads."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future
+from multiprocessing.context import BaseContext
+from typing import TypeVar
+
+from visionloop.data.imageio import Rejection, RejectReason, empty_file, unreadable
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+FileHash = tuple[str, int]  # (sha256 hex, size in bytes)
+
+
+def ordered_map(executor: Executor, fn: Callable[[_T], _R], items: Iterable[_T], window: int) -> Iterator[_R]:
+    """`executor.map` that keeps at most `window` tasks in flight. The stdlib `map` submits
+    everything at once, so a fast pool feeding a slow consumer would buffer the whole dataset."""
+    pending: deque[Future[_R]] = deque()
+    for item in items:
+        pending.append(executor.submit(fn, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def worker_context() -> BaseContext:
+    """Never plain fork: the parent may hold threads (litdata, torch) that fork would copy
+    mid-operation. A fork server is a clean single-threaded process that already imported the
+    worker's modules, so after the first ingest in a process (tests, notebooks, the API
+    server) a pool starts in milliseconds instead of re-importing numpy and Pillow per worker."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")  # Windows
+    ctx = multiprocessing.get_context("forkserver")
+    # Takes effect only if the server is not running yet. "__main__" is imported once in the
+    # server; otherwise every worker would import the parent's main module again.
+    ctx.set_forkserver_preload(["__main__", "visionloop.data.imageio"])
+    return ctx
+
+
+def hash_file(path: str) -> FileHash | Rejection:
+    """sha256 and size of a file, read-only; files that cannot be used are rejected here,
+    before they could be paired as "duplicates" (every empty file has the same hash)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return empty_file()
+            return hashlib.file_digest(f, "sha256").hexdigest(), size
+    except FileNotFoundError:
+        return Rejection(
+            RejectReason.MISSING_FILE, "does not exist; fix its path or remove it from the source"
+        )
+    except OSError as e:
+        return unreadable(e)
+
+
+def hash_files(paths: Sequence[str]) -> list[FileHash | Rejection]:
+    return [hash_file(p) for p in paths]
+
+
+def chunks(seq: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
+    for i in range(0, len(seq), size):
+        yield seq[i : i + size]
