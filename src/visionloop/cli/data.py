@@ -19,7 +19,7 @@ from rich.table import Table
 from visionloop.cli.console import err, out
 
 if TYPE_CHECKING:
-    from visionloop.data.ingest import IngestReport
+    from visionloop.data.ingest import IngestOptions, IngestReport
     from visionloop.data.manifest import DatasetManifest
 
 app = typer.Typer(help="Build datasets from labelled images and inspect them.", no_args_is_help=True)
@@ -119,9 +119,7 @@ def ingest_command(
 
     The source is only ever read. DIR appears only once complete.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
-
-    from visionloop.data.ingest import IngestOptions, default_workers, ingest
+    from visionloop.data.ingest import IngestOptions, default_workers
 
     options = IngestOptions(
         val_fraction=val_fraction,
@@ -137,6 +135,16 @@ def ingest_command(
         alpha_background=_parse_rgb(alpha_background),
         lossy_quality=jpeg_quality,
     )
+    ingest_with_progress(source, out_dir, options)
+
+
+def ingest_with_progress(source: Path, out_dir: Path, options: IngestOptions) -> IngestReport:
+    """`ingest` with a Rich progress bar on stderr and the summary on stdout; for commands
+    (`data ingest`, `demo`) that build a dataset in front of a user."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+    from visionloop.data.ingest import ingest
+
     labels = {"hash": "hashing files", "decode": "decoding images"}
     with Progress(
         TextColumn("{task.description:>16}"),
@@ -155,6 +163,7 @@ def ingest_command(
 
         report = ingest(source, out_dir, options, progress=progress)
     _print_summary(report)
+    return report
 
 
 def _line(text: str) -> None:
