@@ -30,3 +30,12 @@ def vl_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monkey
     monkeypatch.delenv("VISIONLOOP_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     yield home
+
+
+@pytest.fixture(scope="session")
+def digits_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real dataset made by the real ingest from scikit-learn's digits (16x16), shared by
+    the trainer tests (read-only)."""
+    from _trainkit import build_digits_dataset
+
+    return build_digits_dataset(tmp_path_factory.mktemp("digits"))

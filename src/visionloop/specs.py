@@ -87,7 +87,9 @@ class ScheduleSpec(_Spec):
     warmup_steps: int = Field(0, ge=0, examples=[100])
     warmup_epochs: float = Field(0.0, ge=0.0, examples=[1.0])
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, examples=[0.01])
-    step_epochs: float = Field(30.0, gt=0.0, examples=[30], description="'step': decay every this many epochs")
+    step_epochs: float = Field(
+        30.0, gt=0.0, examples=[30], description="'step': decay every this many epochs"
+    )
     gamma: float = Field(0.1, gt=0.0, le=1.0, examples=[0.1])
 
     @model_validator(mode="after")
@@ -172,11 +174,17 @@ def _example_for(model: type[BaseModel], loc: Sequence[int | str]) -> Any:
     return example
 
 
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
+
+
 def _fields_at(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
     current: Any = model
     for part in loc:
-        field = current.model_fields.get(str(part)) if isinstance(current, type) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        field = current.model_fields.get(str(part)) if _is_model(current) else None
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
             return []
         current = field.annotation
     return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
@@ -216,7 +224,9 @@ def _set_dotted(doc: dict[str, Any], dotted: str, value: Any) -> None:
         if child is None:
             child = node[k] = {}
         if not isinstance(child, dict):
-            raise SpecError(f"--set {dotted}: `{k}` is a value, not a section, so it has no field `{keys[-1]}`.")
+            raise SpecError(
+                f"--set {dotted}: `{k}` is a value, not a section, so it has no field `{keys[-1]}`."
+            )
         node = child
     node[keys[-1]] = value
 
@@ -243,7 +253,10 @@ def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
     if doc is None:
         raise SpecError(f"{source} is empty. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}")
     if not isinstance(doc, dict):
-        raise SpecError(f"{source} must be a mapping of fields, got a {type(doc).__name__}. Example:\n{MINIMAL_TRAIN_SPEC}")
+        raise SpecError(
+            f"{source} must be a mapping of fields, got a {type(doc).__name__}. "
+            f"Example:\n{MINIMAL_TRAIN_SPEC}"
+        )
     return doc
 
 
@@ -264,7 +277,9 @@ def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpe
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError(f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}") from None
+        raise SpecError(
+            f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"cannot read spec file {path}: {e}") from e
     doc = apply_overrides(parse_yaml_mapping(text, str(path)), overrides)

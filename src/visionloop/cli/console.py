@@ -4,5 +4,6 @@ from __future__ import annotations
 
 from rich.console import Console
 
-out = Console(highlight=False)
+# soft_wrap: a path broken across lines can be neither copied nor grepped.
+out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False)

@@ -1,8 +1,149 @@
-"""`visionloop demo`: the whole spine on scikit-learn's digits."""
+"""`visionloop demo`: the whole spine on scikit-learn's bundled digits, in a couple of minutes.
+
+1. write the 1,797 8x8 digits out as an ImageFolder of PNG files (no download: scikit-learn
+   ships them);
+2. ingest them with the real ingest code (validation, split, shards, manifest);
+3. train a small CNN with checkpointing and MLflow tracking;
+4. print the validation accuracy, where the run and its checkpoints are, and how to open the
+   MLflow UI on it.
+"""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 
-def demo() -> None:
-    """Run the demo (placeholder)."""
-    raise NotImplementedError
+import typer
+
+from visionloop.cli.console import err, out
+
+TARGET_ACCURACY = 0.95
+DEMO_SPEC = """\
+# The demo's train spec: a small CNN on 32x32 digits, a few minutes on 2 CPU cores.
+data:
+  dataset: {dataset}
+  batch_size: 64
+  workers: {workers}
+  image_size: 32
+  augment:
+    hflip: 0.0             # a mirrored 2 is not a 2
+    scale: [0.6, 1.0]
+model:
+  arch: small_cnn
+optimizer: {{name: adamw, lr: 0.003, weight_decay: 0.01}}
+schedule: {{name: cosine, warmup_epochs: 1}}
+epochs: {epochs}
+seed: 0
+checkpoint: {{every_steps: 50, keep_last: 3, keep_best: 1}}
+tracking: {{experiment: demo, log_every_steps: 1}}
+"""
+
+
+def write_digits_imagefolder(root: Path, scale: int = 4) -> int:
+    """Write scikit-learn's digits as root/<digit>/<n>.png (8x8 upscaled `scale` times, so a
+    person can look at them). Returns the number of files written."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)  # 0..16 → 0..255
+    for label in range(10):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+    for i, (img, label) in enumerate(zip(pixels, digits.target, strict=True)):
+        pic = Image.fromarray(img, mode="L").resize((8 * scale, 8 * scale), Image.Resampling.NEAREST)
+        pic.save(root / str(label) / f"{i:04d}.png")
+    return len(pixels)
+
+
+def demo(
+    epochs: int = typer.Option(8, "--epochs", min=1, help="Training epochs (8 reach ~98% on 2 CPU cores)."),
+    workers: int = typer.Option(2, "--workers", min=0, help="DataLoader worker processes."),
+    home: Path | None = typer.Option(
+        None, "--home", help="Put everything under this folder instead of $VISIONLOOP_HOME."
+    ),
+) -> None:
+    """Run the spine end to end on scikit-learn's digits: ImageFolder → ingest → train → evaluate.
+
+    Everything lands under $VISIONLOOP_HOME (default ~/.visionloop): the images in demo/,
+    the dataset in datasets/digits, the run in runs/demo-<time>, the MLflow store in mlflow.db.
+    """
+    import os
+
+    if home is not None:
+        os.environ["VISIONLOOP_HOME"] = str(home.expanduser().resolve())
+    from visionloop.cli.data import ingest_with_progress
+    from visionloop.cli.progress import RichReporter
+    from visionloop.core.settings import load_settings
+    from visionloop.data.ingest import IngestOptions
+    from visionloop.specs import load_train_spec
+    from visionloop.train.api import train
+
+    settings = load_settings().ensure()
+    started = time.monotonic()
+    images_dir = settings.home / "demo" / "digits-images"
+    dataset_dir = settings.datasets_dir / "digits"
+
+    err.rule("[bold]1/3  write scikit-learn's digits as PNG files")
+    if images_dir.exists():
+        import shutil
+
+        shutil.rmtree(images_dir)
+    n = write_digits_imagefolder(images_dir)
+    out.print(f"wrote {n:,} PNG files in 10 class folders under {images_dir}", soft_wrap=True)
+
+    err.rule("[bold]2/3  ingest: validate, split, shard")
+    report = ingest_with_progress(
+        images_dir, dataset_dir, IngestOptions(val_fraction=0.2, seed=0, overwrite=True)
+    )
+
+    err.rule("[bold]3/3  train a small CNN (checkpointed, tracked in MLflow)")
+    spec_path = settings.home / "demo" / "digits.yaml"
+    spec_text = DEMO_SPEC.format(dataset=dataset_dir, workers=workers, epochs=epochs)
+    spec_path.write_text(spec_text)
+    spec, _ = load_train_spec(spec_path)
+    run_dir = settings.runs_dir / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    with RichReporter(err) as reporter:
+        result = train(
+            spec,
+            run_dir,
+            spec_text=spec_text,
+            resolved=spec.model_dump(mode="json"),
+            settings=settings,
+            reporter=reporter,
+        )
+    if result.exit_code != 0:
+        out.print(f"[yellow]the demo's training was stopped at step {result.step}; resume it with:[/]")
+        out.print(f"  visionloop train {spec_path} --run-dir {run_dir}", soft_wrap=True)
+        raise typer.Exit(result.exit_code)
+
+    acc = result.final_metrics.get("accuracy", 0.0)
+    ok = acc >= TARGET_ACCURACY
+    err.rule("[bold]summary")
+    out.print(
+        f"validation accuracy  [bold {'green' if ok else 'red'}]{acc:.2%}[/] "
+        f"(target ≥ {TARGET_ACCURACY:.0%}) on {report.manifest.splits['val'].count} held-out digits"
+    )
+    rows = [
+        ("dataset", f"{dataset_dir}  (version {report.manifest.version[:12]})"),
+        ("run", str(result.run_dir)),
+        ("checkpoints", f"{result.run_dir / 'checkpoints'}  ({len(result.checkpoints)} kept)"),
+        ("final model", str(result.final_weights)),
+        ("model card", str(result.model_card)),
+        ("MLflow run", str(result.run_id)),
+        ("open the UI", str(result.ui_command)),
+        ("took", f"{time.monotonic() - started:.0f} s"),
+    ]
+    for key, value in rows:
+        out.print(f"  {key:<13}{value}", soft_wrap=True)
+    out.print(
+        "Next: `visionloop runs show " + str(result.run_id)[:8] + "`, or train on your own images with "
+        "`visionloop data ingest DIR --out DATASET` and a spec like " + str(spec_path),
+        soft_wrap=True,
+    )
+    if not ok:
+        err.print(
+            f"[red]the demo missed its accuracy target ({acc:.2%} < {TARGET_ACCURACY:.0%}); "
+            "something is wrong with this installation — please report it with the run directory above.[/]"
+        )
+        raise typer.Exit(1)

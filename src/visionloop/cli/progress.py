@@ -39,7 +39,9 @@ class RichReporter(Reporter):
 
     def start(self, info: StartInfo) -> None:
         self._epochs, self._total = info.epochs, info.total_steps
-        where = f"{info.device}, {info.precision}" + (f", {info.world_size} processes" if info.world_size > 1 else "")
+        where = f"{info.device}, {info.precision}" + (
+            f", {info.world_size} processes" if info.world_size > 1 else ""
+        )
         self.console.print(
             f"[bold]training[/] {info.num_params:,} parameters on {where}: {info.total_steps} steps "
             f"({info.steps_per_epoch}/epoch, {info.epochs} epoch(s)), {info.train_images} train / "
@@ -86,15 +88,18 @@ class RichReporter(Reporter):
         if self._progress is not None and self._eval_task is not None:
             self._progress.advance(self._eval_task)
 
-    def eval_end(self, epoch: int, step: int, metrics: dict[str, float], summary: str) -> None:
+    def eval_end(self, epoch: float, step: int, metrics: dict[str, float], summary: str) -> None:
         if self._progress is not None and self._eval_task is not None:
             self._progress.remove_task(self._eval_task)
             self._eval_task = None
-        self.console.print(f"  [green]eval[/] epoch {epoch} step {step}: {summary}")
+        shown = f"{epoch:.0f}" if float(epoch).is_integer() else f"{epoch:.2f}"
+        self.console.print(f"  [green]eval[/] epoch {shown} (step {step}): {summary}")
 
     def checkpoint(self, step: int, stall_s: float) -> None:
         if not self.live:
-            self.console.print(f"  checkpoint at step {step} (loop paused {stall_s * 1000:.0f} ms)", style="dim")
+            self.console.print(
+                f"  checkpoint at step {step} (loop paused {stall_s * 1000:.0f} ms)", style="dim"
+            )
 
     def message(self, text: str) -> None:
         self.console.print(f"  {text}", style="yellow")

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
-from types import FrameType
 
 import typer
 
@@ -53,7 +50,7 @@ def train(
 
     settings = load_settings()
     spec_text = _read_text(spec)
-    model, doc = load_train_spec(spec, overrides)
+    model, _ = load_train_spec(spec, overrides)
     resolved = model.model_dump(mode="json")
     if run_dir is None:
         run_dir = settings.runs_dir / f"{spec.stem}-{spec_fingerprint(resolved)[:8]}"
@@ -61,7 +58,9 @@ def train(
 
     if nproc_per_node > 1:
         if os.environ.get("WORLD_SIZE"):
-            raise TrainingError("--nproc-per-node cannot be used inside torchrun; the launcher already set WORLD_SIZE.")
+            raise TrainingError(
+                "--nproc-per-node cannot be used inside torchrun; the launcher already set WORLD_SIZE."
+            )
         raise typer.Exit(_launch(spec, run_dir, overrides, nproc_per_node, no_track))
 
     from visionloop.cli.progress import RichReporter
@@ -72,21 +71,20 @@ def train(
     if is_main:
         err.print(f"run dir: {run_dir}")
     reporter = RichReporter(err) if is_main else Reporter()
-    with reporter if isinstance(reporter, RichReporter) else _nullctx():
+    with reporter if isinstance(reporter, RichReporter) else contextlib.nullcontext():
         result = run_training(
-            model, run_dir, spec_text=spec_text, resolved=resolved, settings=settings, reporter=reporter, track=not no_track, stop=stop
+            model,
+            run_dir,
+            spec_text=spec_text,
+            resolved=resolved,
+            settings=settings,
+            reporter=reporter,
+            track=not no_track,
+            stop=stop,
         )
     if is_main:
         _summary(result, spec, overrides)
     raise typer.Exit(result.exit_code)
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: object) -> None:
-        return None
 
 
 def _read_text(path: Path) -> str:
@@ -96,7 +94,9 @@ def _read_text(path: Path) -> str:
         from visionloop.core.errors import SpecError
         from visionloop.specs import MINIMAL_TRAIN_SPEC
 
-        raise SpecError(f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}") from None
+        raise SpecError(
+            f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         from visionloop.core.errors import SpecError
 
@@ -120,7 +120,10 @@ def _summary(result: object, spec: Path, overrides: list[str]) -> None:
         out.print(f"[green]this run already finished[/] at step {result.step} ({result.run_dir}).")
         out.print("To train again, pass a new --run-dir.")
     else:
-        out.print(f"[bold green]done[/]: {result.step} steps in {result.train_seconds:.1f} s ({result.images_per_s:,.0f} img/s)")
+        out.print(
+            f"[bold green]done[/]: {result.step} steps in {result.train_seconds:.1f} s "
+            f"({result.images_per_s:,.0f} img/s)"
+        )
     acc = result.final_metrics.get("accuracy")
     if acc is not None:
         out.print(f"  val accuracy   {acc:.2%}")
@@ -138,45 +141,13 @@ def _summary(result: object, spec: Path, overrides: list[str]) -> None:
 
 
 def _launch(spec: Path, run_dir: Path, overrides: list[str], n: int, no_track: bool) -> int:
-    """Run this same command under torchrun with n processes; map its exit to ours."""
-    from visionloop.train.rundir import RunDir
+    """Run this same command in n DDP processes (see visionloop.train.launch)."""
+    from visionloop.train.launch import launch
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={n}",
-        "-m",
-        "visionloop",
-        "train",
-        str(spec),
-        "--run-dir",
-        str(run_dir),
-    ]
+    cmd = [sys.executable, "-m", "visionloop", "train", str(spec), "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
     if no_track:
         cmd.append("--no-track")
-    err.print(f"launching {n} processes: {' '.join(cmd[2:])}", style="dim")
-    launched_at = time.time()
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // n, 1)))
-    proc = subprocess.Popen(cmd, env=env)
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    try:
-        code = proc.wait()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    if code == 0:
-        return 0
-    # torchrun reports any non-zero worker exit as its own failure (1); the run's own record
-    # says whether the workers stopped cleanly after a checkpoint.
-    meta = RunDir(run_dir).read_meta() or {}
-    fresh = float(meta.get("updated", 0)) >= launched_at
-    return EXIT_PREEMPTED if fresh and meta.get("status") == "preempted" else code
+    err.print(f"launching {n} DDP processes on this machine", style="dim")
+    return launch(cmd, n)

@@ -22,17 +22,31 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# Read once at import: os.umask can only be read by setting it, which would race with other
+# threads (the checkpoint writer) creating files.
+_UMASK = _read_umask()
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Call `write(f)` on a temporary file beside `path`, then atomically replace `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600; give the file the permissions a plain open() would have, so
+        # a dataset or model written by one user can be read by the team.
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        Path(tmp).replace(path)
     except BaseException:
         # Leave nothing behind under the final name; the temporary is ours to remove.
         Path(tmp).unlink(missing_ok=True)

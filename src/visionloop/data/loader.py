@@ -13,6 +13,8 @@ def _worker_init(_: int) -> None:
     # A stop signal is the trainer's business: it finishes the step and checkpoints. If the
     # workers died on the SIGTERM that a process-group kill also delivers to them, the main
     # process would crash with "DataLoader worker exited unexpectedly" before it could save.
+    # The price: the owner must shut the workers down explicitly (Loop.close); if the main
+    # process dies, torch's worker watchdog notices the dead parent and they exit.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     # Workers decode and resize; more than one intra-op thread each only oversubscribes cores.

@@ -52,7 +52,9 @@ class SplitPolicy(_Strict):
     seed: int
     val_fraction: float
     test_fraction: float
-    from_source: bool = Field(description="True when the source gave the split (train/ val/ test/ or a CSV column)")
+    from_source: bool = Field(
+        description="True when the source gave the split (train/ val/ test/ or a CSV column)"
+    )
 
 
 class SplitInfo(_Strict):
@@ -131,4 +133,6 @@ def read_manifest(dataset_dir: Path) -> DatasetManifest:
     try:
         return DatasetManifest.model_validate(raw)
     except ValidationError as e:
-        raise DataError(f"{path} is not a valid dataset manifest:\n{e}\nRe-run `visionloop data ingest`.") from e
+        raise DataError(
+            f"{path} is not a valid dataset manifest:\n{e}\nRe-run `visionloop data ingest`."
+        ) from e

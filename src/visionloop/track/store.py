@@ -42,6 +42,9 @@ def _quiet_mlflow() -> None:
     global _quieted
     if _quieted:
         return
+    # MLflow 3 sends usage telemetry over the internet by default; a self-hosted tool makes no
+    # network calls its user did not ask for. A user who wants it can set the variable.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow  # noqa: F401  (the import configures mlflow's loggers; override them after)
 
     _quieted = True

@@ -86,7 +86,9 @@ def train(
         resumed_from = _resume(loop, info, reporter)
 
         if info.is_main and track:
-            tracker = _open_tracker(settings, spec, c, rd, meta, precision.name, resolved, lambda: loop.pos.step)
+            tracker = _open_tracker(
+                settings, spec, c, rd, meta, precision.name, resolved, lambda: loop.pos.step
+            )
             loop.tracker = tracker
             rd.update_meta(mlflow_run_id=tracker.run_id, status="running")
         elif info.is_main:
@@ -125,7 +127,7 @@ def train(
     finally:
         stop.uninstall()
         if loop is not None:
-            loop.ckpt.close()
+            loop.close()
         if handler is not None:
             logging.getLogger("visionloop").removeHandler(handler)
             handler.close()
@@ -167,7 +169,7 @@ def _open_tracker(
     resolved: Mapping[str, Any],
     step_fn: Callable[[], int],
 ) -> Any:
-    from visionloop.track import environment_tags, open_run
+    from visionloop.track import open_run
 
     tags = {
         "visionloop.uid": str(meta["uid"]),
@@ -177,8 +179,11 @@ def _open_tracker(
         "visionloop.arch": spec.model.arch,
         "visionloop.task": spec.task,
         "visionloop.state": "running",
+        # Tags, not params: a resumed run may legitimately land on other hardware (spot).
+        "visionloop.world_size": str(c.dist.world_size),
+        "visionloop.device_type": c.device.type,
+        "visionloop.precision": precision,
     }
-    tags.update(environment_tags(Path.cwd()))
     tracker = open_run(
         settings,
         uid=str(meta["uid"]),
@@ -186,16 +191,14 @@ def _open_tracker(
         run_name=spec.tracking.run_name or rd.path.name,
         run_dir=rd.path,
         tags=tags,
+        code_dir=Path.cwd(),
     )
     tracker.log_params(dict(resolved))
     tracker.log_params(
         {
             "derived.num_params": c.num_params,
-            "derived.world_size": c.dist.world_size,
             "derived.steps_per_epoch": c.steps_per_epoch,
             "derived.total_steps": c.total_steps,
-            "derived.precision": precision,
-            "derived.device_type": c.device.type,
             "derived.train_images": len(c.train_reader),
             "derived.eval_split": c.eval_split or "none",
         }
@@ -223,7 +226,7 @@ def _start_info(
         world_size=c.dist.world_size,
         num_params=c.num_params,
         train_images=len(c.train_reader),
-        val_images=len(c.eval_dataset) if c.eval_dataset is not None else 0,  # type: ignore[arg-type]
+        val_images=c.eval_size,
         dataset_version=c.manifest.version,
     )
 
@@ -238,7 +241,7 @@ def _result(code: int, c: Components, loop: Loop, rd: RunDir, tracker: Any) -> T
         run_id=tracker.run_id if tracker is not None else None,
         final_metrics=dict(loop.last_eval.metrics) if loop.last_eval else {},
         best_metric=loop.pos.best_metric,
-        checkpoints=[i.path for i in loop.ckpt.list()],
+        checkpoints=[i.path for i in loop.ckpt.infos()],
         final_weights=rd.final_weights if rd.final_weights.is_file() else None,
         model_card=rd.model_card if rd.model_card.is_file() else None,
         train_seconds=train_s,
@@ -250,7 +253,9 @@ def _result(code: int, c: Components, loop: Loop, rd: RunDir, tracker: Any) -> T
 def _already_finished(rd: RunDir, meta: Mapping[str, Any]) -> TrainResult:
     raise_if = meta.get("step")
     if raise_if is None:
-        raise TrainingError(f"{rd.meta_file} says the run succeeded but records no step; the file is damaged.")
+        raise TrainingError(
+            f"{rd.meta_file} says the run succeeded but records no step; the file is damaged."
+        )
     return TrainResult(
         exit_code=0,
         run_dir=rd.path,

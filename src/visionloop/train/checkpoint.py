@@ -136,7 +136,7 @@ class CheckpointManager:
         self.last_write_s = 0.0
 
     # ---------------------------------------------------------------- discovery
-    def list(self) -> list[CheckpointInfo]:
+    def infos(self) -> list[CheckpointInfo]:
         """Checkpoints whose header parses, oldest first (payloads are not verified here)."""
         if not self.dir.is_dir():
             return []
@@ -157,7 +157,7 @@ class CheckpointManager:
         """The newest checkpoint that verifies. Corrupt ones are set aside (renamed) with a
         warning; if files exist but none verifies, that is an error, not a silent restart."""
         self.remove_stale_temporaries()
-        candidates = self.list()
+        candidates = self.infos()
         bad: list[str] = []
         for info in reversed(candidates):
             try:
@@ -187,7 +187,9 @@ class CheckpointManager:
                 p.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- saving
-    def save(self, state: Mapping[str, Any], step: int, metric: float | None = None, *, block: bool = False) -> None:
+    def save(
+        self, state: Mapping[str, Any], step: int, metric: float | None = None, *, block: bool = False
+    ) -> None:
         """Snapshot `state` now; write it on the writer thread. `block=True` waits until it is
         durable (used before exiting)."""
         t0 = time.perf_counter()
@@ -231,7 +233,7 @@ class CheckpointManager:
     # ---------------------------------------------------------------- retention
     def prune(self) -> list[Path]:
         """Keep the newest `keep_last` plus the best `keep_best` by metric; delete the rest."""
-        infos = self.list()
+        infos = self.infos()
         keep = {c.path for c in infos[-self.keep_last :]}
         scored = [c for c in infos if c.metric is not None]
         if self.keep_best and scored:
@@ -249,7 +251,7 @@ class CheckpointManager:
         return removed
 
     def best(self) -> CheckpointInfo | None:
-        scored = [c for c in self.list() if c.metric is not None]
+        scored = [c for c in self.infos() if c.metric is not None]
         if not scored:
             return None
         return sorted(scored, key=lambda c: c.metric or 0.0, reverse=self.best_mode == "max")[0]

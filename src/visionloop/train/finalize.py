@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from visionloop import __version__
-from visionloop.models import ModelCard, model_defaults, save_weights
+from visionloop.models import ModelCard, save_weights
 
 if TYPE_CHECKING:
     from visionloop.train.loop import Loop
@@ -22,19 +21,17 @@ def finalize(c: Components, loop: Loop, tracker: Any) -> dict[str, float]:
     save_weights(loop.module, rd.final_weights)
     metrics = dict(loop.last_eval.metrics) if loop.last_eval else {}
     size = spec.data.image_size
-    card = ModelCard(
-        task=spec.task,
+    card = ModelCard.from_manifest(
+        c.manifest,
         arch=spec.model.arch,
         model_kwargs=dict(spec.model.kwargs),
-        num_classes=c.manifest.num_classes,
-        class_names=list(c.manifest.classes),
         input_size=(3, size, size),
         mean=c.mean,
         std=c.std,
         crop_pct=spec.data.crop_pct,
-        interpolation=model_defaults(spec.model.arch).interpolation,
-        dataset_version=c.manifest.version,
-        visionloop_version=__version__,
+        # The trainer's eval transform resizes bilinearly whatever the architecture's
+        # habit; the card must describe what the reported metrics were measured with.
+        interpolation="bilinear",
         metrics={k: float(v) for k, v in metrics.items() if "/" not in k},
         run_uid=(rd.read_meta() or {}).get("uid"),
     )

@@ -91,14 +91,34 @@ class Loop:
         )
         self.eval_loader = None
         if c.eval_dataset is not None:
-            eval_bs = self.spec.data.eval_batch_size or max(self.spec.data.batch_size // self.info.world_size, 1)
+            eval_bs = self.spec.data.eval_batch_size or max(
+                self.spec.data.batch_size // self.info.world_size, 1
+            )
             eval_sampler = EvalBatchSampler(
-                len(c.eval_dataset), eval_bs, rank=self.info.rank, world_size=self.info.world_size
+                c.eval_size, eval_bs, rank=self.info.rank, world_size=self.info.world_size
             )
             self.eval_loader = make_loader(
-                c.eval_dataset, eval_sampler, workers=self.spec.data.workers, pin_memory=pin, seed=self.spec.seed
+                c.eval_dataset,
+                eval_sampler,
+                workers=self.spec.data.workers,
+                pin_memory=pin,
+                seed=self.spec.seed,
             )
         self._last_ckpt_time = time.monotonic()
+
+    def close(self) -> None:
+        """Stop the loader workers and wait for the last checkpoint write.
+
+        Must be called: workers ignore SIGTERM (see data/loader.py), so multiprocessing's
+        exit-time terminate() would not end them and the process would hang on exit."""
+        try:
+            self.ckpt.close()
+        finally:
+            for loader in (self.train_loader, self.eval_loader):
+                it = getattr(loader, "_iterator", None)
+                if it is not None and hasattr(it, "_shutdown_workers"):
+                    it._shutdown_workers()
+                    loader._iterator = None  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ state
     @property
@@ -127,8 +147,8 @@ class Loop:
         if state.get("dataset_version") != self.c.manifest.version:
             raise TrainingError(
                 f"the checkpoint was trained on dataset version {state.get('dataset_version')}, but "
-                f"{self.spec.data.dataset} is now version {self.c.manifest.version}. Point data.dataset at the "
-                f"original dataset, or start a new run directory."
+                f"{self.spec.data.dataset} is now version {self.c.manifest.version}. Point "
+                f"data.dataset at the original dataset, or start a new run directory."
             )
         self.module.load_state_dict(state["model"])
         self.c.optimizer.load_state_dict(state["optimizer"])
@@ -182,7 +202,9 @@ class Loop:
 
     def _stop_now(self) -> bool:
         log.info("stop requested (%s): checkpointing at step %d", self.stop.signal_name, self.pos.step)
-        self.reporter.message(f"stopping ({self.stop.signal_name}): writing a checkpoint at step {self.pos.step}")
+        self.reporter.message(
+            f"stopping ({self.stop.signal_name}): writing a checkpoint at step {self.pos.step}"
+        )
         self.save_checkpoint(block=True)
         return False
 
@@ -210,7 +232,7 @@ class Loop:
         images_interval = 0
         stop = False
         for x, y in self.train_loader:
-            lrs.append(self.c.scheduler.get_last_lr()[0])
+            lrs.append(float(self.c.scheduler.get_last_lr()[0]))
             losses.append(self._step(x, y))
             pos.batch += 1
             pos.step += 1
@@ -244,7 +266,7 @@ class Loop:
             out = c.model(x)
             loss = c.loss_fn(out, y)
         c.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
         if self.spec.optimizer.grad_clip_norm:
             self.scaler.unscale_(c.optimizer)
             nn.utils.clip_grad_norm_(c.model.parameters(), self.spec.optimizer.grad_clip_norm)
@@ -320,10 +342,13 @@ class Loop:
             out_dir.mkdir(parents=True, exist_ok=True)
             from visionloop.core.fsutil import atomic_write_json
 
-            atomic_write_json(out_dir / "report.json", {"step": pos.step, "epoch": pos.epoch, **result.report})
+            atomic_write_json(
+                out_dir / "report.json", {"step": pos.step, "epoch": pos.epoch, **result.report}
+            )
             evaluator.write_artifacts(result, out_dir)
             self.c.last_eval_dir = out_dir
-            self.reporter.eval_end(pos.epoch, pos.step, result.metrics, result.summary)
+            epochs_done = pos.epoch + pos.batch / self.sampler.steps_per_epoch
+            self.reporter.eval_end(epochs_done, pos.step, result.metrics, result.summary)
             log.info("eval at step %d (epoch %d): %s", pos.step, pos.epoch, result.summary)
         self.save_checkpoint(metric)
         self.c.model.train()
@@ -332,9 +357,8 @@ class Loop:
     def _eval_rounds(self) -> int:
         """Eval batches of the busiest rank (rank 0 holds the most under a strided split)."""
         assert self.eval_loader is not None
-        n = len(self.c.eval_dataset) if self.c.eval_dataset is not None else 0
-        per_rank = -(-n // self.info.world_size)
-        bs = self.eval_loader.batch_sampler.batch_size  # type: ignore[union-attr]
+        per_rank = -(-self.c.eval_size // self.info.world_size)
+        bs = int(self.eval_loader.batch_sampler.batch_size)  # type: ignore[union-attr]
         return -(-per_rank // bs)
 
     def _is_better(self, metric: float) -> bool:

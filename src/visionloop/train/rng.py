@@ -19,7 +19,7 @@ def seed_everything(seed: int) -> None:
 
 
 def capture() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

@@ -73,7 +73,7 @@ class RunDir:
     # ------------------------------------------------------------------ locking
     def lock(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        f = open(self.path / ".lock", "a+")
+        f = open(self.path / ".lock", "a+")  # noqa: SIM115 (held open while training: it *is* the lock)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -103,7 +103,9 @@ class RunDir:
         try:
             meta = json.loads(self.meta_file.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise TrainingError(f"{self.meta_file} is unreadable ({e}); this run directory is damaged.") from e
+            raise TrainingError(
+                f"{self.meta_file} is unreadable ({e}); this run directory is damaged."
+            ) from e
         return meta if isinstance(meta, dict) else None
 
     def write_meta(self, meta: Mapping[str, Any]) -> None:
@@ -132,7 +134,9 @@ class RunDir:
                 "status": "created",
             }
             atomic_write_text(self.path / "spec.yaml", spec_text)
-            atomic_write_text(self.path / "spec.resolved.yaml", yaml.safe_dump(dict(resolved), sort_keys=False))
+            atomic_write_text(
+                self.path / "spec.resolved.yaml", yaml.safe_dump(dict(resolved), sort_keys=False)
+            )
             self.write_meta(meta)
             return meta, False
         if meta.get("spec_sha256") != fingerprint:

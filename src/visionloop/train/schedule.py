@@ -19,7 +19,8 @@ from visionloop.specs import OptimizerSpec, ScheduleSpec
 def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
     # No weight decay on biases and normalisation parameters (the usual recipe; decaying a
     # BatchNorm scale towards zero only fights the normalisation).
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim <= 1 else decay).append(p)

@@ -57,6 +57,10 @@ class Components:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def eval_size(self) -> int:
+        return len(self.eval_dataset) if self.eval_dataset is not None else 0  # type: ignore[arg-type]
+
+    @property
     def epochs(self) -> int:
         return math.ceil(self.total_steps / self.steps_per_epoch)
 
@@ -96,15 +100,16 @@ def build(
             break
 
     if spec.data.batch_size % info.world_size:
+        fitting = spec.data.batch_size // info.world_size * info.world_size or info.world_size
         raise TrainingError(
             f"data.batch_size {spec.data.batch_size} is the global batch and must divide evenly over "
-            f"{info.world_size} processes; use e.g. {spec.data.batch_size // info.world_size * info.world_size or info.world_size}."
+            f"{info.world_size} processes; use e.g. {fitting}."
         )
     steps_per_epoch = len(train_reader) // spec.data.batch_size
     if steps_per_epoch == 0:
         raise TrainingError(
-            f"the train split has {len(train_reader)} images, fewer than one batch of {spec.data.batch_size}; "
-            f"lower data.batch_size."
+            f"the train split has {len(train_reader)} images, fewer than one batch of "
+            f"{spec.data.batch_size}; lower data.batch_size."
         )
     total_steps = spec.steps or (spec.epochs or 1) * steps_per_epoch
 
@@ -113,7 +118,7 @@ def build(
     )
     model.to(device)
     if spec.model.channels_last:
-        model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        model.to(memory_format=torch.channels_last)
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, spec.optimizer)
     scheduler = build_scheduler(optimizer, spec.schedule, total_steps, steps_per_epoch)

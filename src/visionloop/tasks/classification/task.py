@@ -44,48 +44,45 @@ class ShardClassificationDataset(Dataset[tuple[torch.Tensor, int]]):
 class ClassificationEvaluator(Evaluator):
     def __init__(self, class_names: Sequence[str]) -> None:
         self.class_names = list(class_names)
-        self.cm = ConfusionMatrix(len(self.class_names))
-        self.top5 = 0
+        self.cm = ConfusionMatrix(len(self.class_names), topk=(5,))
         self.loss_sum = 0.0
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float) -> None:
-        outputs, targets = outputs.detach().float().cpu(), targets.cpu()
-        self.cm.update(outputs, targets)
-        k = min(5, outputs.shape[1])
-        self.top5 += int((outputs.topk(k, dim=1).indices == targets[:, None]).any(dim=1).sum())
+        # Counting stays on the outputs' device: no per-batch host copy of the logits.
+        if self.cm.matrix.device != outputs.device:
+            self.cm.matrix = self.cm.matrix.to(outputs.device)
+            self.cm.topk_counts = self.cm.topk_counts.to(outputs.device)
+        self.cm.update(outputs.detach(), targets)
         self.loss_sum += loss_sum
 
     def state(self) -> torch.Tensor:
-        # float64 holds integer counts exactly up to 2**53 and the loss sum in one tensor.
-        head = torch.tensor([self.loss_sum, float(self.top5)], dtype=torch.float64)
-        return torch.cat([head, self.cm.matrix.flatten().double()])
+        # float64 holds integer counts exactly up to 2**53, and the loss sum, in one tensor
+        # that DDP ranks can all_reduce in a single call.
+        head = torch.tensor([self.loss_sum], dtype=torch.float64, device=self.cm.matrix.device)
+        return torch.cat([head, self.cm.topk_counts.double(), self.cm.matrix.flatten().double()])
 
     def load_state(self, state: torch.Tensor) -> None:
-        self.loss_sum = float(state[0])
-        self.top5 = int(state[1])
+        state = state.cpu()
+        k = self.cm.topk_counts.numel()
         n = len(self.class_names)
-        self.cm.matrix = state[2:].round().long().view(n, n).clone()
+        self.loss_sum = float(state[0])
+        self.cm.topk_counts = state[1 : 1 + k].round().long().clone()
+        self.cm.matrix = state[1 + k :].round().long().view(n, n).clone()
 
     def compute(self) -> EvalResult:
         report = self.cm.compute(self.class_names)
-        total = int(self.cm.matrix.sum())
-        metrics = {
-            "loss": self.loss_sum / max(total, 1),
-            "accuracy": report.accuracy,
-            "macro_precision": report.macro_precision,
-            "macro_recall": report.macro_recall,
-            "macro_f1": report.macro_f1,
-        }
-        if len(self.class_names) > 5:
-            metrics["top5_accuracy"] = self.top5 / max(total, 1)
+        metrics = {"loss": self.loss_sum / max(report.total, 1), **report.scalars()}
         if len(self.class_names) <= MAX_CLASSES_AS_METRICS:
             for name, p, r in zip(self.class_names, report.precision, report.recall, strict=True):
-                metrics[f"precision/{name}"] = p
-                metrics[f"recall/{name}"] = r
+                # A "/" inside a class name must not open a new level of the metric hierarchy.
+                safe = name.replace("/", "_")
+                metrics[f"precision/{safe}"] = p
+                metrics[f"recall/{safe}"] = r
         details: dict[str, Any] = report.to_dict()
         details["loss"] = metrics["loss"]
-        details["samples"] = total
-        summary = f"accuracy {report.accuracy:.2%}  loss {metrics['loss']:.4f}  macro-F1 {report.macro_f1:.3f}"
+        summary = (
+            f"accuracy {report.accuracy:.2%}  loss {metrics['loss']:.4f}  macro-F1 {report.macro_f1:.3f}"
+        )
         return EvalResult(metrics=metrics, report=details, summary=summary)
 
     def write_artifacts(self, result: EvalResult, out_dir: Path) -> list[Path]:

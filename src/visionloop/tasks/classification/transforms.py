@@ -27,12 +27,15 @@ from visionloop.specs import AugmentSpec
 def decode_rgb(data: bytes) -> torch.Tensor:
     """Encoded PNG/JPEG bytes → uint8 tensor (3, H, W)."""
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return decode_image(buf, mode=ImageReadMode.RGB)
+    out: torch.Tensor = decode_image(buf, mode=ImageReadMode.RGB)
+    return out
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     """A 64-bit seed for one sample in one epoch (splitmix64 over the three inputs)."""
-    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + sample_id * 0x94D049BB133111EB) & (2**64 - 1)
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + sample_id * 0x94D049BB133111EB) & (
+        2**64 - 1
+    )
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     x ^= x >> 27
@@ -98,7 +101,8 @@ class EvalTransform:
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
         short = math.floor(self.size / self.crop_pct)
         img = F.resize(img, short, antialias=True)
-        return F.center_crop(img, [self.size, self.size])
+        out: torch.Tensor = F.center_crop(img, [self.size, self.size])
+        return out
 
 
 class Normalizer:

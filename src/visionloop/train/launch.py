@@ -1,0 +1,74 @@
+"""`visionloop train --nproc-per-node N`: N local DDP processes with torchrun's environment.
+
+Why not simply exec torchrun: torchrun turns any non-zero worker exit into its own exit 1
+and prints a SignalException traceback when it is asked to stop, so the "75 = stopped
+after a checkpoint, rerun to resume" contract would be lost. This launcher sets the same
+variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), forwards
+SIGTERM/SIGUSR1/SIGINT to every worker, and maps their exits to one code. For several
+machines, run the trainer under torchrun (or a cluster launcher) directly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from visionloop.train.signals import EXIT_PREEMPTED
+
+# After one worker fails, how long the others get to notice and exit before SIGKILL.
+FAILURE_GRACE_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def combine_exit_codes(codes: Sequence[int]) -> int:
+    """All 0 → 0; all in {0, 75} with a 75 → 75; otherwise the first real failure."""
+    failures = [c for c in codes if c not in (0, EXIT_PREEMPTED)]
+    if failures:
+        return failures[0] if failures[0] > 0 else 128 - failures[0]  # -9 → 137, like a shell
+    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
+
+
+def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) -> int:
+    base = dict(env if env is not None else os.environ)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
+    base.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
+    procs = [
+        subprocess.Popen(
+            list(cmd), env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nproc)}
+        )
+        for r in range(nproc)
+    ]
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        failed_at: float | None = None
+        while any(p.poll() is None for p in procs):
+            codes = [p.returncode for p in procs if p.returncode is not None]
+            if failed_at is None and any(c not in (0, EXIT_PREEMPTED) for c in codes):
+                # A dead rank leaves the others blocked in a collective: stop them.
+                failed_at = time.monotonic()
+                forward(signal.SIGTERM, None)
+            if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.1)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return combine_exit_codes([p.returncode for p in procs])

@@ -1,0 +1,66 @@
+"""Run directories: one trainer at a time, and resumption only with a compatible spec."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from visionloop.core.errors import TrainingError
+from visionloop.train.launch import combine_exit_codes
+from visionloop.train.rundir import RunDir
+
+SPEC = {"data": {"dataset": "/d", "workers": 2, "batch_size": 64}, "optimizer": {"lr": 0.1}, "device": "auto"}
+
+
+def test_first_prepare_creates_uid_and_saves_the_spec_verbatim(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path / "run")
+    rd.lock()
+    meta, resuming = rd.prepare("# my comment\nepochs: 1\n", SPEC)
+    assert not resuming and len(meta["uid"]) == 32
+    assert (rd.path / "spec.yaml").read_text() == "# my comment\nepochs: 1\n"
+    again, resuming = rd.prepare("anything", SPEC)
+    assert resuming and again["uid"] == meta["uid"]
+    rd.unlock()
+
+
+def test_execution_only_changes_may_resume(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    rd.prepare("", SPEC)
+    changed = {**SPEC, "data": {**SPEC["data"], "workers": 8}, "device": "cpu"}
+    _, resuming = rd.prepare("", changed)
+    assert resuming
+
+
+def test_a_different_spec_is_refused_with_the_differences(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    rd.prepare("", SPEC)
+    with pytest.raises(TrainingError) as e:
+        rd.prepare("", {**SPEC, "optimizer": {"lr": 0.2}})
+    msg = str(e.value)
+    assert "optimizer.lr: 0.1 -> 0.2" in msg and "new --run-dir" in msg
+
+
+def test_a_second_trainer_on_the_same_directory_is_refused(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    rd.lock()
+    code = (
+        "import sys\nfrom visionloop.train.rundir import RunDir\n"
+        "from visionloop.core.errors import TrainingError\n"
+        f"try:\n    RunDir({str(tmp_path)!r}).lock()\nexcept TrainingError as e:\n    print(e); sys.exit(3)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 3 and "is in use by pid" in p.stdout
+    rd.unlock()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout
+
+
+@pytest.mark.parametrize(
+    ("codes", "expected"),
+    [([0, 0], 0), ([75, 75], 75), ([0, 75], 75), ([75, 1], 1), ([0, -9], 137), ([3, 75, 0], 3)],
+)
+def test_launcher_exit_code_mapping(codes: list[int], expected: int) -> None:
+    assert combine_exit_codes(codes) == expected
