@@ -32,6 +32,7 @@ def test_round_trip_is_exact_and_the_header_describes_the_file(tmp_path: Path) -
     m.save(s, step=7, metric=0.5, block=True)
     path = tmp_path / "ckpt" / checkpoint_name(7)
     header = read_header(path)
+    assert path.read_bytes().endswith(b"VLCKPT2\n")
     assert header["step"] == 7 and header["metric"] == 0.5 and len(header["sha256"]) == 64
     loaded = load_verified(path)
     assert torch.equal(loaded["model"]["w"], s["model"]["w"])  # type: ignore[index]
@@ -59,7 +60,7 @@ def test_corrupt_latest_is_set_aside_with_a_warning_and_the_previous_used(
         m.save(state(step), step=step, block=True)
     latest = tmp_path / "ckpt" / checkpoint_name(3)
     data = bytearray(latest.read_bytes())
-    data[-10] ^= 0x01
+    data[len(data) // 3] ^= 0x01  # inside the payload
     latest.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
         found = m.load_latest()
@@ -83,7 +84,7 @@ def test_partial_or_garbled_files_never_load(tmp_path: Path, damage: str) -> Non
     elif damage == "empty":
         latest.write_bytes(b"")
     else:
-        latest.write_bytes(data[:8] + b"\x10\x00\x00\x00{not json at all" + data[30:])
+        latest.write_bytes(data[:-40] + b"{not json at all" + data[-24:])
     with pytest.raises(CheckpointError):
         load_verified(latest)
     found = m.load_latest()
@@ -94,7 +95,7 @@ def test_partial_or_garbled_files_never_load(tmp_path: Path, damage: str) -> Non
 def test_all_checkpoints_corrupt_is_an_error_not_a_silent_restart(tmp_path: Path) -> None:
     m = manager(tmp_path)
     m.save(state(1), step=1, block=True)
-    (tmp_path / "ckpt" / checkpoint_name(1)).write_bytes(b"VLCKPT1\nxx")
+    (tmp_path / "ckpt" / checkpoint_name(1)).write_bytes(b"xx\x02\x00\x00\x00VLCKPT2\n")
     with pytest.raises(CheckpointError, match="no valid checkpoint"):
         m.load_latest()
     m.close()
@@ -140,3 +141,17 @@ def test_write_failure_surfaces_as_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="rerun the same command"):
         m.save(state(1), step=1, block=True)
     m._pool.shutdown()
+
+
+def test_buffers_are_reused_between_checkpoints_and_rebuilt_when_shapes_change(tmp_path: Path) -> None:
+    from visionloop.train.checkpoint import Snapshotter
+
+    snap = Snapshotter()
+    live = {"a": torch.ones(4), "b": [torch.zeros(2, 2)]}
+    first = snap(live)
+    live["a"].add_(1)
+    second = snap(live)
+    assert second["a"].data_ptr() == first["a"].data_ptr()  # same buffer, refilled
+    assert torch.equal(second["a"], torch.full((4,), 2.0))
+    third = snap({"a": torch.ones(5), "b": [torch.zeros(2, 2)]})
+    assert third["a"].shape == (5,) and torch.equal(third["b"][0], torch.zeros(2, 2))
