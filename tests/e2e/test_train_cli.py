@@ -74,3 +74,14 @@ def test_missing_spec_and_bad_set_syntax(tmp_path: Path) -> None:
     spec.write_text("data: {dataset: x}\nmodel: {arch: small_cnn}\nepochs: 1\n")
     p = cli("train", str(spec), "--set", "nonsense")
     assert p.returncode == 2 and "--set expects key=value" in p.stderr
+
+
+def test_archs_lists_architectures_by_pattern() -> None:
+    p = cli("archs", "resnet*")
+    assert p.returncode == 0
+    for name in ("resnet18", "resnet50", "resnet152"):
+        assert name in p.stdout
+    assert "mobilenet" not in p.stdout
+    assert "small_cnn" in cli("archs").stdout
+    miss = cli("archs", "nothing-like-this*")
+    assert miss.returncode == 1 and "no architecture matches" in miss.stdout

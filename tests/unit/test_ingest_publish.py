@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,24 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path) -> None:
         (tmp / "half.bin").write_bytes(b"x" * 10)
         raise KeyboardInterrupt
     assert not out.exists() and siblings(out) == []
+
+
+def test_stale_partial_folders_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from visionloop.data.publish import remove_stale_partials
+
+    out = tmp_path / "ds"
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / f".ds.partial-{int(dead.stdout)}-abcd1234"
+    stale.mkdir()
+    (stale / "chunk.bin").write_bytes(b"half")
+    live = tmp_path / f".ds.partial-{os.getppid()}-abcd1234"  # a running process: left alone
+    live.mkdir()
+    other = tmp_path / ".other.partial-1-abcd1234"
+    other.mkdir()
+    assert remove_stale_partials(out) == [stale]
+    assert not stale.exists() and live.exists() and other.exists()

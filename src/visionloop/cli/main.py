@@ -12,6 +12,7 @@ import sys
 
 import typer
 
+from visionloop.cli import archs as archs_cli
 from visionloop.cli import data as data_cli
 from visionloop.cli import demo as demo_cli
 from visionloop.cli import runs as runs_cli
@@ -34,6 +35,7 @@ app.add_typer(data_cli.app, name="data")
 app.add_typer(runs_cli.app, name="runs")
 app.command("train", context_settings={"help_option_names": ["-h", "--help"]})(train_cli.train)
 app.command("demo", context_settings={"help_option_names": ["-h", "--help"]})(demo_cli.demo)
+app.command("archs", context_settings={"help_option_names": ["-h", "--help"]})(archs_cli.archs)
 
 
 @app.callback()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -83,7 +84,8 @@ def train(
             stop=stop,
         )
     if is_main:
-        _summary(result, spec, overrides)
+        extra = [f"--nproc-per-node {os.environ['WORLD_SIZE']}"] if "WORLD_SIZE" in os.environ else []
+        _summary(result, spec, overrides, extra + (["--no-track"] if no_track else []))
     raise typer.Exit(result.exit_code)
 
 
@@ -103,18 +105,19 @@ def _read_text(path: Path) -> str:
         raise SpecError(f"cannot read spec file {path}: {e}") from e
 
 
-def resume_command(spec: Path, run_dir: Path, overrides: list[str]) -> str:
-    sets = "".join(f" --set {o}" for o in overrides)
-    return f"visionloop train {spec} --run-dir {run_dir}{sets}"
+def resume_command(spec: Path, run_dir: Path, overrides: list[str], flags: list[str] | None = None) -> str:
+    sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
+    more = "".join(f" {f}" for f in flags or [])
+    return f"visionloop train {shlex.quote(str(spec))} --run-dir {shlex.quote(str(run_dir))}{sets}{more}"
 
 
-def _summary(result: object, spec: Path, overrides: list[str]) -> None:
+def _summary(result: object, spec: Path, overrides: list[str], flags: list[str]) -> None:
     from visionloop.train.report import TrainResult
 
     assert isinstance(result, TrainResult)
     if result.exit_code == EXIT_PREEMPTED:
         out.print(f"[yellow]stopped at step {result.step}/{result.total_steps}; checkpoint written.[/]")
-        out.print(f"resume with: {resume_command(spec, result.run_dir, overrides)}")
+        out.print(f"resume with: {resume_command(spec, result.run_dir, overrides, flags)}")
         return
     if result.already_finished:
         out.print(f"[green]this run already finished[/] at step {result.step} ({result.run_dir}).")

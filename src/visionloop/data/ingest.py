@@ -250,7 +250,9 @@ class _Run:
                     raise DataError(
                         "a decode worker process died (it could not start, ran out of memory, or crashed "
                         f"inside an image codec) while reading one of: {shown}. If it recurs on the same "
-                        "files, move them aside and run ingest again."
+                        "files, move them aside and run ingest again. (Calling ingest() from a script? "
+                        'Guard the call with `if __name__ == "__main__":` - workers re-import the main '
+                        "module.)"
                     ) from e
                 for i, outcome in zip(batch, outcomes, strict=True):
                     self._store(i, outcome, writers)

@@ -34,11 +34,39 @@ def _sibling(out: Path, tag: str) -> Path:
     return out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Delete `.NAME.partial-PID-*` folders left beside `out` by an ingest that was killed
+    (SIGKILL, power loss) before it could clean up. A folder whose process still runs (a
+    concurrent ingest on this machine) is left alone."""
+    removed = []
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        try:
+            pid = int(p.name.rsplit(".partial-", 1)[1].split("-", 1)[0])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            log.info("removed %s, left by an interrupted ingest", p)
+    return removed
+
+
 @contextmanager
 def building(out: Path) -> Iterator[Path]:
     """Yield an empty folder beside `out` (same filesystem, so it can be renamed into place);
     remove it if the body raises. The body calls `publish` when the folder is complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out)
     tmp = _sibling(out, "partial")
     tmp.mkdir()
     try:

@@ -163,9 +163,8 @@ def _entry(name: str) -> _Entry:
     close = difflib.get_close_matches(name, list(_REGISTRY), n=5, cutoff=0.6)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise SpecError(
-        f"unknown model {name!r}.{hint} List them all with "
-        f"`python -c 'from visionloop.models import list_models; print(list_models())'`, "
-        f"or by pattern, e.g. list_models('resnet*')."
+        f"unknown model {name!r}.{hint} List them all with `visionloop archs`, or by pattern, "
+        f"e.g. `visionloop archs 'resnet*'` (in Python: visionloop.models.list_models('resnet*'))."
     )
 
 
