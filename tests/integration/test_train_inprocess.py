@@ -167,3 +167,27 @@ def test_library_call_from_a_thread_can_be_stopped(tmp_path: Path, digits_datase
     t.join(timeout=300)
     result = box["r"]
     assert getattr(result, "exit_code", None) == 75 and getattr(result, "step", None) == 2
+
+
+def test_a_tracked_run_resumes_with_changed_execution_fields(tmp_path: Path, digits_dataset: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from visionloop.core.settings import load_settings
+
+    doc = spec_doc(digits_dataset, epochs=None, steps=6, data__workers=0)
+    stop = StopRequest()
+
+    class StopAt2(Recorder):
+        def step(self, step: int, loss: float | None, lr: float, images_per_s: float | None) -> None:
+            if step == 2:
+                stop.request("test")
+
+    first = train(validate_train_spec(doc), tmp_path / "run", reporter=StopAt2(), stop=stop)
+    assert first.exit_code == 75
+    doc["data"]["workers"] = 1
+    doc["checkpoint"]["every_steps"] = 2
+    second = train(validate_train_spec(doc), tmp_path / "run")
+    assert second.exit_code == 0 and second.run_id == first.run_id
+    run = MlflowClient(load_settings().tracking_uri).get_run(str(second.run_id))
+    assert run.data.tags["visionloop.spec.data.workers"] == "1"
+    assert "data.workers" not in run.data.params and run.data.params["data.batch_size"] == "64"

@@ -22,7 +22,7 @@ from visionloop.train.device import configure_determinism, resolve_device, resol
 from visionloop.train.finalize import finalize
 from visionloop.train.loop import Loop
 from visionloop.train.report import Reporter, StartInfo, TrainResult
-from visionloop.train.rundir import RunDir, spec_fingerprint
+from visionloop.train.rundir import RESUMABLE_CHANGES, RunDir, spec_fingerprint
 from visionloop.train.setup import Components, build
 from visionloop.train.signals import EXIT_PREEMPTED, StopRequest
 
@@ -193,7 +193,13 @@ def _open_tracker(
         tags=tags,
         code_dir=Path.cwd(),
     )
-    tracker.log_params(dict(resolved))
+    # Fields that may change when a run is resumed (workers, device, checkpoint cadence) are
+    # tags: MLflow params are write-once, and a resume on other hardware must not fail.
+    from visionloop.track import flatten_params
+
+    flat = flatten_params(dict(resolved))
+    tracker.log_params({k: v for k, v in flat.items() if k not in RESUMABLE_CHANGES})
+    tracker.set_tags({f"visionloop.spec.{k}": v for k, v in flat.items() if k in RESUMABLE_CHANGES})
     tracker.log_params(
         {
             "derived.num_params": c.num_params,

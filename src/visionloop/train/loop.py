@@ -123,9 +123,10 @@ class Loop:
     # ------------------------------------------------------------------ state
     @property
     def module(self) -> nn.Module:
-        m = self.c.model
-        m = m.module if isinstance(m, DistributedDataParallel) else m
-        return getattr(m, "_orig_mod", m)
+        # torch.compile wraps DDP (which wraps the model): unwrap in that order, so the
+        # state dict has the model's own keys, without "_orig_mod." or "module.".
+        m = getattr(self.c.model, "_orig_mod", self.c.model)
+        return m.module if isinstance(m, DistributedDataParallel) else m
 
     def state_dict(self) -> dict[str, Any]:
         ranks_rng = dist.gather_objects(rng_state.capture(), self.info)
