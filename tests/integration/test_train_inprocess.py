@@ -191,3 +191,20 @@ def test_a_tracked_run_resumes_with_changed_execution_fields(tmp_path: Path, dig
     run = MlflowClient(load_settings().tracking_uri).get_run(str(second.run_id))
     assert run.data.tags["visionloop.spec.data.workers"] == "1"
     assert "data.workers" not in run.data.params and run.data.params["data.batch_size"] == "64"
+
+
+def test_a_diverging_loss_stops_the_run_with_advice(tmp_path: Path, digits_dataset: Path) -> None:
+    from visionloop.core.errors import TrainingError
+
+    doc = spec_doc(
+        digits_dataset,
+        epochs=None,
+        steps=30,
+        data__workers=0,
+        optimizer={"name": "sgd", "lr": 1e12, "momentum": 0.0},
+        schedule={"name": "constant"},
+    )
+    with pytest.raises(TrainingError, match=r"the training loss became (nan|inf).*Lower optimizer\.lr"):
+        train(validate_train_spec(doc), tmp_path / "run", track=False)
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["status"] == "failed" and "training loss became" in meta["error"]

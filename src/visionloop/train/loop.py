@@ -286,8 +286,8 @@ class Loop:
         if not self.precision.needs_scaler and not all(math.isfinite(v) for v in host):
             raise TrainingError(
                 f"the training loss became {host[-1]} around step {self.pos.step}. Lower optimizer.lr, "
-                f"add schedule.warmup_epochs or optimizer.grad_clip_norm, then rerun the same command: it "
-                f"resumes from the last checkpoint (or start a new --run-dir)."
+                f"add schedule.warmup_epochs or set optimizer.grad_clip_norm, and train into a new "
+                f"--run-dir (a run directory keeps the spec it was started with)."
             )
         if self.info.is_main:
             for i, (loss, lr) in enumerate(zip(host, lrs, strict=True)):
