@@ -85,3 +85,18 @@ def test_archs_lists_architectures_by_pattern() -> None:
     assert "small_cnn" in cli("archs").stdout
     miss = cli("archs", "nothing-like-this*")
     assert miss.returncode == 1 and "no architecture matches" in miss.stdout
+
+
+def test_unusable_run_dirs_and_binary_specs_get_clear_errors(tmp_path: Path, digits_dataset: Path) -> None:
+    spec = write_spec(tmp_path / "spec.yaml", spec_doc(digits_dataset, epochs=1))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    p = cli("train", str(spec), "--run-dir", str(a_file), "--no-track")
+    assert p.returncode == 1 and "it is a file" in p.stderr and "Traceback" not in p.stderr
+    assert a_file.read_text() == "not a folder"
+    p = cli("train", str(spec), "--run-dir", "/proc/visionloop-cannot-be-here", "--no-track")
+    assert p.returncode == 1 and "cannot use /proc/visionloop-cannot-be-here" in p.stderr
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(bytes(range(256)) * 100)
+    p = cli("train", str(binary))
+    assert p.returncode == 2 and "cannot read spec file" in p.stderr and "Traceback" not in p.stderr

@@ -208,3 +208,31 @@ def test_a_diverging_loss_stops_the_run_with_advice(tmp_path: Path, digits_datas
         train(validate_train_spec(doc), tmp_path / "run", track=False)
     meta = json.loads((tmp_path / "run" / "run.json").read_text())
     assert meta["status"] == "failed" and "training loss became" in meta["error"]
+
+
+def test_resuming_on_a_changed_dataset_is_refused(tmp_path: Path, digits_dataset: Path) -> None:
+    import shutil
+
+    from visionloop.core.errors import TrainingError
+
+    data = tmp_path / "data"
+    shutil.copytree(digits_dataset, data)
+    doc = spec_doc(data, epochs=None, steps=6, data__workers=0)
+    stop = StopRequest()
+
+    class StopAt2(Recorder):
+        def step(self, step: int, loss: float | None, lr: float, images_per_s: float | None) -> None:
+            if step == 2:
+                stop.request("test")
+
+    assert (
+        train(
+            validate_train_spec(doc), tmp_path / "run", reporter=StopAt2(), track=False, stop=stop
+        ).exit_code
+        == 75
+    )
+    manifest = json.loads((data / "dataset.json").read_text())
+    manifest["version"] = "0" * 64  # as if re-ingested from changed images
+    (data / "dataset.json").write_text(json.dumps(manifest))
+    with pytest.raises(TrainingError, match="trained on dataset version"):
+        train(validate_train_spec(doc), tmp_path / "run", track=False)

@@ -64,6 +64,13 @@ def main() -> None:
             raise
         err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         sys.exit(e.exit_code)
+    except OSError as e:
+        # Disk full, permissions, a path that is a file: the message says what and where; the
+        # traceback would only bury it (and -v shows it).
+        if os.environ.get("VISIONLOOP_TRACEBACK"):
+            raise
+        err.print(f"[bold red]error:[/] {e}. Run with -v for the full traceback.", soft_wrap=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
         sys.exit(130)

@@ -72,8 +72,15 @@ class RunDir:
 
     # ------------------------------------------------------------------ locking
     def lock(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        f = open(self.path / ".lock", "a+")  # noqa: SIM115 (held open while training: it *is* the lock)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            f = open(self.path / ".lock", "a+")  # noqa: SIM115 (held open while training: it *is* the lock)
+        except OSError as e:
+            reason = "it is a file" if self.path.is_file() else (e.strerror or str(e))
+            raise TrainingError(
+                f"cannot use {self.path} as the run directory ({reason}). Pass --run-dir a folder "
+                f"you can write to (it is created if missing)."
+            ) from e
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
