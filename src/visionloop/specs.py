@@ -267,6 +267,18 @@ def validate_train_spec(doc: Mapping[str, Any], source: str = "the spec") -> Tra
         raise SpecError(format_validation_error(e, TrainSpec, source)) from e
 
 
+def read_spec_text(path: Path) -> str:
+    """The spec file's text, or a SpecError that says what is wrong with the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(
+            f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read spec file {path}: {e}") from e
+
+
 def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpec, dict[str, Any]]:
     """Read, override and validate a train spec; return the model and the effective document.
 
@@ -274,15 +286,7 @@ def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpe
     file's folder, so a spec works from any working directory.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(
-            f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"cannot read spec file {path}: {e}") from e
-    doc = apply_overrides(parse_yaml_mapping(text, str(path)), overrides)
+    doc = apply_overrides(parse_yaml_mapping(read_spec_text(path), str(path)), overrides)
     spec = validate_train_spec(doc, str(path))
     return resolve_paths(spec, path.parent), doc
 

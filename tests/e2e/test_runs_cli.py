@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from _mlflowkit import copy_migrated_store
 from visionloop.core.settings import Settings
 from visionloop.track import open_run
-from visionloop.track import store as track_store
 from visionloop.track.environment import git_tags
 
 
@@ -38,21 +37,6 @@ class Store:
     run_dir: Path
     commit: str
     results: dict[str, Result]
-
-
-def copy_migrated_store(factory: pytest.TempPathFactory, home: Path) -> None:
-    """Put an empty, fully migrated MLflow database at `<home>/mlflow.db`.
-
-    Creating one runs ~2 s of schema migrations; the test modules of the tracker share one
-    per session (under pytest's base temp) and copy it. Creating a store from nothing is
-    tested once, in test_track_run.py::test_lifecycle_on_a_fresh_store.
-    """
-    template = factory.getbasetemp() / "mlflow-template" / "mlflow.db"
-    if not template.exists():
-        settings = Settings(home=template.parent, tracking_uri=f"sqlite:///{template}")
-        track_store.client(settings).search_experiments()
-    home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(template, home / "mlflow.db")
 
 
 def git(repo: Path, *args: str) -> str:

@@ -9,7 +9,6 @@ must then hold every step exactly once, in one MLflow run.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +17,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from visionloop.core.settings import Settings, load_settings
-from visionloop.track import store as track_store
+from _mlflowkit import copy_migrated_store
+from visionloop.core.settings import load_settings
 
 TRAINER = r"""
 import sys, time
@@ -43,21 +42,6 @@ for step in range(first, last + 1):
 tracker.close("FINISHED")
 print("closed", flush=True)
 """
-
-
-def copy_migrated_store(factory: pytest.TempPathFactory, home: Path) -> None:
-    """Put an empty, fully migrated MLflow database at `<home>/mlflow.db`.
-
-    Creating one runs ~2 s of schema migrations; the test modules of the tracker share one
-    per session (under pytest's base temp) and copy it. Creating a store from nothing is
-    tested once, in test_track_run.py::test_lifecycle_on_a_fresh_store.
-    """
-    template = factory.getbasetemp() / "mlflow-template" / "mlflow.db"
-    if not template.exists():
-        settings = Settings(home=template.parent, tracking_uri=f"sqlite:///{template}")
-        track_store.client(settings).search_experiments()
-    home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(template, home / "mlflow.db")
 
 
 def start_trainer(uid: str, first: int, last: int, run_dir: Path) -> subprocess.Popen[str]:

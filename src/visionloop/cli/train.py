@@ -46,11 +46,11 @@ def train(
 
     stop = StopRequest().install() if nproc_per_node == 1 else None
     from visionloop.core.settings import load_settings
-    from visionloop.specs import load_train_spec
+    from visionloop.specs import load_train_spec, read_spec_text
     from visionloop.train.rundir import spec_fingerprint
 
     settings = load_settings()
-    spec_text = _read_text(spec)
+    spec_text = read_spec_text(spec)
     model, _ = load_train_spec(spec, overrides)
     resolved = model.model_dump(mode="json")
     if run_dir is None:
@@ -87,22 +87,6 @@ def train(
         extra = [f"--nproc-per-node {os.environ['WORLD_SIZE']}"] if "WORLD_SIZE" in os.environ else []
         _summary(result, spec, overrides, extra + (["--no-track"] if no_track else []))
     raise typer.Exit(result.exit_code)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        from visionloop.core.errors import SpecError
-        from visionloop.specs import MINIMAL_TRAIN_SPEC
-
-        raise SpecError(
-            f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        from visionloop.core.errors import SpecError
-
-        raise SpecError(f"cannot read spec file {path}: {e}") from e
 
 
 def resume_command(spec: Path, run_dir: Path, overrides: list[str], flags: list[str] | None = None) -> str:
