@@ -34,6 +34,7 @@ optimizer: {{name: adamw, lr: 0.003, weight_decay: 0.01}}
 schedule: {{name: cosine, warmup_epochs: 1}}
 epochs: {epochs}
 seed: 0
+deterministic: true        # same numbers on every run on this machine
 checkpoint: {{every_steps: 50, keep_last: 3, keep_best: 1}}
 tracking: {{experiment: demo, log_every_steps: 1}}
 """
