@@ -66,11 +66,12 @@ def baseline(root: Path, workers: int, epochs: int) -> float:
 def visionloop_loader(dataset_dir: Path, workers: int, epochs: int) -> float:
     from visionloop.data.loader import make_loader
     from visionloop.data.manifest import read_manifest
+    from visionloop.data.normalize import Normalizer
     from visionloop.data.sampler import ResumableBatchSampler
     from visionloop.data.shards import ShardReader
     from visionloop.specs import AugmentSpec
     from visionloop.tasks.classification.task import ShardClassificationDataset
-    from visionloop.tasks.classification.transforms import Normalizer, TrainTransform
+    from visionloop.tasks.classification.transforms import TrainTransform
 
     m = read_manifest(dataset_dir)
     reader = ShardReader(dataset_dir / m.splits["train"].shard_dir)

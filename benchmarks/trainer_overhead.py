@@ -78,11 +78,11 @@ def bare_run(spec: Any, warmup: int) -> float:
     """The textbook loop over the same loader, model and optimizer family."""
     from visionloop.data.loader import make_loader
     from visionloop.data.manifest import read_manifest
+    from visionloop.data.normalize import Normalizer
     from visionloop.data.sampler import ResumableBatchSampler
     from visionloop.data.shards import ShardReader
     from visionloop.models import create_model
     from visionloop.tasks.classification.task import ClassificationTask
-    from visionloop.tasks.classification.transforms import Normalizer
     from visionloop.train.setup import normalization
 
     torch.manual_seed(0)

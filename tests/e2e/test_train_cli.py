@@ -54,6 +54,7 @@ def test_default_run_dir_is_derived_from_the_spec(
         ({"data__dataset": "/nonexistent/ds"}, "is not a visionloop dataset"),
         ({"data__batch_size": 100000}, "fewer than one batch"),
         ({"device": "cuda:7"}, "CUDA is not available"),
+        ({"model": {"arch": "alexnet"}}, "alexnet cannot take 16x16 images"),
         ({"precision": "fp16", "deterministic": True, "device": "cpu"}, "fp16 on CPU"),
     ],
 )

@@ -155,3 +155,43 @@ def test_buffers_are_reused_between_checkpoints_and_rebuilt_when_shapes_change(t
     assert torch.equal(second["a"], torch.full((4,), 2.0))
     third = snap({"a": torch.ones(5), "b": [torch.zeros(2, 2)]})
     assert third["a"].shape == (5,) and torch.equal(third["b"][0], torch.zeros(2, 2))
+
+
+def test_a_full_disk_during_a_write_is_a_clear_error_and_keeps_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A real write failure: the file-size limit (RLIMIT_FSIZE) makes the kernel refuse to
+    grow the file past 64 KiB, as a full disk would."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal, sys, torch
+from pathlib import Path
+from visionloop.core.errors import CheckpointError
+from visionloop.train.checkpoint import CheckpointManager
+m = CheckpointManager(Path({str(tmp_path / "ckpt")!r}), keep_last=2, keep_best=0)
+m.save({{"w": torch.zeros(10)}}, step=1, block=True)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+try:
+    m.save({{"w": torch.zeros(1_000_000)}}, step=2, block=True)
+except CheckpointError as e:
+    print(e); sys.exit(3)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "writing a checkpoint" in p.stdout and "Free disk space" in p.stdout
+    m = manager(tmp_path)
+    found = m.load_latest()
+    assert found is not None and found[0].step == 1  # nothing half-written is visible
+    assert not list((tmp_path / "ckpt").glob(".*.tmp"))
+
+
+def test_before_commit_runs_before_the_checkpoint_is_visible(tmp_path: Path) -> None:
+    m = manager(tmp_path)
+    seen: list[bool] = []
+    target = tmp_path / "ckpt" / checkpoint_name(5)
+    m.save(state(5), step=5, block=True, before_commit=lambda: seen.append(target.exists()))
+    assert seen == [False] and target.exists()
+    m.close()

@@ -9,10 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
+from visionloop.data.normalize import Normalizer
 from visionloop.specs import AugmentSpec
 from visionloop.tasks.classification.transforms import (
     EvalTransform,
-    Normalizer,
     TrainTransform,
     decode_rgb,
     sample_seed,

@@ -17,6 +17,7 @@ def archs(
     always built without downloading weights; pass local weights with `model.pretrained`.
     """
     from visionloop.models import list_models, model_defaults, model_source
+    from visionloop.models.registry import IMAGENET_MEAN
 
     names = list_models(pattern)
     if not names:
@@ -28,6 +29,6 @@ def archs(
     for name in names:
         d = model_defaults(name)
         size = "x".join(str(v) for v in d.input_size)
-        stats = "ImageNet" if d.mean == (0.485, 0.456, 0.406) else f"{d.mean} / {d.std}"
+        stats = "ImageNet" if tuple(d.mean) == IMAGENET_MEAN else f"{d.mean} / {d.std}"
         table.add_row(name, model_source(name), size, stats)
     out.print(table)

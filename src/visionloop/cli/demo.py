@@ -115,7 +115,10 @@ def demo(
         )
     if result.exit_code != 0:
         out.print(f"[yellow]the demo's training was stopped at step {result.step}; resume it with:[/]")
-        out.print(f"  visionloop train {spec_path} --run-dir {run_dir}", soft_wrap=True)
+        out.print(
+            f"  VISIONLOOP_HOME={settings.home} visionloop train {spec_path} --run-dir {run_dir}",
+            soft_wrap=True,
+        )
         raise typer.Exit(result.exit_code)
 
     acc = result.final_metrics.get("accuracy", 0.0)

@@ -71,9 +71,6 @@ def main() -> None:
             raise
         err.print(f"[bold red]error:[/] {e}. Run with -v for the full traceback.", soft_wrap=True)
         sys.exit(1)
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/]")
-        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,7 @@ import typer
 
 from visionloop.cli.console import err, out
 from visionloop.core.errors import TrainingError
-
-EXIT_PREEMPTED = 75
+from visionloop.train.signals import EXIT_PREEMPTED
 
 
 def train(

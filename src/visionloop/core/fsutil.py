@@ -30,7 +30,7 @@ def _read_umask() -> int:
 
 # Read once at import: os.umask can only be read by setting it, which would race with other
 # threads (the checkpoint writer) creating files.
-_UMASK = _read_umask()
+UMASK = _read_umask()
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
@@ -41,7 +41,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     try:
         # mkstemp creates 0600; give the file the permissions a plain open() would have, so
         # a dataset or model written by one user can be read by the team.
-        os.fchmod(fd, 0o666 & ~_UMASK)
+        os.fchmod(fd, 0o666 & ~UMASK)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -59,20 +59,23 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"{path}: unknown setting(s) {sorted(unknown)}; known settings are {sorted(_KNOWN_KEYS)}."
         )
+    not_text = sorted(k for k, v in section.items() if not isinstance(v, str) or not v)
+    if not_text:
+        raise ConfigError(f'{path}: {", ".join(not_text)} must be non-empty strings, e.g. home = "/data/vl".')
     return dict(section)
 
 
 def load_settings(cwd: Path | None = None) -> Settings:
     """Resolve settings from the environment and visionloop.toml files."""
     cwd = cwd or Path.cwd()
-    file_values: dict[str, Any] = {}
     env_home = os.environ.get("VISIONLOOP_HOME")
-    home_guess = Path(env_home).expanduser() if env_home else DEFAULT_HOME.expanduser()
-    for candidate in (home_guess / "visionloop.toml", cwd / "visionloop.toml"):
-        if candidate.is_file():
-            file_values.update(_read_toml(candidate))
-
-    home = Path(env_home or file_values.get("home") or DEFAULT_HOME).expanduser().resolve()
+    local = cwd / "visionloop.toml"
+    local_values = _read_toml(local) if local.is_file() else {}
+    home = Path(env_home or local_values.get("home") or DEFAULT_HOME).expanduser().resolve()
+    # The home's own file has the lowest precedence: the working directory's file wins.
+    home_file = home / "visionloop.toml"
+    file_values = _read_toml(home_file) if home_file.is_file() and home_file != local.resolve() else {}
+    file_values.update(local_values)
     tracking_uri = (
         os.environ.get("VISIONLOOP_TRACKING_URI")
         or file_values.get("tracking_uri")

@@ -11,6 +11,8 @@ shuffle chunk-locally (reading one chunk at a time is ~4x faster than jumping be
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -75,7 +77,8 @@ class ShardReader:
                 f"{self.shard_dir} is not a readable shard folder ({e}); re-run `visionloop data ingest`."
             ) from e
         self.chunk_sizes: list[int] = [int(c["chunk_size"]) for c in index.get("chunks", [])]
-        self._len = sum(self.chunk_sizes)
+        self._starts = list(itertools.accumulate(self.chunk_sizes, initial=0))
+        self._len = self._starts[-1]
         self._ds: Any = None
 
     def __len__(self) -> int:
@@ -98,5 +101,11 @@ class ShardReader:
     def __getitem__(self, i: int) -> Record:
         if not 0 <= i < self._len:
             raise IndexError(f"record {i} out of range for {self._len} records in {self.shard_dir}")
-        item = self._open()[i]
+        # Name the chunk ourselves: given a bare int, litdata scans every chunk's range for
+        # each sample. Our chunks have no region-of-interest, so the global index is the
+        # index to read.
+        from litdata.streaming.sampler import ChunkedIndex
+
+        chunk = bisect.bisect_right(self._starts, i) - 1
+        item = self._open()[ChunkedIndex(index=i, chunk_index=chunk)]
         return Record(image=bytes(item["image"]), label=int(item["label"]), index=int(item["index"]))

@@ -9,7 +9,7 @@ touched.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from visionloop.data.manifest import DatasetManifest
 from visionloop.data.shards import ShardReader
+from visionloop.models import ModelCard
 from visionloop.specs import TrainSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,6 +69,19 @@ class Task(ABC):
 
     @abstractmethod
     def evaluator(self, class_names: Sequence[str]) -> Evaluator: ...
+
+    @abstractmethod
+    def model_card(
+        self,
+        manifest: DatasetManifest,
+        spec: TrainSpec,
+        *,
+        mean: Sequence[float],
+        std: Sequence[float],
+        metrics: Mapping[str, float],
+        run_uid: str | None,
+    ) -> ModelCard:
+        """What a consumer of the final weights needs: preprocessing, labels, provenance."""
 
 
 def get_task(name: str) -> Task:

@@ -57,7 +57,7 @@ def train(
     spec_text = spec_text if spec_text is not None else _dump(resolved)
     info = dist.from_env()
     device = resolve_device(spec.device, info)
-    dist.init(info, device)
+    own_group = dist.init(info, device)
     # The CLI installs the handlers before its slow imports, so a SIGTERM during start-up is
     # also a clean, resumable stop; library callers get them installed here.
     stop = stop or StopRequest().install()
@@ -98,31 +98,29 @@ def train(
 
         completed = loop.run()
         if not completed:
-            if tracker is not None:
-                tracker.set_tags({"visionloop.state": "preempted"})
-                tracker.close(status="KILLED")
+            # The run directory is the record a scheduler reads: it is written first, and the
+            # tracking store (which may be unreachable) can never turn a clean stop into a failure.
             if info.is_main:
                 rd.update_meta(status="preempted", step=loop.pos.step)
+            _end_tracking(tracker, "KILLED", {"visionloop.state": "preempted"})
             result = _result(EXIT_PREEMPTED, c, loop, rd, tracker)
             reporter.finish(result)
             return result
 
         final = finalize(c, loop, tracker) if info.is_main else {}
-        if tracker is not None:
-            tracker.set_tags({"visionloop.state": "succeeded"})
-            tracker.close(status="FINISHED")
         if info.is_main:
             rd.update_meta(status="succeeded", step=loop.pos.step, final_metrics=final, finished=time.time())
+        _end_tracking(tracker, "FINISHED", {"visionloop.state": "succeeded"})
         dist.barrier(info)
         result = _result(0, c, loop, rd, tracker)
         reporter.finish(result)
         return result
     except BaseException as e:
-        if tracker is not None:
-            tracker.set_tags({"visionloop.state": "failed", "visionloop.error": str(e)[:500]})
-            tracker.close(status="FAILED")
-        if info.is_main and rd.meta_file.is_file():
+        # Only the process holding the lock may touch run.json: a second trainer refused the
+        # lock must not mark the live run as failed.
+        if rd.locked:
             rd.update_meta(status="failed", error=str(e)[:2000])
+        _end_tracking(tracker, "FAILED", {"visionloop.state": "failed", "visionloop.error": str(e)[:500]})
         raise
     finally:
         stop.uninstall()
@@ -132,7 +130,23 @@ def train(
             logging.getLogger("visionloop").removeHandler(handler)
             handler.close()
         rd.unlock()
-        dist.shutdown()
+        if own_group:
+            dist.shutdown()
+
+
+def _end_tracking(tracker: Any, status: str, tags: Mapping[str, str]) -> None:
+    """Tag and close the MLflow run, best effort: the training result is already on disk, and a
+    tracking server that is down must neither fail the run nor hide the original error."""
+    if tracker is None:
+        return
+    try:
+        tracker.set_tags(dict(tags))
+    except Exception as e:
+        log.warning("could not tag the MLflow run %s as %s: %s", tracker.run_id, status, e)
+    try:
+        tracker.close(status=status)
+    except Exception as e:
+        log.warning("could not close the MLflow run %s: %s", tracker.run_id, e)
 
 
 def _dump(doc: Mapping[str, Any]) -> str:

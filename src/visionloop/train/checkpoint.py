@@ -25,12 +25,14 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
+import shutil
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 from visionloop.core.errors import CheckpointError
+from visionloop.core.fsutil import UMASK as _UMASK
 from visionloop.core.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -113,38 +116,54 @@ class Snapshotter:
         return obj
 
 
-def snapshot(obj: Any) -> Any:
-    """A one-off deep copy of every tensor in a nested state (fresh buffers)."""
-    return Snapshotter()(obj)
+def _trailer(sha256: str, size: int, step: int, metric: float | None) -> bytes:
+    body = json.dumps(
+        {
+            "format": FORMAT,
+            "step": step,
+            "metric": metric,
+            "sha256": sha256,
+            "size": size,
+            "created": time.time(),
+        }
+    ).encode()
+    return body + _TAIL.pack(len(body)) + MAGIC
 
 
-def write_checkpoint(path: Path, state: Mapping[str, Any], step: int, metric: float | None) -> None:
-    """Serialise `state` to `path` atomically: temporary file, trailer, fsync, rename."""
+def write_checkpoint(
+    path: Path,
+    state: Mapping[str, Any],
+    step: int,
+    metric: float | None,
+    before_commit: Callable[[], object] | None = None,
+) -> None:
+    """Serialise `state` to `path` atomically: temporary file, trailer, fsync, rename.
+
+    `before_commit` runs after the data is durable and before the rename that makes the
+    checkpoint visible (the trainer flushes its queued metrics there: a resumed run replays
+    only steps after its checkpoint, so every step before it must already be stored)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; teammates must be able to resume
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        torch.save(dict(state), tmp)  # a path: torch's C++ writer streams it, no Python copy
+        try:
+            torch.save(dict(state), tmp)  # a path: torch's C++ writer streams it, no Python copy
+        except RuntimeError as e:  # torch reports a full disk as an "enforce fail", not OSError
+            free = shutil.disk_usage(path.parent).free
+            raise OSError(f"torch.save failed ({str(e).splitlines()[0]}); {free / 2**20:.0f} MiB free") from e
         digest = hashlib.sha256()
         size = 0
         with open(tmp, "r+b") as f:
             while chunk := f.read(_HASH_CHUNK):
                 digest.update(chunk)
                 size += len(chunk)
-            trailer = json.dumps(
-                {
-                    "format": FORMAT,
-                    "step": step,
-                    "metric": metric,
-                    "sha256": digest.hexdigest(),
-                    "size": size,
-                    "created": time.time(),
-                }
-            ).encode()
-            f.write(trailer + _TAIL.pack(len(trailer)) + MAGIC)
+            f.write(_trailer(digest.hexdigest(), size, step, metric))
             f.flush()
             os.fsync(f.fileno())
+        if before_commit is not None:
+            before_commit()
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -153,21 +172,12 @@ def write_checkpoint(path: Path, state: Mapping[str, Any], step: int, metric: fl
 
 
 def encode(state: Mapping[str, Any], step: int, metric: float | None) -> bytes:
-    """The bytes of a checkpoint file, in memory (tests and tools; the trainer streams)."""
+    """The bytes of a checkpoint file, built in memory (for tools and tests; the trainer
+    streams with `write_checkpoint`)."""
     buf = io.BytesIO()
     torch.save(dict(state), buf)
     payload = buf.getvalue()
-    trailer = json.dumps(
-        {
-            "format": FORMAT,
-            "step": step,
-            "metric": metric,
-            "sha256": hashlib.sha256(payload).hexdigest(),
-            "size": len(payload),
-            "created": time.time(),
-        }
-    ).encode()
-    return payload + trailer + _TAIL.pack(len(trailer)) + MAGIC
+    return payload + _trailer(hashlib.sha256(payload).hexdigest(), len(payload), step, metric)
 
 
 def _read_trailer(f: Any, name: str) -> tuple[dict[str, Any], int]:
@@ -211,7 +221,10 @@ def load_verified(path: Path) -> dict[str, Any]:
         )
     if hashlib.sha256(payload).hexdigest() != trailer["sha256"]:
         raise CheckpointError(f"{path.name}: checksum mismatch (the file is corrupt)")
-    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{path.name}: the payload does not unpickle ({e})") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path.name}: payload is not a state dict")
     return state
@@ -279,11 +292,18 @@ class CheckpointManager:
                 trailer = read_header(path)
                 if int(trailer["step"]) != step:
                     raise CheckpointError(f"{path.name}: the trailer says step {trailer['step']}")
-            except Exception as e:  # any failure to read means "not trustworthy"
+            except CheckpointError as e:  # the file itself is damaged: set it aside
                 bad.append(path.name)
                 log.warning("checkpoint %s is unusable (%s); trying the previous one", path.name, e)
                 self._quarantine(path)
                 continue
+            except (OSError, MemoryError) as e:
+                # Says nothing about the file (permissions, NFS, a smaller machine): never
+                # quarantine a possibly good checkpoint for it.
+                raise CheckpointError(
+                    f"cannot read checkpoint {path} ({type(e).__name__}: {e}). Fix access to the run "
+                    f"directory or use a machine with more memory, then rerun to resume."
+                ) from e
             info = CheckpointInfo(path, step, trailer.get("metric"), trailer["sha256"], int(trailer["size"]))
             return info, state
         if bad:
@@ -307,23 +327,36 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- saving
     def save(
-        self, state: Mapping[str, Any], step: int, metric: float | None = None, *, block: bool = False
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        metric: float | None = None,
+        *,
+        block: bool = False,
+        before_commit: Callable[[], object] | None = None,
     ) -> None:
         """Snapshot `state` now; write it on the writer thread. `block=True` waits until it is
-        durable (used before exiting)."""
+        durable (used before exiting). `before_commit` runs on the writer thread just before
+        the checkpoint becomes visible (see `write_checkpoint`)."""
         t0 = time.perf_counter()
         self.wait()  # one write in flight: checkpoints land in order, and the buffers are free
         frozen = self._snapshot(state)
         self.last_stall_s = time.perf_counter() - t0
         with self._lock:
-            self._pending = self._pool.submit(self._write, frozen, step, metric)
+            self._pending = self._pool.submit(self._write, frozen, step, metric, before_commit)
         if block:
             self.wait()
 
-    def _write(self, state: dict[str, Any], step: int, metric: float | None) -> Path:
+    def _write(
+        self,
+        state: dict[str, Any],
+        step: int,
+        metric: float | None,
+        before_commit: Callable[[], object] | None,
+    ) -> Path:
         t0 = time.perf_counter()
         path = self.dir / checkpoint_name(step)
-        write_checkpoint(path, state, step, metric)
+        write_checkpoint(path, state, step, metric, before_commit)
         self.last_write_s = time.perf_counter() - t0
         self.prune()
         return path

@@ -41,14 +41,16 @@ def from_env() -> DistInfo:
     return DistInfo(rank=rank, local_rank=local, world_size=world)
 
 
-def init(info: DistInfo, device: torch.device) -> None:
+def init(info: DistInfo, device: torch.device) -> bool:
+    """Create the process group if this process runs under a launcher; True if it did."""
     if not info.enabled or dist.is_initialized():
-        return
+        return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(minutes=30)}
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
+    return True
 
 
 def shutdown() -> None:

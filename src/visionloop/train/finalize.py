@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from visionloop.models import ModelCard, save_weights
+from visionloop.models import save_weights
 
 if TYPE_CHECKING:
     from visionloop.train.loop import Loop
@@ -17,33 +17,23 @@ log = logging.getLogger("visionloop.train")
 def finalize(c: Components, loop: Loop, tracker: Any) -> dict[str, float]:
     """Write final.safetensors and model_card.json (atomically) and attach them to the run.
     Idempotent: a run killed halfway through this redoes it on resume."""
-    spec, rd = c.spec, c.run_dir
+    rd = c.run_dir
     save_weights(loop.module, rd.final_weights)
     metrics = dict(loop.last_eval.metrics) if loop.last_eval else {}
-    size = spec.data.image_size
-    card = ModelCard.from_manifest(
-        c.manifest,
-        arch=spec.model.arch,
-        model_kwargs=dict(spec.model.kwargs),
-        input_size=(3, size, size),
-        mean=c.mean,
-        std=c.std,
-        crop_pct=spec.data.crop_pct,
-        # The trainer's eval transform resizes bilinearly whatever the architecture's
-        # habit; the card must describe what the reported metrics were measured with.
-        interpolation="bilinear",
-        metrics={k: float(v) for k, v in metrics.items() if "/" not in k},
-        run_uid=(rd.read_meta() or {}).get("uid"),
+    card = c.task.model_card(
+        c.manifest, c.spec, mean=c.mean, std=c.std, metrics=metrics, run_uid=(rd.read_meta() or {}).get("uid")
     )
     card.save(rd.model_card)
     log.info("final weights %s, model card %s", rd.final_weights, rd.model_card)
     if tracker is not None:
-        tracker.log_artifact(rd.final_weights, artifact_path="model")
-        tracker.log_artifact(rd.model_card, artifact_path="model")
         eval_dir = c.last_eval_dir or _latest_eval_dir(c)
-        if eval_dir is not None:
-            tracker.log_artifact(eval_dir, artifact_path="eval")
-        tracker.flush()
+        uploads = [(rd.final_weights, "model"), (rd.model_card, "model")]
+        uploads += [(eval_dir, "eval")] if eval_dir is not None else []
+        for path, where in uploads:
+            try:
+                tracker.log_artifact(path, artifact_path=where)
+            except Exception as e:  # the files are safe in the run directory either way
+                log.warning("could not attach %s to the MLflow run: %s", path, e)
     return metrics
 
 

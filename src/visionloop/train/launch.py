@@ -42,20 +42,22 @@ def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) ->
     base = dict(env if env is not None else os.environ)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
     base.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
-    procs = [
-        subprocess.Popen(
-            list(cmd), env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nproc)}
-        )
-        for r in range(nproc)
-    ]
+    procs: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
+        # Ctrl-C already reached every worker from the terminal (same process group); a
+        # forwarded second SIGINT would read as "stop now" and abort them mid-collective.
+        # SIGTERM asks for the same clean stop and is idempotent.
+        sig = signal.SIGTERM if signum == signal.SIGINT else signum
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(sig)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
+        for r in range(nproc):
+            rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nproc)}
+            procs.append(subprocess.Popen(list(cmd), env=rank_env))
         failed_at: float | None = None
         while any(p.poll() is None for p in procs):
             codes = [p.returncode for p in procs if p.returncode is not None]
@@ -69,6 +71,10 @@ def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) ->
                         p.kill()
             time.sleep(0.1)
     finally:
+        for p in procs:  # only non-empty if we are leaving on an error (e.g. a rank failed to start)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         for s, h in previous.items():
             signal.signal(s, h)
     return combine_exit_codes([p.returncode for p in procs])

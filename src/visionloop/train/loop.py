@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from visionloop.core.errors import TrainingError
+from visionloop.core.errors import CheckpointError, TrainingError
 from visionloop.data.loader import make_loader
+from visionloop.data.normalize import Normalizer
 from visionloop.data.sampler import EvalBatchSampler, ResumableBatchSampler
 from visionloop.tasks.base import EvalResult
-from visionloop.tasks.classification.transforms import Normalizer
 from visionloop.train import dist
 from visionloop.train import rng as rng_state
 from visionloop.train.checkpoint import CheckpointManager
@@ -105,6 +105,8 @@ class Loop:
                 seed=self.spec.seed,
             )
         self._last_ckpt_time = time.monotonic()
+        self._saved_step: int | None = None  # the step of the newest checkpoint this run holds
+        self._warned_metric = False
 
     def close(self) -> None:
         """Stop the loader workers and wait for the last checkpoint write.
@@ -129,7 +131,7 @@ class Loop:
         return m.module if isinstance(m, DistributedDataParallel) else m
 
     def state_dict(self) -> dict[str, Any]:
-        ranks_rng = dist.gather_objects(rng_state.capture(), self.info)
+        ranks_rng = dist.gather_objects(rng_state.capture(cuda=self.device.type == "cuda"), self.info)
         return {
             "format": 1,
             "position": asdict(self.pos),
@@ -145,18 +147,31 @@ class Loop:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("spec_sha256") != self.c.spec_sha256:
+            raise CheckpointError(
+                "this checkpoint was written by a run with a different spec (its spec hash differs), so "
+                "resuming from it would not continue that run. Restore the run's own spec.yaml, or train "
+                "into a new --run-dir (copying checkpoints between runs is not supported)."
+            )
         if state.get("dataset_version") != self.c.manifest.version:
             raise TrainingError(
                 f"the checkpoint was trained on dataset version {state.get('dataset_version')}, but "
                 f"{self.spec.data.dataset} is now version {self.c.manifest.version}. Point "
                 f"data.dataset at the original dataset, or start a new run directory."
             )
-        self.module.load_state_dict(state["model"])
-        self.c.optimizer.load_state_dict(state["optimizer"])
-        self.c.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"] and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
-        self.pos = Position(**state["position"])
+        try:
+            self.module.load_state_dict(state["model"])
+            self.c.optimizer.load_state_dict(state["optimizer"])
+            self.c.scheduler.load_state_dict(state["scheduler"])
+            if state["scaler"] and self.scaler.is_enabled():
+                self.scaler.load_state_dict(state["scaler"])
+            self.pos = Position(**state["position"])
+        except (RuntimeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"the checkpoint does not fit this run's model or optimizer ({str(e)[:300]}). It was "
+                f"written by another version of visionloop or another spec; train into a new --run-dir."
+            ) from e
+        self._saved_step = self.pos.step
         if state.get("last_eval"):
             self.last_eval = EvalResult(metrics=dict(state["last_eval"]))
         # RNG last: building the model and loaders above may have drawn from it.
@@ -175,12 +190,22 @@ class Loop:
     def save_checkpoint(self, metric: float | None = None, *, block: bool = False) -> None:
         state = self.state_dict()
         if self.info.is_main:
-            self.ckpt.save(state, self.pos.step, metric, block=block)
+            self.ckpt.save(state, self.pos.step, metric, block=block, before_commit=self._flush_metrics)
             self.reporter.checkpoint(self.pos.step, self.ckpt.last_stall_s)
             log.info("checkpoint at step %d (loop blocked %.3f s)", self.pos.step, self.ckpt.last_stall_s)
         self._last_ckpt_time = time.monotonic()
+        self._saved_step = self.pos.step
         if block:
             dist.barrier(self.info)
+
+    def _flush_metrics(self) -> None:
+        """Runs on the checkpoint writer just before the checkpoint becomes visible: a resumed
+        run replays only the steps after its checkpoint, so every step logged before it must be
+        in the store by then. If the store is down, the checkpoint still lands (with a gap)."""
+        if self.tracker is not None and not self.tracker.flush(timeout=60.0):
+            log.warning(
+                "metrics were not all stored before checkpoint %d; a crash now leaves a gap", self.pos.step
+            )
 
     # ------------------------------------------------------------------ main
     @property
@@ -189,6 +214,16 @@ class Loop:
 
     def run(self) -> bool:
         """Train until done (True) or until a stop was requested and checkpointed (False)."""
+        try:
+            return self._run()
+        except torch.OutOfMemoryError as e:
+            raise TrainingError(
+                f"out of memory on {self.device} at step {self.pos.step}: lower data.batch_size or "
+                f"data.eval_batch_size, or use precision: bf16. The last checkpoint is kept; since these "
+                f"fields change the run, train into a new --run-dir."
+            ) from e
+
+    def _run(self) -> bool:
         if dist.any_flag([self.stop.requested], self.device, self.info)[0]:
             return self._stop_now()  # stopped while starting up
         while not self.done:
@@ -203,6 +238,17 @@ class Loop:
 
     def _stop_now(self) -> bool:
         log.info("stop requested (%s): checkpointing at step %d", self.stop.signal_name, self.pos.step)
+        if self._saved_step == self.pos.step:
+            # Nothing happened since the last checkpoint (a stop during start-up, or one that
+            # coincides with a periodic save): make that one durable rather than write it again,
+            # which would also drop its "best" score.
+            self.reporter.message(
+                f"stopping ({self.stop.signal_name}): checkpoint at step {self.pos.step} kept"
+            )
+            if self.info.is_main:
+                self.ckpt.wait()
+            dist.barrier(self.info)
+            return False
         self.reporter.message(
             f"stopping ({self.stop.signal_name}): writing a checkpoint at step {self.pos.step}"
         )
@@ -303,10 +349,16 @@ class Loop:
         """Evaluate the held-out split; False if stopped midway (the eval is redone on resume)."""
         pos = self.pos
         if self.eval_loader is None:
+            # No held-out split: nothing to measure, but this is still the epoch boundary (or
+            # the end) whose checkpoint the training loop left to the evaluation.
             pos.pending_eval = False
+            self.save_checkpoint()
             return True
         evaluator = self.c.task.evaluator(self.c.manifest.classes)
-        self.c.model.eval()
+        # Under DDP, evaluate the wrapped module itself: a DDP forward can broadcast buffers (a
+        # collective), and a rank with fewer eval batches would then skip it and hang the rest.
+        model = self.module if self.info.enabled else self.c.model
+        model.eval()
         # Ranks hold different numbers of eval batches (strided split); every rank runs the
         # same number of stop checks so that the collectives stay matched.
         rounds = self._eval_rounds()
@@ -323,7 +375,7 @@ class Loop:
                 x = self.normalize(x.to(self.device, non_blocking=True), self.spec.model.channels_last)
                 y = y.to(self.device, non_blocking=True)
                 with self.precision.autocast(self.device):
-                    out = self.c.model(x)
+                    out = model(x)
                     loss = self.c.loss_fn(out, y)
                 evaluator.update(out.float(), y, float(loss) * y.shape[0])
                 self.reporter.eval_batch()
@@ -332,7 +384,14 @@ class Loop:
         self.last_eval = result
         pos.pending_eval = False
         pos.evals_done += 1
-        metric = result.metrics.get(self.spec.checkpoint.best_metric.removeprefix("val/"))
+        metric_name = self.spec.checkpoint.best_metric.removeprefix("val/")
+        metric = result.metrics.get(metric_name)
+        if metric is None and not self._warned_metric:
+            self._warned_metric = True
+            names = ", ".join(f"val/{k}" for k in result.metrics if "/" not in k)
+            text = f"checkpoint.best_metric {self.spec.checkpoint.best_metric!r} is not measured ({names})"
+            log.warning("%s; no checkpoint is kept as best", text)
+            self.reporter.message(text + "; no checkpoint is kept as best")
         if metric is not None and self._is_better(metric):
             pos.best_metric = metric
         if self.info.is_main:

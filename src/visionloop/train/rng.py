@@ -5,11 +5,14 @@ Stored as tensors and plain tuples only, so checkpoints load with `weights_only=
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -18,7 +21,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def capture() -> dict[str, Any]:
+def capture(cuda: bool = False) -> dict[str, Any]:
+    """Every RNG state; the CUDA ones only when training on CUDA (asking for them would
+    initialise CUDA in a CPU run on a GPU machine)."""
     np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -30,7 +35,7 @@ def capture() -> dict[str, Any]:
             "cached_gaussian": float(np_state[4]),
         },
     }
-    if torch.cuda.is_available():
+    if cuda:
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -46,6 +51,13 @@ def restore(state: dict[str, Any]) -> None:
         cuda_states = state["cuda"]
         if len(cuda_states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            log.warning(
+                "the checkpoint holds RNG states for %d GPU(s), this machine has %d: CUDA RNG streams "
+                "start afresh, so this resumption is not bitwise reproducible",
+                len(cuda_states),
+                torch.cuda.device_count(),
+            )
 
 
 def _as_tuple(obj: Any) -> Any:

@@ -36,10 +36,16 @@ from visionloop.core.fsutil import atomic_write_json, atomic_write_text
 # executed or recorded, not what it computes.
 RESUMABLE_CHANGES = {
     "data.workers",
+    "data.eval_batch_size",
     "device",
+    "eval.every_epochs",
     "checkpoint.every_steps",
     "checkpoint.every_minutes",
     "checkpoint.keep_last",
+    "checkpoint.keep_best",
+    "checkpoint.best_metric",
+    "checkpoint.best_mode",
+    "tracking.log_every_steps",
     "tracking.system_metrics_every_s",
 }
 
@@ -96,6 +102,11 @@ class RunDir:
         f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
         f.flush()
         self._lock_file = f
+
+    @property
+    def locked(self) -> bool:
+        """True while this process holds the run directory's lock."""
+        return self._lock_file is not None
 
     def unlock(self) -> None:
         if self._lock_file is not None:

@@ -21,14 +21,12 @@ from visionloop.core.errors import DataError, TrainingError
 from visionloop.data.manifest import DatasetManifest, read_manifest
 from visionloop.data.shards import ShardReader
 from visionloop.models import create_model
+from visionloop.models.registry import IMAGENET_MEAN, IMAGENET_STD
 from visionloop.specs import TrainSpec
 from visionloop.tasks.base import LossFn, Task, get_task
 from visionloop.train.dist import DistInfo
 from visionloop.train.rundir import RunDir
 from visionloop.train.schedule import build_optimizer, build_scheduler
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass
@@ -84,6 +82,32 @@ def open_split(manifest: DatasetManifest, dataset_dir: Path, split: str) -> Shar
     return ShardReader(dataset_dir / info.shard_dir)
 
 
+def check_input_size(model: nn.Module, spec: TrainSpec, num_classes: int, device: torch.device) -> None:
+    """One tiny forward before anything else: an image size the architecture cannot take
+    (ViT wants exactly 224, Inception at least 75, ...) fails here with advice, not as a
+    stack trace after the loaders have started. Eval mode, no grad: no RNG, no BN update."""
+    size = spec.data.image_size
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(1, 3, size, size, device=device))
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise TrainingError(
+            f"{spec.model.arch} cannot take {size}x{size} images ({first}). Change data.image_size to "
+            f"what the architecture expects (`visionloop archs {spec.model.arch}` shows its default)."
+        ) from e
+    finally:
+        model.train()
+    if tuple(out.shape) != (1, num_classes):
+        raise TrainingError(
+            f"{spec.model.arch} returned shape {tuple(out.shape)} for one image, expected "
+            f"(1, {num_classes}); check model.kwargs."
+        )
+
+
 def build(
     spec: TrainSpec, info: DistInfo, device: torch.device, run_dir: RunDir, spec_sha256: str
 ) -> Components:
@@ -117,6 +141,7 @@ def build(
         spec.model.arch, manifest.num_classes, pretrained=spec.model.pretrained, **spec.model.kwargs
     )
     model.to(device)
+    check_input_size(model, spec, manifest.num_classes, device)
     if spec.model.channels_last:
         model.to(memory_format=torch.channels_last)
     num_params = sum(p.numel() for p in model.parameters())

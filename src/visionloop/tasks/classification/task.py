@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +10,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from visionloop.data.manifest import DatasetManifest
 from visionloop.data.sampler import SampleKey
 from visionloop.data.shards import ShardReader
+from visionloop.models import ModelCard
 from visionloop.specs import TrainSpec
 from visionloop.tasks.base import EvalResult, Evaluator, LossFn, Task
 from visionloop.tasks.classification.metrics import ConfusionMatrix
@@ -108,3 +110,29 @@ class ClassificationTask(Task):
 
     def evaluator(self, class_names: Sequence[str]) -> Evaluator:
         return ClassificationEvaluator(class_names)
+
+    def model_card(
+        self,
+        manifest: DatasetManifest,
+        spec: TrainSpec,
+        *,
+        mean: Sequence[float],
+        std: Sequence[float],
+        metrics: Mapping[str, float],
+        run_uid: str | None,
+    ) -> ModelCard:
+        size = spec.data.image_size
+        return ModelCard.from_manifest(
+            manifest,
+            arch=spec.model.arch,
+            model_kwargs=dict(spec.model.kwargs),
+            input_size=(3, size, size),
+            mean=tuple(mean),
+            std=tuple(std),
+            crop_pct=spec.data.crop_pct,
+            # EvalTransform resizes bilinearly whatever the architecture's habit; the card must
+            # describe what the reported metrics were measured with.
+            interpolation="bilinear",
+            metrics={k: float(v) for k, v in metrics.items() if "/" not in k},
+            run_uid=run_uid,
+        )

@@ -7,8 +7,8 @@ ran before. Here every random choice comes from a `random.Random` seeded by
 the run is fresh, resumed mid-epoch, single-process or DDP. That is what makes resumption
 bitwise exact.
 
-Images stay uint8 until they reach the device; normalisation happens there, in one fused op,
-which keeps worker→main-process traffic 4x smaller than float tensors.
+Images stay uint8 until they reach the device; normalisation happens there
+(`visionloop.data.normalize`), which keeps worker→main-process traffic 4x smaller than floats.
 """
 
 from __future__ import annotations
@@ -103,26 +103,3 @@ class EvalTransform:
         img = F.resize(img, short, antialias=True)
         out: torch.Tensor = F.center_crop(img, [self.size, self.size])
         return out
-
-
-class Normalizer:
-    """uint8 (N, 3, H, W) on any device → normalised float32: (x / 255 - mean) / std.
-
-    Done as one conversion and two in-place passes (x * scale + shift); the out-of-place
-    broadcasted addcmul took ~2x longer on CPU, where this runs in the training process."""
-
-    def __init__(self, mean: tuple[float, float, float], std: tuple[float, float, float]) -> None:
-        m = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-        s = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-        self.scale = 1.0 / (255.0 * s)
-        self.shift = -m / s
-        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
-        dev = x.device
-        if dev not in self._cache:
-            self._cache[dev] = (self.scale.to(dev), self.shift.to(dev))
-        scale, shift = self._cache[dev]
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        out = x.to(dtype=torch.float32, memory_format=fmt)
-        return out.mul_(scale).add_(shift)

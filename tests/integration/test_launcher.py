@@ -1,0 +1,72 @@
+"""The local DDP launcher: signals reach every rank as one clean stop; exits combine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# A stand-in rank: installs the trainer's stop handling, says it is ready, and exits 75 once
+# asked to stop, like the trainer after its checkpoint; exit 130 if a second SIGINT aborted it.
+RANK = """
+import os, sys, time
+from visionloop.train.signals import StopRequest
+stop = StopRequest().install()
+print("ready", os.environ["RANK"], flush=True)
+try:
+    while not stop.requested:
+        time.sleep(0.01)
+    print("rank", os.environ["RANK"], "stopping on", stop.signal_name, flush=True)
+    time.sleep(1.0)  # the "checkpoint": a forwarded second signal would land here
+except KeyboardInterrupt:
+    print("rank", os.environ["RANK"], "aborted", flush=True)
+    sys.exit(130)
+sys.exit(75)
+"""
+
+LAUNCHER = """
+import sys
+from visionloop.train.launch import launch
+sys.exit(launch([sys.executable, "-c", sys.argv[1]], 2))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_whole_group_stops_every_rank_cleanly(sig: signal.Signals) -> None:
+    p = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, RANK], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert p.stdout is not None
+    ready = {p.stdout.readline().split()[1] for _ in range(2)}
+    assert ready == {"0", "1"}
+    os.killpg(p.pid, sig)  # Ctrl-C in a terminal, or a scheduler's TERM: the whole group
+    try:
+        out, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"the launcher did not finish; its ranks said:\n{out}")
+    assert p.returncode == 75, out
+    assert out.count("stopping on") == 2 and "aborted" not in out, out
+
+
+def test_a_failing_rank_stops_the_others(tmp_path: Path) -> None:
+    marker = tmp_path / "rank1-stopped"
+    rank = f"""
+import os, sys, time
+from visionloop.train.signals import StopRequest
+stop = StopRequest().install()
+if os.environ["RANK"] == "0":
+    sys.exit(3)
+while not stop.requested:
+    time.sleep(0.01)
+open({str(marker)!r}, "w").write("stopped")
+sys.exit(75)
+"""
+    p = subprocess.run([sys.executable, "-c", LAUNCHER, rank], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3  # the real failure, not the 75 of the rank that was stopped
+    assert marker.read_text() == "stopped"  # rank 1 got the launcher's stop and exited cleanly

@@ -1,0 +1,48 @@
+"""Settings: environment over ./visionloop.toml over <home>/visionloop.toml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from visionloop.core.errors import ConfigError
+from visionloop.core.settings import load_settings
+
+
+def test_defaults_live_under_the_home(vl_home: Path, tmp_path: Path) -> None:
+    s = load_settings(cwd=tmp_path)
+    assert s.home == vl_home.resolve() and s.tracking_uri == f"sqlite:///{vl_home.resolve() / 'mlflow.db'}"
+    assert s.experiment == "default"
+
+
+def test_local_file_points_at_a_home_whose_own_file_fills_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VISIONLOOP_HOME")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "visionloop.toml").write_text(
+        '[visionloop]\nexperiment = "from-home"\ntracking_uri = "http://h:1"\n'
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "visionloop.toml").write_text(f'[visionloop]\nhome = "{home}"\ntracking_uri = "http://local:2"\n')
+    s = load_settings(cwd=work)
+    assert s.home == home and s.experiment == "from-home" and s.tracking_uri == "http://local:2"
+    monkeypatch.setenv("VISIONLOOP_TRACKING_URI", "http://env:3")
+    assert load_settings(cwd=work).tracking_uri == "http://env:3"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[visionloop]\nhome = 5\n", "must be non-empty strings"),
+        ("[visionloop]\nhom = '/x'\n", "unknown setting"),
+        ("[visionloop\n", "not valid TOML"),
+    ],
+)
+def test_bad_settings_files_are_explained(tmp_path: Path, text: str, expected: str) -> None:
+    (tmp_path / "visionloop.toml").write_text(text)
+    with pytest.raises(ConfigError, match=expected):
+        load_settings(cwd=tmp_path)
