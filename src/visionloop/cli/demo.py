@@ -58,7 +58,12 @@ def write_digits_imagefolder(root: Path, scale: int = 4) -> int:
 
 
 def demo(
-    epochs: int = typer.Option(8, "--epochs", min=1, help="Training epochs (8 reach ~98% on 2 CPU cores)."),
+    epochs: int = typer.Option(
+        8,
+        "--epochs",
+        min=1,
+        help="Training epochs (8 reach about 97% validation accuracy in under a minute on 2 CPU cores).",
+    ),
     workers: int = typer.Option(2, "--workers", min=0, help="DataLoader worker processes."),
     home: Path | None = typer.Option(
         None, "--home", help="Put everything under this folder instead of $VISIONLOOP_HOME."
@@ -66,8 +71,9 @@ def demo(
 ) -> None:
     """Run the spine end to end on scikit-learn's digits: ImageFolder → ingest → train → evaluate.
 
-    Everything lands under $VISIONLOOP_HOME (default ~/.visionloop): the images in demo/,
-    the dataset in datasets/digits, the run in runs/demo-<time>, the MLflow store in mlflow.db.
+    Everything lands under $VISIONLOOP_HOME (default ~/.visionloop).
+
+    Images go to demo/, the dataset to datasets/digits, the run to runs/demo-<time>, MLflow to mlflow.db.
     """
     import os
 

@@ -30,15 +30,17 @@ def train(
         1,
         "--nproc-per-node",
         min=1,
-        help="Run N processes with DDP on this machine (via torchrun; gloo on CPU, NCCL on GPU). "
-        "data.batch_size stays the global batch.",
+        help="Run N DDP processes on this machine (gloo on CPU, NCCL on GPU); data.batch_size stays "
+        "the global batch. Under torchrun, leave this out.",
     ),
     no_track: bool = typer.Option(False, "--no-track", help="Do not record the run in MLflow."),
 ) -> None:
     """Train a model from SPEC, or resume it from its latest valid checkpoint.
 
-    SIGTERM, SIGUSR1 or Ctrl-C make the trainer finish the current step, write a checkpoint
-    and exit with code 75; running the same command again resumes exactly where it stopped.
+    SIGTERM, SIGUSR1 or Ctrl-C: finish the current step, write a checkpoint, exit with code 75.
+
+    Running the same command again resumes exactly where it stopped.
+
     Exit codes: 0 done, 75 stopped and resumable, anything else failed.
     """
     from visionloop.train.signals import StopRequest
