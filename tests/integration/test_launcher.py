@@ -12,18 +12,23 @@ import pytest
 
 # A stand-in rank: installs the trainer's stop handling, says it is ready, and exits 75 once
 # asked to stop, like the trainer after its checkpoint; exit 130 if a second SIGINT aborted it.
-RANK = """
+RANK = r"""
 import os, sys, time
 from visionloop.train.signals import StopRequest
 stop = StopRequest().install()
-print("ready", os.environ["RANK"], flush=True)
+# One write() per line: both ranks share the pipe, and print() makes two writes (text, then
+# end), which interleave between processes when output is unbuffered.
+sys.stdout.write(f"ready {os.environ['RANK']}\n")
+sys.stdout.flush()
 try:
     while not stop.requested:
         time.sleep(0.01)
-    print("rank", os.environ["RANK"], "stopping on", stop.signal_name, flush=True)
+    sys.stdout.write(f"rank {os.environ['RANK']} stopping on {stop.signal_name}\n")
+    sys.stdout.flush()
     time.sleep(1.0)  # the "checkpoint": a forwarded second signal would land here
 except KeyboardInterrupt:
-    print("rank", os.environ["RANK"], "aborted", flush=True)
+    sys.stdout.write(f"rank {os.environ['RANK']} aborted\n")
+    sys.stdout.flush()
     sys.exit(130)
 sys.exit(75)
 """

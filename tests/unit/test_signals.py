@@ -31,3 +31,32 @@ def test_second_ctrl_c_interrupts_immediately() -> None:
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         stop.uninstall()
+
+
+def test_a_burst_of_signals_never_deadlocks_the_handler() -> None:
+    """A handler runs between bytecodes, even inside another handler: if it took a lock (as a
+    threading.Event does), a second signal arriving mid-handler would wait forever for it.
+    Two SIGTERMs in a row are normal: the launcher forwards one, the process group gets one."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from visionloop.train.signals import StopRequest\n"
+            "stop = StopRequest().install()\n"
+            "sys.stdout.write('ready\\n'); sys.stdout.flush()\n"
+            "t = time.time()\n"
+            "while time.time() - t < 3: pass\n"
+            "sys.stdout.write(f'{stop.requested} {stop.signal_name}\\n')\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    for _ in range(2000):
+        child.send_signal(signal.SIGTERM)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0 and out == "True SIGTERM\n"

@@ -12,21 +12,29 @@ EXIT_PREEMPTED = 75
 
 
 class StopRequest:
+    """A stop flag set by signal handlers (or by `request` from any thread).
+
+    The flag is a plain attribute on purpose: a Python signal handler runs between bytecodes of
+    the main thread, possibly in the middle of another handler, so it must never take a lock.
+    (A threading.Event deadlocked here: a second SIGTERM arriving while the first handler was
+    inside Event.set() waited forever for the lock the first one held.)"""
+
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._requested = False
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
 
     @property
     def requested(self) -> bool:
-        return self._event.is_set()
+        return self._requested
 
     def request(self, reason: str) -> None:
-        self.signal_name = reason
-        self._event.set()
+        if not self._requested:
+            self.signal_name = reason
+        self._requested = True
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self._event.is_set():
+        if signum == signal.SIGINT and self._requested and self.signal_name == "SIGINT":
             raise KeyboardInterrupt
         self.request(signal.Signals(signum).name)
 
