@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from visionloop.data.sampler import EvalBatchSampler, ResumableBatchSampler, epoch_order
@@ -67,3 +70,20 @@ def test_eval_sampler_covers_every_record_once_across_ranks() -> None:
         assert len(batches) == len(s)
         seen += flat(batches)
     assert sorted(seen) == list(range(101))
+
+
+# tiny chunks on purpose, so that a batch spans several; litdata warns about the overshoot
+@pytest.mark.filterwarnings("ignore:An item was larger than the target chunk size")
+def test_read_many_returns_records_in_the_asked_order(tmp_path: Path) -> None:
+    from visionloop.data.shards import ShardReader, ShardWriter
+
+    w = ShardWriter(tmp_path / "s", chunk_bytes="2KB")  # several chunks
+    for i in range(40):
+        w.add({"image": bytes([i]) * 100, "label": i % 3, "index": 1000 + i})
+    w.close()
+    r = ShardReader(tmp_path / "s")
+    assert len(r.chunk_sizes) > 1 and len(r) == 40
+    asked = [37, 2, 19, 2, 0, 39, 11]
+    got = r.read_many(asked)
+    assert [g["index"] for g in got] == [1000 + p for p in asked]
+    assert [g["image"][0] for g in got] == asked and [g["label"] for g in got] == [p % 3 for p in asked]

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from visionloop.data.manifest import DatasetManifest
 from visionloop.data.sampler import SampleKey
-from visionloop.data.shards import ShardReader
+from visionloop.data.shards import Record, ShardReader
 from visionloop.models import ModelCard
 from visionloop.specs import TrainSpec
 from visionloop.tasks.base import EvalResult, Evaluator, LossFn, Task
@@ -33,8 +33,15 @@ class ShardClassificationDataset(Dataset[tuple[torch.Tensor, int]]):
         return len(self.reader)
 
     def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int]:
-        position, epoch = key
-        record = self.reader[position]
+        return self._sample(self.reader[key[0]], key[1])
+
+    def __getitems__(self, keys: list[SampleKey]) -> list[tuple[torch.Tensor, int]]:
+        """A whole batch at once (the DataLoader calls this when it exists): records are read
+        in shard order, samples come back in the sampler's order."""
+        records = self.reader.read_many([position for position, _ in keys])
+        return [self._sample(r, epoch) for r, (_, epoch) in zip(records, keys, strict=True)]
+
+    def _sample(self, record: Record, epoch: int) -> tuple[torch.Tensor, int]:
         img = decode_rgb(record["image"])
         if isinstance(self.transform, TrainTransform):
             img = self.transform(img, epoch, record["index"])
