@@ -6,10 +6,13 @@ and commands that never touch the store stay fast.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -105,9 +108,29 @@ def client(settings: Settings) -> MlflowClient:
         settings.ensure()
     try:
         # For a database URI this connects, and creates or migrates the schema, right here.
-        return MlflowClient(tracking_uri=settings.tracking_uri)
+        with _schema_lock(settings.tracking_uri):
+            return MlflowClient(tracking_uri=settings.tracking_uri)
     except Exception as e:
         raise store_error("connect", settings, e) from e
+
+
+@contextlib.contextmanager
+def _schema_lock(uri: str) -> Iterator[None]:
+    """Serialise opening a local SQLite store between processes. MLflow creates and migrates
+    the schema on first connect without a lock of its own, so two trainers starting at once
+    on a fresh store (a queue launching two jobs) both run `ALTER TABLE ...` and one fails
+    with "duplicate column". Server databases and tracking servers migrate once, by an admin."""
+    db = sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".init-lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def store_error(action: str, settings: Settings, error: BaseException) -> TrackingError:
