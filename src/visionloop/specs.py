@@ -155,6 +155,34 @@ class TrainSpec(_Spec):
         return self
 
 
+class ResourcesSpec(_Spec):
+    gpus: int = Field(1, ge=0, le=1024, examples=[1], description="GPUs for the job (0: CPU only)")
+    cpus: float = Field(2.0, gt=0.0, le=4096, examples=[4])
+    memory_gb: float = Field(8.0, gt=0.0, le=65536, examples=[16])
+
+
+class JobSpec(_Spec):
+    """A queued training job: a train spec plus what the scheduler needs to place it.
+
+    `visionloop submit` accepts this document, or a bare train spec that it wraps with the
+    defaults below and the command-line flags."""
+
+    train: TrainSpec
+    resources: ResourcesSpec = ResourcesSpec()
+    priority: str = Field("normal", min_length=1, max_length=64, examples=["normal"])
+    team: str | None = Field(None, min_length=1, max_length=64, examples=["detection"])
+    spot: Literal["never", "allowed", "preferred"] = Field("allowed", examples=["allowed"])
+    max_restarts: int = Field(3, ge=0, le=100, examples=[3])
+    name: str | None = Field(None, min_length=1, max_length=200, examples=["resnet50-baseline"])
+
+    @field_validator("priority", "team")
+    @classmethod
+    def _identifier(cls, v: str | None) -> str | None:
+        if v is not None and not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError("may contain only letters, digits, '-', '_' and '.'")
+        return v
+
+
 # --------------------------------------------------------------------------- loading
 
 

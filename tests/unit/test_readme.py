@@ -42,9 +42,31 @@ def test_the_spec_reference_validates_and_documents_the_real_defaults() -> None:
 def test_the_settings_example_is_a_valid_visionloop_toml(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (toml,) = blocks("toml")
+    (toml,) = [b for b in blocks("toml") if "[visionloop]" in b]
     (tmp_path / "visionloop.toml").write_text(toml)
     monkeypatch.delenv("VISIONLOOP_HOME")
     s = load_settings(cwd=tmp_path)
     assert str(s.home) == "/data/visionloop" and s.tracking_uri == "http://mlflow.internal:5000"
     assert s.experiment == "pets"
+
+
+def test_the_cluster_config_example_parses_with_its_documented_values() -> None:
+    import tomllib
+
+    from visionloop.sched.config import parse_cluster_config
+
+    (toml,) = [b for b in blocks("toml") if "[[inventory]]" in b]
+    cfg = parse_cluster_config(tomllib.loads(toml))
+    assert cfg.timings.grace_s == 120 and cfg.timings.order == "las"
+    assert cfg.priorities == {"low": 10, "normal": 50, "high": 100}
+    assert [(t.name, t.nominal_gpus, t.borrow_limit) for t in cfg.teams] == [
+        ("vision", 2, 2),
+        ("research", 2, 0),
+    ]
+    assert cfg.inventory is not None
+    assert [(g.id, g.price_class) for g in cfg.inventory] == [
+        ("local/0", "owned"),
+        ("local/1", "owned"),
+        ("spot-a/0", "spot"),
+        ("spot-a/1", "spot"),
+    ]

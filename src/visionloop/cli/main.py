@@ -15,6 +15,7 @@ import typer
 from visionloop.cli import archs as archs_cli
 from visionloop.cli import data as data_cli
 from visionloop.cli import demo as demo_cli
+from visionloop.cli import queue as queue_cli
 from visionloop.cli import runs as runs_cli
 from visionloop.cli import train as train_cli
 from visionloop.cli.console import err
@@ -24,7 +25,8 @@ app = typer.Typer(
     name="visionloop",
     help=(
         "visionloop: labelled images in; a trained, tracked, resumable model out.\n\n"
-        "Start with `visionloop demo`. State lives under $VISIONLOOP_HOME (default ~/.visionloop)."
+        "Start with `visionloop demo`. Share GPUs between jobs with `visionloop up`, `submit` and "
+        "`jobs`. State lives under $VISIONLOOP_HOME (default ~/.visionloop)."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -36,6 +38,11 @@ app.add_typer(runs_cli.app, name="runs")
 app.command("train", context_settings={"help_option_names": ["-h", "--help"]})(train_cli.train)
 app.command("demo", context_settings={"help_option_names": ["-h", "--help"]})(demo_cli.demo)
 app.command("archs", context_settings={"help_option_names": ["-h", "--help"]})(archs_cli.archs)
+for _name, _fn in (("up", queue_cli.up), ("down", queue_cli.down), ("submit", queue_cli.submit)):
+    app.command(_name, context_settings={"help_option_names": ["-h", "--help"]})(_fn)
+app.add_typer(queue_cli.jobs_app, name="jobs")
+app.add_typer(queue_cli.admin_app, name="admin")
+app.add_typer(queue_cli.cost_app, name="cost")
 
 
 @app.callback()

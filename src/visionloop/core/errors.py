@@ -38,3 +38,12 @@ class TrackingError(VisionloopError):
 
 class NotFoundError(VisionloopError):
     """A named run, dataset or model does not exist."""
+
+
+class ExecutorError(VisionloopError):
+    """An executor could not start, signal or find a job's process."""
+
+
+class StoreError(VisionloopError):
+    """The job store refused or failed a change (a GPU already held, a reused idempotency
+    key, a database that cannot be reached)."""

@@ -1,0 +1,270 @@
+"""The control-plane HTTP API (FastAPI), served by `visionloop up` on loopback.
+
+Every route needs `Authorization: Bearer <token>`. A team token sees and acts on its own
+team's jobs only (another team's job answers 404, exactly like a missing one, so ids leak
+nothing); an admin token sees everything and may manage teams, tokens and spot notices.
+Errors are `{"detail": "<what went wrong and what to do>"}` with a 4xx status; a client's
+mistake never gets a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, is_dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from visionloop.core.errors import NotFoundError, VisionloopError
+from visionloop.sched.cost import cost_report
+from visionloop.sched.service import ControlPlane, Principal, SubmitError
+from visionloop.sched.states import JobState, TransitionError
+
+log = logging.getLogger(__name__)
+
+# A job spec is a few KiB; anything near this is a mistake or an attack.
+MAX_BODY_BYTES = 1024 * 1024
+
+
+class SubmitBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    spec: dict[str, Any] = Field(description="a job spec, or a bare train spec (absolute paths)")
+    team: str | None = None
+    priority: str | None = None
+    gpus: int | None = Field(None, ge=0, le=1024)
+    spot: Literal["never", "allowed", "preferred"] | None = None
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+
+
+class TeamBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    nominal_gpus: int = Field(ge=0, le=100_000)
+    borrow_limit: int = Field(0, ge=0, le=100_000)
+    weight: float = Field(1.0, gt=0, le=1000)
+
+
+class TokenBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    team: str | None = Field(None, min_length=1, max_length=64)
+    admin: bool = False
+    label: str = Field("", max_length=200)
+
+
+class SpotBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: str = Field(min_length=1, max_length=200, description="a GPU id or a node name")
+    reason: str | None = Field(None, max_length=500)
+
+
+def _plain(obj: Any) -> Any:
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {k: _plain(v) for k, v in asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set | frozenset):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, JobState):
+        return str(obj)
+    if hasattr(obj, "__fspath__"):
+        return str(obj)
+    return obj
+
+
+def _principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise HTTPException(
+            401,
+            "missing bearer token: send `Authorization: Bearer <token>` "
+            "(`visionloop admin token create --team T` makes one).",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    plane: ControlPlane = request.app.state.plane
+    found = plane.store.authenticate(token.strip())
+    if found is None:
+        raise HTTPException(401, "unknown or revoked token.", headers={"WWW-Authenticate": "Bearer"})
+    return Principal(team=found.team, admin=found.admin)
+
+
+def _admin(who: Annotated[Principal, Depends(_principal)]) -> Principal:
+    if not who.admin:
+        raise HTTPException(403, "this needs an admin token.")
+    return who
+
+
+Who = Annotated[Principal, Depends(_principal)]
+Admin = Annotated[Principal, Depends(_admin)]
+
+
+def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
+    stop = threading.Event()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        thread = None
+        if run_scheduler:
+            thread = threading.Thread(target=plane.run_forever, args=(stop,), name="scheduler", daemon=True)
+            thread.start()
+        yield
+        stop.set()
+        plane.wake.set()
+        if thread is not None:
+            thread.join(timeout=30)
+
+    app = FastAPI(title="visionloop control plane", version="1", lifespan=lifespan)
+    app.state.plane = plane
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return JSONResponse(
+                {"detail": f"request body over {MAX_BODY_BYTES} bytes; a job spec is a few KiB."},
+                status_code=413,
+            )
+        return await call_next(request)  # type: ignore[no-any-return]
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        return JSONResponse({"detail": f"invalid request: {problems}"}, status_code=422)
+
+    @app.exception_handler(VisionloopError)
+    async def known_error(_request: Request, exc: VisionloopError) -> JSONResponse:
+        status = 404 if isinstance(exc, NotFoundError) else 409 if isinstance(exc, TransitionError) else 422
+        if isinstance(exc, SubmitError):
+            status = exc.status
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    @app.get("/v1/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "executor": plane.executor.name}
+
+    @app.post("/v1/jobs", status_code=201)
+    def submit(body: SubmitBody, who: Who) -> dict[str, Any]:
+        job = plane.submit(
+            who,
+            body.spec,
+            team=body.team,
+            priority=body.priority,
+            gpus=body.gpus,
+            spot=body.spot,
+            idempotency_key=body.idempotency_key,
+        )
+        plane.wake.set()
+        return _plain(job)  # type: ignore[no-any-return]
+
+    @app.get("/v1/jobs")
+    def list_jobs(
+        who: Who,
+        state: Annotated[list[JobState] | None, Query()] = None,
+        team: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+        offset: Annotated[int, Query(ge=0)] = 0,
+    ) -> list[dict[str, Any]]:
+        if not who.admin:
+            if team is not None and team != who.team:
+                raise HTTPException(403, f"your token belongs to team {who.team!r}.")
+            team = who.team
+        jobs = plane.store.list_jobs(
+            team=team, states=set(state) if state else None, limit=limit, offset=offset
+        )
+        return [_plain(j) for j in jobs]
+
+    @app.get("/v1/jobs/{job_id}")
+    def show_job(job_id: int, who: Who) -> dict[str, Any]:
+        job = plane.visible_job(who, job_id)
+        return {
+            "job": _plain(job),
+            "transitions": _plain(plane.store.transitions(job_id)),
+            "attempts": _plain(plane.store.attempts(job_id)),
+            "checkpoints": _plain(plane.store.checkpoints(job_id)),
+            "cost": _plain(cost_report(plane.store, plane.catalog, job_id=job_id)),
+        }
+
+    @app.get("/v1/jobs/{job_id}/logs")
+    def job_logs(
+        job_id: int,
+        who: Who,
+        attempt: int | None = None,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=8 * 1024 * 1024)] = 1024 * 1024,
+    ) -> Response:
+        plane.visible_job(who, job_id)
+        attempts = plane.store.attempts(job_id)
+        if not attempts:
+            return Response(
+                b"", media_type="text/plain", headers={"X-Next-Offset": str(offset), "X-Attempt": "0"}
+            )
+        chosen = attempts[-1] if attempt is None else next((a for a in attempts if a.number == attempt), None)
+        if chosen is None:
+            raise HTTPException(404, f"job {job_id} has no attempt {attempt}; it has {len(attempts)}.")
+        data = b""
+        for piece in plane.executor.read_log(chosen.handle or {}, offset):
+            data += piece
+            if len(data) >= limit:
+                data = data[:limit]
+                break
+        return Response(
+            data,
+            media_type="text/plain; charset=utf-8",
+            headers={"X-Next-Offset": str(offset + len(data)), "X-Attempt": str(chosen.number)},
+        )
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel(job_id: int, who: Who) -> dict[str, Any]:
+        return _plain(plane.cancel(who, job_id))  # type: ignore[no-any-return]
+
+    @app.get("/v1/cluster")
+    def cluster(who: Who) -> dict[str, Any]:
+        return {"gpus": _plain(plane.store.list_gpus()), "teams": _plain(plane.store.list_teams())}
+
+    @app.get("/v1/cost")
+    def cost(who: Who, team: str | None = None, since: float | None = None) -> dict[str, Any]:
+        if not who.admin:
+            if team is not None and team != who.team:
+                raise HTTPException(403, f"your token belongs to team {who.team!r}.")
+            team = who.team
+        return _plain(cost_report(plane.store, plane.catalog, team=team, since=since))  # type: ignore[no-any-return]
+
+    @app.put("/v1/admin/teams/{name}")
+    def set_team(name: str, body: TeamBody, _: Admin) -> dict[str, Any]:
+        from visionloop.sched.config import _name
+
+        _name(name, "team name", None)
+        plane.store.upsert_team(name, body.nominal_gpus, body.borrow_limit, body.weight)
+        plane.wake.set()
+        return _plain(plane.store.get_team(name))  # type: ignore[no-any-return]
+
+    @app.post("/v1/admin/tokens", status_code=201)
+    def create_token(body: TokenBody, _: Admin) -> dict[str, Any]:
+        if body.admin == (body.team is not None):
+            raise HTTPException(422, "give a team (a team token) or admin: true (an admin token), not both.")
+        if body.team is not None and plane.store.get_team(body.team) is None:
+            raise HTTPException(
+                404,
+                f"unknown team {body.team!r}; add it first: "
+                f"`visionloop admin team set {body.team} --nominal N`.",
+            )
+        token = plane.store.create_token(team=body.team, admin=body.admin, label=body.label)
+        return {"token": token, "team": body.team, "admin": body.admin}
+
+    @app.post("/v1/admin/spot-interrupt")
+    def spot_interrupt(body: SpotBody, _: Admin) -> dict[str, Any]:
+        return {"preempting": plane.spot_interrupt(body.target, body.reason)}
+
+    @app.post("/v1/admin/spot-restore")
+    def spot_restore(body: SpotBody, _: Admin) -> dict[str, Any]:
+        return {"up": plane.spot_restore(body.target)}
+
+    return app

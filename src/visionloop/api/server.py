@@ -1,0 +1,236 @@
+"""Starting and stopping the control plane (`visionloop up` / `visionloop down`).
+
+`up` opens the store (migrating it), syncs the GPU inventory and teams, makes sure an admin
+token exists (`<home>/admin.token`, mode 0600: the first admin credential), writes
+`<home>/control-plane.json` (url, pid) so the CLI finds it, and serves the API with the
+scheduler in a background thread. `--detach` starts the same thing as a background process
+and returns once it answers.
+
+The executor comes from the cluster config (`[executor]`: local processes by default, or
+an existing Ray cluster); see `build_plane`.
+
+Stopping the control plane never stops jobs: their processes run in their own sessions (or
+in the Ray cluster) and are re-adopted by the next `up` (which also requeues any that ended
+or vanished meanwhile).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from visionloop.api.client import ADMIN_TOKEN_FILE, STATE_FILE, server_state
+from visionloop.core.errors import ConfigError, VisionloopError
+from visionloop.core.fsutil import atomic_write_text
+from visionloop.core.settings import Settings
+from visionloop.sched.config import ClusterConfig, load_cluster_config
+from visionloop.sched.executors.base import Executor
+from visionloop.sched.service import ControlPlane
+
+if TYPE_CHECKING:
+    from visionloop.sched.store import Store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8765
+
+
+def build_executor(config: ClusterConfig) -> Executor:
+    """The executor `config.executor` names: local processes (GPUs from `[[inventory]]`, or
+    discovered with NVML) or an existing Ray cluster (GPUs read from the cluster)."""
+    ex = config.executor
+    if ex.kind == "ray":
+        from visionloop.sched.executors.ray import RayExecutor
+
+        return RayExecutor(ex.address, prefix=ex.prefix, request_timeout_s=ex.request_timeout_s)
+    from visionloop.sched.executors.local import LocalExecutor
+
+    return LocalExecutor(inventory=list(config.inventory) if config.inventory is not None else None)
+
+
+def _check_open_attempts(store: Store, executor: Executor, config: ClusterConfig) -> None:
+    """Refuse to start on another executor than the one running jobs: it could not find their
+    processes, would declare them lost and run them a second time."""
+    others: dict[str, list[int]] = {}
+    for attempt in store.active_attempts():
+        if attempt.executor != executor.name:
+            others.setdefault(attempt.executor, []).append(attempt.job_id)
+    if others:
+        where = f" in {config.source}" if config.source else ""
+        jobs = "; ".join(
+            f"{name!r}: job(s) {', '.join(map(str, ids))}" for name, ids in sorted(others.items())
+        )
+        raise ConfigError(
+            f"the cluster config selects the {executor.name!r} executor, but jobs still run on another one "
+            f"({jobs}). Start with [executor] kind set back to that one{where}, and let those jobs finish "
+            "or `visionloop jobs cancel` them, before switching executors."
+        )
+
+
+def build_plane(settings: Settings, config: ClusterConfig, db_url: str | None) -> ControlPlane:
+    """The control plane for `config`: the job store at `db_url` (default: SQLite under the
+    home) and the executor the config names, whose capacity becomes the GPU inventory."""
+    from visionloop.sched.store import Store, default_url
+
+    executor = build_executor(config)
+    store = Store.open(db_url or default_url(settings))
+    try:
+        _check_open_attempts(store, executor, config)
+        return ControlPlane(store, executor, config, settings)
+    except BaseException:
+        store.close()
+        raise
+
+
+def ensure_admin_token(plane: ControlPlane, home: Path) -> Path:
+    path = home / ADMIN_TOKEN_FILE
+    if path.is_file() and plane.store.authenticate(path.read_text().strip()) is not None:
+        return path
+    token = plane.store.create_token(team=None, admin=True, label="bootstrap (visionloop up)")
+    old = os.umask(0o077)
+    try:
+        atomic_write_text(path, token + "\n")
+    finally:
+        os.umask(old)
+    path.chmod(0o600)
+    return path
+
+
+def _alive(pid: int, started: float | None = None) -> bool:
+    """Whether `pid` is a live process, and the same one that wrote the state file: a
+    SIGKILLed control plane leaves a zombie (where nothing reaps it) or a pid that the
+    system hands to another process later, and neither must block the next `up`."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return started is None or abs(proc.create_time() - started) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _own_start_time() -> float:
+    import psutil
+
+    return float(psutil.Process(os.getpid()).create_time())
+
+
+def running_server(settings: Settings) -> dict[str, Any] | None:
+    state = server_state(settings)
+    if state and isinstance(state.get("pid"), int):
+        started = state.get("pid_started")
+        if _alive(state["pid"], float(started) if isinstance(started, int | float) else None):
+            return state
+    return None
+
+
+def serve(settings: Settings, config_path: Path, db_url: str | None, host: str, port: int) -> None:
+    """Run in the foreground until SIGTERM/SIGINT."""
+    import uvicorn
+
+    from visionloop.api.app import create_app
+
+    settings.ensure()
+    existing = running_server(settings)
+    if existing and existing.get("pid") != os.getpid():
+        raise ConfigError(
+            f"a control plane is already running for {settings.home} (pid {existing['pid']}, "
+            f"{existing.get('url')}); stop it with `visionloop down` first."
+        )
+    config = load_cluster_config(config_path)
+    plane = build_plane(settings, config, db_url)
+    ensure_admin_token(plane, settings.home)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(plane), host=host, port=port, log_level="warning", access_log=False)
+    )
+    url = f"http://{host}:{port}"
+    state_path = settings.home / STATE_FILE
+    atomic_write_text(
+        state_path,
+        json.dumps(
+            {"url": url, "pid": os.getpid(), "pid_started": _own_start_time(), "started_at": time.time()}
+        ),
+    )
+    try:
+        server.run()
+    finally:
+        plane.store.close()
+        if (server_state(settings) or {}).get("pid") == os.getpid():
+            state_path.unlink(missing_ok=True)
+
+
+def detach(
+    settings: Settings, config_path: Path, db_url: str | None, host: str, port: int, wait_s: float = 60
+) -> str:
+    """Start `up` in the background; return its url once it answers."""
+    import httpx
+
+    settings.ensure()
+    existing = running_server(settings)
+    if existing:
+        raise ConfigError(
+            f"a control plane is already running for {settings.home} (pid {existing['pid']}, "
+            f"{existing.get('url')}); `visionloop down` stops it."
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "visionloop",
+        "up",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--config",
+        str(config_path),
+    ]
+    if db_url:
+        cmd += ["--db", db_url]
+    log_path = settings.home / "control-plane.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "VISIONLOOP_HOME": str(settings.home)},
+        )
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            raise VisionloopError(f"the control plane exited with {proc.returncode}:\n" + "\n".join(tail))
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise VisionloopError(f"the control plane did not answer at {url} within {wait_s:.0f} s; see {log_path}.")
+
+
+def stop(settings: Settings, wait_s: float = 30) -> int | None:
+    """SIGTERM the running control plane; return its pid, or None if none ran."""
+    state = running_server(settings)
+    if state is None:
+        (settings.home / STATE_FILE).unlink(missing_ok=True)
+        return None
+    pid = int(state["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and _alive(pid, state.get("pid_started")):
+        time.sleep(0.1)
+    if _alive(pid, state.get("pid_started")):
+        raise VisionloopError(f"the control plane (pid {pid}) did not stop within {wait_s:.0f} s.")
+    return pid

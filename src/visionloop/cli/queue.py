@@ -1,0 +1,438 @@
+"""The control plane from the command line: `up`, `down`, `submit`, `jobs ...`, `admin ...`,
+`cost report`. Every command except `up`/`down` is a thin client of the HTTP API."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from visionloop.cli.console import err
+from visionloop.cli.runs import _duration, _print
+
+jobs_app = typer.Typer(help="List, inspect, follow and cancel queued and running jobs.", no_args_is_help=True)
+admin_app = typer.Typer(
+    help="Administer the control plane: tokens, teams, GPUs and spot notices (admin token).",
+    no_args_is_help=True,
+)
+token_app = typer.Typer(help="Create API tokens.", no_args_is_help=True)
+team_app = typer.Typer(help="Add or change teams and their GPU quotas.", no_args_is_help=True)
+cost_app = typer.Typer(help="What GPU time cost, per job and team.", no_args_is_help=True)
+admin_app.add_typer(token_app, name="token")
+admin_app.add_typer(team_app, name="team")
+
+_STATE_STYLE = {
+    "queued": "cyan",
+    "running": "yellow",
+    "preempting": "magenta",
+    "cancelling": "magenta",
+    "succeeded": "green",
+    "failed": "red",
+    "cancelled": "dim",
+}
+
+
+def _client() -> Any:
+    from visionloop.api.client import Client
+    from visionloop.core.settings import load_settings
+
+    return Client.from_settings(load_settings())
+
+
+def _when(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _state(s: str) -> str:
+    style = _STATE_STYLE.get(s)
+    return f"[{style}]{s}[/]" if style else s
+
+
+def _money(x: float, currency: str = "USD") -> str:
+    return f"{x:,.2f} {currency}"
+
+
+# --------------------------------------------------------------------------- up / down
+
+
+def up(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8765, help="Port to listen on."),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        "-c",
+        help="Cluster config (executor: local or Ray; teams, quotas, inventory, prices). "
+        "Default: <home>/cluster.toml.",
+    ),
+    db: str | None = typer.Option(
+        None,
+        "--db",
+        help="Job store URL (default sqlite:///<home>/state.db), e.g. postgresql+psycopg://u:p@host/db.",
+    ),
+    detach: bool = typer.Option(
+        False, "--detach", "-d", help="Run in the background; `visionloop down` stops it."
+    ),
+) -> None:
+    """Start the control plane: HTTP API, scheduler and executor.
+
+    Jobs run as local processes by default; to run them on an existing Ray cluster, put
+    `\\[executor]` with `kind = "ray"` and `address = "http://HEAD:8265"` in the cluster
+    config. Jobs keep running when it stops; the next `up` re-adopts them. The first start
+    writes an admin token to <home>/admin.token, which this machine's CLI uses by default.
+    """
+    from visionloop.api import server
+    from visionloop.core.settings import load_settings
+
+    settings = load_settings()
+    config_path = (config or settings.home / "cluster.toml").expanduser().resolve()
+    if detach:
+        url = server.detach(settings, config_path, db, host, port)
+        err.print(
+            f"control plane running at {url} (log: {settings.home / 'control-plane.log'}); "
+            "stop it with `visionloop down`"
+        )
+        return
+    err.print(f"control plane on http://{host}:{port} — Ctrl-C stops it (jobs keep running)")
+    server.serve(settings, config_path, db, host, port)
+
+
+def down() -> None:
+    """Stop the control plane started by `visionloop up`. Running jobs are not stopped."""
+    from visionloop.api import server
+    from visionloop.core.settings import load_settings
+
+    pid = server.stop(load_settings())
+    err.print("control plane stopped" if pid else "no control plane was running")
+
+
+# --------------------------------------------------------------------------- submit
+
+
+def submit(
+    spec: Path = typer.Argument(..., help="A job spec (train: + resources ...) or a bare train spec (YAML)."),
+    gpus: int | None = typer.Option(None, "--gpus", help="GPUs for the job (overrides the spec)."),
+    priority: str | None = typer.Option(
+        None, "--priority", "-p", help="Priority class, e.g. low, normal, high."
+    ),
+    team: str | None = typer.Option(None, "--team", "-t", help="Team to bill (default: your token's team)."),
+    spot: str | None = typer.Option(None, "--spot", help="never | allowed | preferred."),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="Override a train-spec field: --set optimizer.lr=0.01."
+    ),
+    idempotency_key: str | None = typer.Option(
+        None, "--idempotency-key", help="Re-sending the same key returns the same job instead of a new one."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the job as JSON."),
+) -> None:
+    """Queue a training job. Prints its id; `visionloop jobs show ID` follows it."""
+    from visionloop.specs import apply_overrides, parse_yaml_mapping, read_spec_text
+
+    if spot is not None and spot not in ("never", "allowed", "preferred"):
+        raise typer.BadParameter(f"--spot must be never, allowed or preferred, not {spot!r}.")
+    doc = parse_yaml_mapping(read_spec_text(spec), str(spec))
+    is_job = "train" in doc
+    train_doc = doc["train"] if is_job else doc
+    if not isinstance(train_doc, dict):
+        from visionloop.core.errors import SpecError
+
+        raise SpecError(f"{spec}: `train` must be a train spec mapping.")
+    train_doc = apply_overrides(dict(train_doc), overrides)
+    _absolute_paths(train_doc, spec.resolve().parent)
+    body = {**doc, "train": train_doc} if is_job else {"train": train_doc}
+    with _client() as c:
+        job = c.submit(
+            body, gpus=gpus, priority=priority, team=team, spot=spot, idempotency_key=idempotency_key
+        )
+    if as_json:
+        typer.echo(json.dumps(job, indent=2))
+        return
+    typer.echo(job["id"])
+    err.print(
+        f"job {job['id']} queued for team {job['team']} ({job['priority']}, {job['gpus']} GPU"
+        f"{'s' if job['gpus'] != 1 else ''}); run dir {job['run_dir']}"
+    )
+
+
+def _absolute_paths(train_doc: dict[str, Any], base: Path) -> None:
+    """The control plane cannot know what a relative path was relative to: resolve here."""
+    for section, key in (("data", "dataset"), ("model", "pretrained")):
+        part = train_doc.get(section)
+        if isinstance(part, dict) and isinstance(part.get(key), str):
+            p = Path(part[key]).expanduser()
+            part[key] = str(p if p.is_absolute() else (base / p).resolve())
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@jobs_app.command("list")
+def jobs_list(
+    state: list[str] = typer.Option([], "--state", "-s", help="Only jobs in this state (repeatable)."),
+    team: str | None = typer.Option(None, "--team", "-t", help="Only this team's jobs (admin)."),
+    limit: int = typer.Option(200, "--limit", "-n", help="At most this many jobs, newest first."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Jobs you can see, newest first, with why each queued one waits."""
+    with _client() as c:
+        jobs = c.jobs(states=state or None, team=team, limit=limit)
+    if as_json:
+        typer.echo(json.dumps(jobs, indent=2))
+        return
+    table = Table(title=f"{len(jobs)} job(s)")
+    for col in (
+        "id",
+        "name",
+        "team",
+        "priority",
+        "gpus",
+        "state",
+        "submitted",
+        "restarts",
+        "preempted",
+        "why",
+    ):
+        table.add_column(col)
+    for j in jobs:
+        why = j.get("waiting_reason") if j["state"] == "queued" else (j.get("state_reason") or "")
+        table.add_row(
+            str(j["id"]),
+            j.get("name") or "-",
+            j["team"],
+            j["priority"],
+            str(j["gpus"]),
+            _state(j["state"]),
+            _when(j["submitted_at"]),
+            str(j["restarts"]),
+            str(j["preemptions"]),
+            (why or "").splitlines()[0][:100] if why else "",
+        )
+    _print(table)
+
+
+@jobs_app.command("show")
+def jobs_show(
+    job_id: int = typer.Argument(..., help="The job id (from `visionloop submit` or `jobs list`)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """A job's state history, attempts with their GPUs, checkpoints and cost."""
+    with _client() as c:
+        data = c.job(job_id)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    j = data["job"]
+    _print(
+        f"[bold]job {j['id']}[/] {j.get('name') or ''}  {_state(j['state'])}  team {j['team']}  "
+        f"priority {j['priority']}  {j['gpus']} GPU(s), spot {j['spot']}\n"
+        f"run dir {j['run_dir']}\n"
+        f"restarts {j['restarts']}/{j['max_restarts']}  preemptions {j['preemptions']}"
+    )
+    if j["state"] == "queued" and j.get("waiting_reason"):
+        _print(f"waiting: {j['waiting_reason']}")
+    t = Table(title="state history")
+    for col in ("at", "from", "to", "reason"):
+        t.add_column(col)
+    for tr in data["transitions"]:
+        t.add_row(_when(tr["at"]), tr["from_state"] or "-", _state(tr["to_state"]), tr["reason"])
+    _print(t)
+    a = Table(title="attempts")
+    for col in ("#", "started", "ran", "GPUs", "price class", "outcome", "exit"):
+        a.add_column(col)
+    for at in data["attempts"]:
+        end = at.get("ended_at") or time.time()
+        allocs = at.get("allocations", [])
+        a.add_row(
+            str(at["number"]),
+            _when(at["started_at"]),
+            _duration(end - at["started_at"]),
+            ", ".join(x["gpu_id"] for x in allocs) or "cpu",
+            ", ".join(sorted({x["price_class"] for x in allocs})) or "-",
+            at.get("outcome") or "running",
+            "-" if at.get("exit_code") is None else str(at["exit_code"]),
+        )
+    _print(a)
+    if data.get("checkpoints"):
+        ck = Table(title="checkpoints reported")
+        ck.add_column("step")
+        ck.add_column("at")
+        for c in data["checkpoints"][-10:]:
+            ck.add_row(str(c["step"]), _when(c["at"]))
+        _print(ck)
+    cost = data["cost"]
+    line = cost["total"]
+    _print(
+        f"cost {_money(line['cost'], cost['currency'])} for {line['gpu_hours']:.3f} GPU-h; "
+        f"lost to preemption {line['lost_gpu_hours_preemption']:.3f} GPU-h, "
+        f"to interruptions {line['lost_gpu_hours_interruption']:.3f} "
+        f"GPU-h; spot saved {_money(line['spot_saved'], cost['currency'])}"
+    )
+
+
+@jobs_app.command("logs")
+def jobs_logs(
+    job_id: int = typer.Argument(..., help="The job id."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
+    attempt: int | None = typer.Option(
+        None, "--attempt", help="A given attempt's log (default: the latest)."
+    ),
+) -> None:
+    """The job's training log (stdout and stderr)."""
+    with _client() as c:
+        if follow:
+            for piece in c.follow_logs(job_id):
+                sys.stdout.buffer.write(piece)
+                sys.stdout.buffer.flush()
+            return
+        data, _, _ = c.logs(job_id, 0, attempt)
+        sys.stdout.buffer.write(data)
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: int = typer.Argument(..., help="The job id.")) -> None:
+    """Cancel a job: a queued one at once, a running one after it writes a checkpoint."""
+    with _client() as c:
+        job = c.cancel(job_id)
+    err.print(f"job {job_id}: {job['state']}")
+
+
+# --------------------------------------------------------------------------- admin
+
+
+@token_app.command("create")
+def token_create(
+    team: str | None = typer.Option(None, "--team", "-t", help="The team the token acts for."),
+    admin: bool = typer.Option(False, "--admin", help="An admin token instead of a team token."),
+    label: str = typer.Option("", "--label", help="A note to recognise the token by (who has it)."),
+) -> None:
+    """Create a token; it is printed once and stored only as a hash."""
+    if admin == (team is not None):
+        raise typer.BadParameter("give --team T (a team token) or --admin, not both and not neither.")
+    with _client() as c:
+        out = c.create_token(team, admin, label)
+    typer.echo(out["token"])
+    err.print(f"token for {'admin' if admin else 'team ' + str(team)}; pass it as VISIONLOOP_TOKEN")
+
+
+@team_app.command("set")
+def team_set(
+    name: str = typer.Argument(..., help="Team name."),
+    nominal: int = typer.Option(..., "--nominal", help="GPUs the team is entitled to (can always reclaim)."),
+    borrow: int = typer.Option(
+        0, "--borrow", help="GPUs it may borrow beyond --nominal while they are idle."
+    ),
+    weight: float = typer.Option(1.0, "--weight", help="Fair-share weight."),
+) -> None:
+    """Add a team or change its quota."""
+    with _client() as c:
+        t = c.set_team(name, nominal, borrow, weight)
+    err.print(
+        f"team {t['name']}: nominal {t['nominal_gpus']}, borrow {t['borrow_limit']}, weight {t['weight']}"
+    )
+
+
+@admin_app.command("gpus")
+def admin_gpus(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """The GPU inventory, with what is down and why."""
+    with _client() as c:
+        data = c.cluster()
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    t = Table(title="GPUs")
+    for col in ("id", "node", "type", "price class", "up", "why down"):
+        t.add_column(col)
+    for g in data["gpus"]:
+        t.add_row(
+            g["id"],
+            g["node"],
+            g["type"],
+            g["price_class"],
+            "yes" if g["up"] else "[red]no[/]",
+            g.get("down_reason") or "",
+        )
+    _print(t)
+
+
+@admin_app.command("spot-interrupt")
+def spot_interrupt(
+    target: str = typer.Argument(..., help="A GPU id (node/index) or a node name."),
+    reason: str | None = typer.Option(None, "--reason", help="Shown in the jobs' history."),
+) -> None:
+    """A spot interruption notice: jobs there checkpoint and are requeued; the GPUs go down."""
+    with _client() as c:
+        out = c.spot_interrupt(target, reason)
+    err.print(f"{target}: down; preempting job(s) {', '.join(map(str, out['preempting'])) or 'none'}")
+
+
+@admin_app.command("spot-restore")
+def spot_restore(target: str = typer.Argument(..., help="A GPU id or a node name.")) -> None:
+    """Spot capacity is back: the GPUs take work again."""
+    with _client() as c:
+        out = c.spot_restore(target)
+    err.print(f"up again: {', '.join(out['up'])}")
+
+
+# --------------------------------------------------------------------------- cost
+
+
+def _since(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        raise typer.BadParameter(
+            f"--since takes a date like 2026-11-01 or 2026-11-01T08:00, not {value!r}."
+        ) from None
+
+
+@cost_app.command("report")
+def cost_report(
+    team: str | None = typer.Option(None, "--team", "-t", help="Only this team."),
+    since: str | None = typer.Option(
+        None, "--since", help="Only GPU time from this date on (YYYY-MM-DD[THH:MM])."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Cost per team and job: GPU-hours, money, hours lost to preemption and interruptions, spot savings."""
+    with _client() as c:
+        data = c.cost(team=team, since=_since(since))
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    cur = data["currency"]
+    for title, rows in (("by team", data["by_team"]), ("by job", data["by_job"])):
+        t = Table(title=title)
+        for col in (
+            "",
+            "GPU-h",
+            "cost",
+            "lost: preemption",
+            "lost: interruptions",
+            "spot GPU-h",
+            "spot saved",
+        ):
+            t.add_column(col)
+        for key, line in sorted(rows.items()):
+            t.add_row(
+                str(key),
+                f"{line['gpu_hours']:.3f}",
+                _money(line["cost"], cur),
+                f"{line['lost_gpu_hours_preemption']:.3f}",
+                f"{line['lost_gpu_hours_interruption']:.3f}",
+                f"{line['spot_gpu_hours']:.3f}",
+                _money(line["spot_saved"], cur),
+            )
+        _print(t)
+    tot = data["total"]
+    _print(
+        f"total {_money(tot['cost'], cur)} for {tot['gpu_hours']:.3f} GPU-h; "
+        f"spot saved {_money(tot['spot_saved'], cur)}"
+    )

@@ -1,0 +1,1 @@
+"""The queue: job store, scheduling policy, executors, cost ledger and the control plane."""

@@ -1,0 +1,321 @@
+"""The control plane's configuration: `<home>/cluster.toml` (or a path given to `up`).
+
+Everything here is policy a team lead edits: where jobs run (the executor), priority
+classes, teams and their quotas, the GPU inventory (omit it to discover GPUs with NVML), the
+price catalog and the scheduler's timings. A missing file means a one-machine default: the
+local executor, discovered GPUs, one team `default` entitled to all of them, the default
+priority classes.
+
+    prices = "prices.toml"   # optional: your own catalog (relative to this file; top-level
+                             # keys come before the first [table] in TOML)
+
+    [executor]               # where jobs run; omit the section for "local"
+    kind = "local"           # subprocesses on this machine (GPUs: [[inventory]] or NVML)
+    # kind = "ray"           # jobs on an existing Ray cluster, through its job submission API
+    # address = "http://127.0.0.1:8265"  # ray: the head's dashboard URL (this is the default)
+    # prefix = "vl"          # ray: starts every submission id; one per installation sharing a cluster
+    # request_timeout_s = 30 # ray: every call to the dashboard gives up after this long
+
+    [scheduler]
+    cycle_s = 2.0            # how often the scheduler runs (it also runs on every event)
+    grace_s = 120            # SIGTERM → this long to checkpoint and exit 75 → SIGKILL
+    min_runtime_s = 600      # a job younger than this is never preempted
+    heartbeat_timeout_s = 60 # a running job silent for this long is declared lost
+    retry_backoff_s = 30     # first retry delay after a failure; doubles per restart
+    order = "las"            # or "fifo"
+
+    [priorities]             # class name = rank (higher runs first)
+    low = 10
+    normal = 50
+    high = 100
+
+    [[teams]]
+    name = "detection"
+    nominal_gpus = 2
+    borrow_limit = 2
+    weight = 1.0
+
+    [[inventory]]            # local only. 4 fake GPUs, 2 of them spot: the whole policy without GPUs
+    node = "local"
+    type = "fake"
+    count = 2
+    price_class = "owned"
+    [[inventory]]
+    node = "spot-a"
+    type = "fake"
+    count = 2
+    price_class = "spot"
+
+With `kind = "ray"` the GPUs are the Ray cluster's (read when the control plane starts:
+every alive node's `GPU` resource, typed and priced by node labels such as
+`visionloop.io/gpu-type` and `visionloop.io/price-class`; see
+visionloop.sched.executors.ray), so an `[[inventory]]` next to it is an error rather than
+silently ignored: the scheduler would otherwise place jobs on GPUs Ray does not have. Paths in
+job specs, the visionloop home and run dirs must be valid on the Ray nodes (shared storage).
+Switch executors only with no job running: `up` refuses to start while jobs have open
+attempts on another executor (it could not find their processes, and would run them twice).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from visionloop.core.errors import ConfigError
+from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
+
+DEFAULT_TEAM = "default"
+DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"  # Ray's dashboard on a head node on this machine
+EXECUTOR_KINDS = ("local", "ray")
+_RAY_PREFIX = re.compile(r"[a-z0-9][a-z0-9-]*")  # as RayExecutor checks it
+
+
+@dataclass(frozen=True)
+class SchedulerTimings:
+    cycle_s: float = 2.0
+    grace_s: float = 120.0
+    min_runtime_s: float = 600.0
+    heartbeat_timeout_s: float = 60.0
+    retry_backoff_s: float = 30.0
+    order: Literal["las", "fifo"] = "las"
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Where jobs run: `kind` "local" (subprocesses here) or "ray" (an existing Ray cluster,
+    reached at `address`, its dashboard URL). The other fields are Ray's."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str = DEFAULT_RAY_ADDRESS
+    prefix: str = "vl"
+    request_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    executor: ExecutorConfig = ExecutorConfig()
+    timings: SchedulerTimings = SchedulerTimings()
+    priorities: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
+    teams: tuple[Team, ...] = ()
+    inventory: tuple[Gpu, ...] | None = None  # None: discover with NVML
+    prices: Path | None = None
+    source: Path | None = None
+
+    def priority_rank(self, name: str) -> int:
+        try:
+            return self.priorities[name]
+        except KeyError:
+            known = ", ".join(f"{k} ({v})" for k, v in sorted(self.priorities.items(), key=lambda kv: kv[1]))
+            raise ConfigError(f"unknown priority class {name!r}; the classes are: {known}.") from None
+
+
+def _where(path: Path | None, key: str) -> str:
+    return f"{path}: {key}" if path else key
+
+
+def _number(
+    section: Mapping[str, Any], key: str, default: float, path: Path | None, minimum: float = 0
+) -> float:
+    v = section.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
+        raise ConfigError(
+            f"{_where(path, key)} must be a number >= {minimum}, got {v!r} (e.g. {key} = {default})."
+        )
+    return float(v)
+
+
+def _int(entry: Mapping[str, Any], key: str, default: int | None, path: Path | None, example: int) -> int:
+    v = entry.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(
+            f"{_where(path, key)} must be a whole number >= 0, got {v!r} (e.g. {key} = {example})."
+        )
+    return v
+
+
+def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
+    d = SchedulerTimings()
+    unknown = set(section) - {
+        "cycle_s",
+        "grace_s",
+        "min_runtime_s",
+        "heartbeat_timeout_s",
+        "retry_backoff_s",
+        "order",
+    }
+    if unknown:
+        raise ConfigError(f"{_where(path, '[scheduler]')} has unknown keys {sorted(unknown)}.")
+    order = section.get("order", d.order)
+    if order not in ("las", "fifo"):
+        raise ConfigError(f'{_where(path, "scheduler.order")} must be "las" or "fifo", got {order!r}.')
+    return SchedulerTimings(
+        cycle_s=_number(section, "cycle_s", d.cycle_s, path, minimum=0.05),
+        grace_s=_number(section, "grace_s", d.grace_s, path),
+        min_runtime_s=_number(section, "min_runtime_s", d.min_runtime_s, path),
+        heartbeat_timeout_s=_number(section, "heartbeat_timeout_s", d.heartbeat_timeout_s, path, minimum=1),
+        retry_backoff_s=_number(section, "retry_backoff_s", d.retry_backoff_s, path),
+        order=order,
+    )
+
+
+def _executor(section: Any, path: Path | None) -> ExecutorConfig:
+    if not isinstance(section, dict):
+        raise ConfigError(f'{_where(path, "[executor]")} must be a table, e.g. [executor] kind = "ray".')
+    kind = section.get("kind", "local")
+    if kind not in EXECUTOR_KINDS:
+        raise ConfigError(
+            f'{_where(path, "executor.kind")} must be "local" or "ray", got {kind!r} '
+            '(e.g. kind = "ray" with address = "http://HEAD:8265").'
+        )
+    ray_keys = {"address", "prefix", "request_timeout_s"}
+    unknown = set(section) - {"kind"} - ray_keys
+    if unknown:
+        raise ConfigError(
+            f"{_where(path, '[executor]')} has unknown keys {sorted(unknown)}; known: kind, "
+            + ", ".join(sorted(ray_keys))
+            + "."
+        )
+    if kind == "local":
+        extra = sorted(set(section) & ray_keys)
+        if extra:
+            raise ConfigError(
+                f'{_where(path, "[executor]")}: {", ".join(extra)} only apply to kind = "ray"; remove '
+                'them, or set kind = "ray" to run jobs on a Ray cluster.'
+            )
+        return ExecutorConfig()
+    d = ExecutorConfig()
+    address = section.get("address", d.address)
+    url = urllib.parse.urlsplit(address) if isinstance(address, str) else None
+    if url is None or url.scheme not in ("http", "https") or not url.hostname:
+        hint = ""
+        if url is not None and url.scheme == "ray":
+            hint = " (ray:// is the Ray Client's address; visionloop uses the job submission API)"
+        raise ConfigError(
+            f"{_where(path, 'executor.address')} must be the Ray dashboard's URL, got {address!r}{hint}; "
+            'e.g. address = "http://HEAD:8265" (8265 is the dashboard port, not the GCS port 6379).'
+        )
+    prefix = section.get("prefix", d.prefix)
+    if not isinstance(prefix, str) or not _RAY_PREFIX.fullmatch(prefix) or len(prefix) > 32:
+        raise ConfigError(
+            f"{_where(path, 'executor.prefix')} must be lower-case letters, digits and '-' (at most 32), "
+            f'got {prefix!r} (e.g. prefix = "vl-detection").'
+        )
+    return ExecutorConfig(
+        kind="ray",
+        address=address.rstrip("/"),
+        prefix=prefix,
+        request_timeout_s=_number(section, "request_timeout_s", d.request_timeout_s, path, minimum=1),
+    )
+
+
+def _known(entry: Mapping[str, Any], what: str, keys: tuple[str, ...], path: Path | None) -> None:
+    unknown = set(entry) - set(keys)
+    if unknown:
+        raise ConfigError(
+            f"{_where(path, what)} has unknown keys {sorted(unknown)}; known: {', '.join(keys)}. "
+            "(In TOML, a top-level key such as `prices` written after a [[table]] belongs to that "
+            "table: move it to the top of the file.)"
+        )
+
+
+def _name(v: Any, what: str, path: Path | None) -> str:
+    if not isinstance(v, str) or not v or not all(c.isalnum() or c in "-_." for c in v) or len(v) > 64:
+        raise ConfigError(
+            f"{_where(path, what)} must be a name of letters, digits, '-', '_' or '.', got {v!r}."
+        )
+    return v
+
+
+def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> ClusterConfig:
+    unknown = set(doc) - {"executor", "scheduler", "priorities", "teams", "inventory", "prices"}
+    if unknown:
+        raise ConfigError(
+            f"{path or 'cluster config'}: unknown keys {sorted(unknown)}; "
+            "known: executor, scheduler, priorities, teams, inventory, prices."
+        )
+    executor = _executor(doc.get("executor", {}), path)
+    if executor.kind == "ray" and "inventory" in doc:
+        raise ConfigError(
+            f"{_where(path, '[[inventory]]')} lists GPUs for the local executor, but executor.kind is "
+            '"ray": the GPUs are the Ray cluster\'s. Remove [[inventory]]; set GPU types and price '
+            "classes as Ray node labels (`ray start ... --labels "
+            "visionloop.io/gpu-type=A100-80GB,visionloop.io/price-class=spot`)."
+        )
+    timings = _timings(doc.get("scheduler", {}), path)
+    priorities = dict(DEFAULT_PRIORITIES)
+    if "priorities" in doc:
+        raw = doc["priorities"]
+        if not isinstance(raw, dict) or not raw:
+            raise ConfigError(
+                f"{_where(path, '[priorities]')} must map class names to ranks, e.g. high = 100."
+            )
+        priorities = {_name(k, "priorities", path): _int(raw, k, None, path, 50) for k in raw}
+    teams: list[Team] = []
+    for entry in doc.get("teams", []):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{_where(path, '[[teams]]')} entries must be tables with a name.")
+        _known(entry, "[[teams]]", ("name", "nominal_gpus", "borrow_limit", "weight"), path)
+        weight = _number(entry, "weight", 1.0, path, minimum=0.001)
+        teams.append(
+            Team(
+                name=_name(entry.get("name"), "teams.name", path),
+                nominal_gpus=_int(entry, "nominal_gpus", 0, path, 2),
+                borrow_limit=_int(entry, "borrow_limit", 0, path, 2),
+                weight=weight,
+            )
+        )
+    if len({t.name for t in teams}) != len(teams):
+        raise ConfigError(f"{_where(path, '[[teams]]')}: a team is listed twice.")
+    inventory: list[Gpu] | None = None
+    if "inventory" in doc:
+        inventory = []
+        for entry in doc["inventory"]:
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{_where(path, '[[inventory]]')} entries must be tables, e.g. count = 2.")
+            _known(entry, "[[inventory]]", ("node", "type", "count", "price_class"), path)
+            node = _name(entry.get("node", "local"), "inventory.node", path)
+            gpu_type = _name(entry.get("type", "fake"), "inventory.type", path)
+            price_class = entry.get("price_class", "owned")
+            if price_class not in get_args(PriceClass):
+                raise ConfigError(
+                    f"{_where(path, 'inventory.price_class')} must be one of {list(get_args(PriceClass))}, "
+                    f"got {price_class!r}."
+                )
+            start = sum(1 for g in inventory if g.node == node)
+            for i in range(_int(entry, "count", 1, path, 4)):
+                inventory.append(
+                    Gpu(id=f"{node}/{start + i}", node=node, type=gpu_type, price_class=price_class)
+                )
+    prices = None
+    if "prices" in doc:
+        if not isinstance(doc["prices"], str):
+            raise ConfigError(f'{_where(path, "prices")} must be a path, e.g. prices = "prices.toml".')
+        prices = Path(doc["prices"]).expanduser()
+        if path is not None and not prices.is_absolute():
+            prices = path.parent / prices
+    return ClusterConfig(
+        executor=executor,
+        timings=timings,
+        priorities=priorities,
+        teams=tuple(teams),
+        inventory=tuple(inventory) if inventory is not None else None,
+        prices=prices,
+        source=path,
+    )
+
+
+def load_cluster_config(path: Path) -> ClusterConfig:
+    """Read `path`; a missing file gives the one-machine default."""
+    if not path.is_file():
+        return ClusterConfig()
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}. Fix it, or remove it for the defaults.") from e
+    return parse_cluster_config(doc, path)

@@ -1,0 +1,397 @@
+"""One scheduling cycle: the order in which queued jobs are considered and what happens to
+each (start, claim GPUs being released, preempt, hold free GPUs, or wait with a reason).
+
+Order: class (aged), then teams by weighted dominant share, then least attained service
+(or submission) within a team; entitled demand (within nominal quota) in a first pass,
+borrowing in a second. Once no GPU is free or coming and no job can preempt any more, the
+rest of the queue only needs its reasons: `_wait` does that in a tight loop, which is what
+keeps a cycle over 10,000 queued jobs within milliseconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import operator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from visionloop.sched.cycle_state import TeamState
+from visionloop.sched.placement import merge, pick
+from visionloop.sched.preemption import Preemption
+from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus, plural
+from visionloop.sched.view import PendingJob
+
+
+class Cycle(Preemption):
+    """One scheduling cycle: `Cycle(view, config).run()` fills `.decision`."""
+
+    def run(self) -> None:
+        """Entitlement first: jobs that keep their team within its nominal quota are
+        considered (in class, fair-share and team order) before any job that would borrow,
+        then borrowers get what is left. So a borrower never takes the GPU an entitled job
+        was freed or is waiting for, which would only be reclaimed from it again.
+
+        A team's own order is kept across the passes: once one of its jobs has to wait for
+        the borrowing pass, its lower classes wait behind it (else they would take the GPUs
+        it is about to preempt them for, and be preempted again). As in Kueue's queues, only
+        a team's head acts: a job behind its team's head may start on idle GPUs but does not
+        preempt, reclaim or hold GPUs (else it would reclaim GPUs that a borrower ahead of it
+        in the second pass takes straight back, for ever)."""
+        bands: dict[int, dict[str, list[PendingJob]]] = {}
+        aging, now = self.cfg.aging_s, self.now
+        memo = self.aged
+        for job in self.view.queued:
+            prio = job.priority
+            if aging is not None and now - job.submitted_at >= aging:  # hot: _aged() memo inlined
+                steps = int((now - job.submitted_at) // aging)
+                prio = memo.get((prio, steps)) or self._effective_priority(job)
+            bands.setdefault(prio, {}).setdefault(job.team, []).append(job)
+        key = self._key()
+        starving = self._starving(bands)
+        self.starving_id = None if starving is None else starving[0].id
+        borrowers: dict[int, dict[str, list[PendingJob]]] = {}
+        heads: dict[str, tuple[PendingJob, int]] = {}  # team -> its first job sent to pass 2
+        late: tuple[PendingJob, int] | None = None  # the starving job, if it must borrow
+        if starving is not None:  # the job that waited longest goes first in its pass
+            job, sprio = starving
+            bands[sprio][job.team].remove(job)
+            ts = self._team(job.team)
+            if ts.used + job.gpus <= ts.team.nominal_gpus:
+                self._consider(job, sprio)
+            else:
+                late = starving
+                heads[job.team] = starving  # its team's lower classes wait behind it
+
+        def defer(job: PendingJob, prio: int, ts: TeamState) -> None:
+            borrowers.setdefault(prio, {}).setdefault(job.team, []).append(job)
+            if job.team not in heads and job.gpus <= ts.limit and self._fits_cluster(job):
+                heads[job.team] = (job, prio)  # a job that can never run heads nothing
+            head = heads.get(job.team)
+            if head is not None and head[0] is not job and ts.used + job.gpus <= ts.team.nominal_gpus:
+                self.behind[job.id] = head[0]
+
+        for prio in sorted(bands, reverse=True):
+            entitled: dict[str, list[PendingJob]] = {}
+            for team, jobs in bands[prio].items():
+                ts = self._team(team)
+                if ts.used < ts.team.nominal_gpus and (team not in heads or heads[team][1] <= prio):
+                    entitled[team] = jobs
+                    continue
+                # No job of this team goes in the first pass: straight to the second, whose
+                # order is computed there (no need to walk the fair-share order here).
+                active = [j for j in jobs if j.gpus > 0 and j.not_before <= now]
+                if active:
+                    borrowers.setdefault(prio, {}).setdefault(team, []).extend(active)
+                    if team not in heads:
+                        fit = [j for j in active if j.gpus <= ts.limit and self._fits_cluster(j)]
+                        if fit:
+                            heads[team] = (min(fit, key=key), prio)
+                    head = heads.get(team)
+                    if head is not None:
+                        room = ts.team.nominal_gpus - ts.used
+                        for j in active:
+                            if j.gpus <= room and j is not head[0]:
+                                self.behind[j.id] = head[0]
+                if len(active) < len(jobs):
+                    for job in jobs:
+                        if not (job.gpus > 0 and job.not_before <= now):
+                            self._consider(job, prio)
+            rest: list[PendingJob] = []  # entitled jobs met once the cluster is saturated
+            for job in self._fair_share_order(entitled, key, prio):
+                ts = self.teams.get(job.team) or self._team(job.team)
+                runnable = job.gpus > 0 and job.not_before <= now
+                if runnable and (
+                    ts.used + job.gpus > ts.team.nominal_gpus
+                    or (job.team in heads and heads[job.team][1] > prio)
+                ):
+                    defer(job, prio, ts)
+                elif self.saturated or self._saturated():
+                    rest.append(job)
+                else:
+                    self._consider(job, prio)
+            self._wait(rest, prio)
+        if late is not None:
+            self._consider(*late)
+        for prio in sorted(borrowers, reverse=True):
+            order = self._fair_share_order(borrowers[prio], key, prio)
+            for job in order:
+                if self.saturated or self._saturated():
+                    self._wait(itertools.chain((job,), order), prio)
+                    break
+                self._consider(job, prio)
+
+    def _fits_cluster(self, job: PendingJob) -> bool:
+        """Could the job ever run here (enough GPUs of a class it accepts, on one node if
+        it must)? Memoised: most of a long queue asks the same few questions."""
+        why = self.impossible.get((job.spot, job.gpus), "")
+        if why == "":
+            why = self.impossible[(job.spot, job.gpus)] = impossible_reason(
+                job, self.caps, self.cfg.same_node
+            )
+        return why is None
+
+    def _starving(self, bands: dict[int, dict[str, list[PendingJob]]]) -> tuple[PendingJob, int] | None:
+        """The job that has waited longest past `reserve_after_s` in the highest class, if
+        any: it goes first in its pass (entitled or borrowing; going before entitled jobs
+        would have it take GPUs that are reclaimed from it again), and when blocked it holds
+        the GPUs that come free.
+        One at a time, chosen the same way every cycle, so holds add up instead of moving
+        from job to job."""
+        limit = self.cfg.reserve_after_s
+        if limit is None:
+            return None
+        best: tuple[PendingJob, int] | None = None
+        for prio in sorted(bands, reverse=True):
+            for jobs in bands[prio].values():
+                for j in jobs:
+                    old_enough = (
+                        self.now - j.submitted_at >= limit and j.not_before <= self.now and j.gpus > 0
+                    )
+                    if old_enough and (
+                        best is None or (j.submitted_at, j.id) < (best[0].submitted_at, best[0].id)
+                    ):
+                        best = (j, prio)
+            if best is not None:
+                return best
+        return None
+
+    def _fair_share_order(
+        self,
+        per_team: dict[str, list[PendingJob]],
+        key: Callable[[PendingJob], tuple[Any, ...]],
+        prio: int,
+    ) -> Iterator[PendingJob]:
+        """Jobs of one class, teams taking turns by weighted dominant share. Shares are read
+        when a team's next job is queued up, i.e. after the caller handled its previous one.
+        A team keeps the turn while it is still the one with the lowest share (no heap
+        operation per job: with a long queue most jobs only wait, which changes no share)."""
+        queues = {t: sorted(js, key=key) for t, js in per_team.items() if js}
+        if len(queues) <= 1:
+            for q in queues.values():
+                yield from q
+            return
+        heap = [(self._share(self._team(t)), key(q[0]), t, 0) for t, q in queues.items()]
+        heapq.heapify(heap)
+        while heap:
+            if self._saturated() and not self._preemption_possible(prio):
+                # Order no longer changes any decision: skip the heap.
+                for _, _, t, i in sorted(heap):
+                    yield from queues[t][i:]
+                return
+            share, _, t, i = heapq.heappop(heap)
+            q, ts = queues[t], self._team(t)
+            seen = self.version
+            while True:
+                yield q[i]
+                i += 1
+                if i == len(q):
+                    break
+                if self.version != seen:  # something was placed or claimed: shares moved
+                    share, seen = self._share(ts), self.version
+                if heap and (share > heap[0][0] or (share == heap[0][0] and (key(q[i]), t) > heap[0][1:3])):
+                    heapq.heappush(heap, (share, key(q[i]), t, i))
+                    break
+
+    def _key(self) -> Callable[[PendingJob], tuple[Any, ...]]:
+        """Order within a team and class (a C-level getter: it runs once per queued job)."""
+        if self.cfg.order == "las":
+            return operator.attrgetter("attained_gpu_s", "submitted_at", "id")
+        return operator.attrgetter("submitted_at", "id")
+
+    def _saturated(self) -> bool:
+        """No GPU free and none being released: from here on a job can only start by
+        preemption, so the rest of the queue takes the fast path (`_wait`). Pools only
+        shrink within a cycle, so once saturated it stays so."""
+        if not self.saturated:
+            fc = self.free_count
+            self.saturated = fc["owned"] + fc["on_demand"] + fc["spot"] == 0 and self.releasing_left == 0
+        return self.saturated
+
+    def _consider(self, job: PendingJob, prio: int) -> None:
+        waiting = self.decision.waiting
+        if job.not_before > self.now:
+            waiting[job.id] = backoff_reason(job, self.now)
+            return
+        ts = self._team(job.team)
+        if job.gpus <= 0:
+            self._place(job, ts, [])
+            return
+        why = impossible_reason(job, self.caps, self.cfg.same_node)
+        if why is None and job.gpus > ts.limit:
+            why = (
+                f"can never run: needs {n_gpus(job.gpus)} but team {job.team} may use at most "
+                f"{ts.limit} (nominal {ts.team.nominal_gpus} + borrow {ts.team.borrow_limit}); "
+                "ask for a larger quota or fewer GPUs"
+            )
+        if why is not None:
+            waiting[job.id] = why
+            return
+        if self.blocker is not None:
+            waiting[job.id] = f"waiting behind job {self.blocker.id} (backfill is off)"
+            return
+        n = job.gpus
+        quota_ok = ts.used + n <= ts.limit
+        shape = (job.spot, job.cpus / n, job.memory_gb / n)
+        if quota_ok and self._usable_free(job.spot) >= n and n < self.fail_free.get(shape, n + 1):
+            got = pick(self.free, n, job.spot, self.cfg.same_node, self._node_cap(job))
+            if got is not None:
+                self._place(job, ts, got)
+                return
+            self.fail_free[shape] = n
+        if quota_ok and self.releasing_left and n < self.fail_release.get(shape, n + 1):
+            got = pick(merge(self.free, self.releasing), n, job.spot, self.cfg.same_node, self._node_cap(job))
+            if got is not None:
+                coming = sum(1 for g in got if g.id not in self._free_ids())
+                self._claim(job, ts, got)
+                waiting[job.id] = (
+                    f"waiting for {n_gpus(coming)} being released by jobs that are stopping; "
+                    f"{n_gpus(n)} held for it"
+                )
+                return
+            self.fail_release[shape] = n
+        if self.evictions_left > 0 and job.id not in self.behind and self._try_preempt(job, ts):
+            return
+        self._blocked(job, ts, quota_ok, prio)
+
+    def _wait(self, jobs: Iterable[PendingJob], prio: int) -> None:
+        """`_consider` for jobs of one class in a saturated cluster: the same decisions and
+        reasons, without the placement and victim searches that cannot succeed (a job that
+        might still preempt takes the full path). Reasons that name no position in the queue
+        are shared string objects. Hot: ten thousand queued jobs pass through here, so it
+        keeps what it reads in locals."""
+        now, waiting, reasons, impossible = self.now, self.decision.waiting, self.reasons, self.impossible
+        young_min, preemption, backfill = self.young_min, self.cfg.preemption, self.cfg.backfill
+        teams, behind = self.teams, self.behind
+        higher = 0
+        for p, k in self.blocked.items():
+            if p > prio:
+                higher += k  # blocked jobs of higher classes: unchanged while this class waits
+        same = self.blocked.get(prio, 0)
+        version, reserved_by_spot = -1, {}
+        for job in jobs:
+            if job.not_before > now:
+                waiting[job.id] = backoff_reason(job, now)
+                continue
+            ts = teams.get(job.team) or self._team(job.team)
+            n = job.gpus
+            head = behind.get(job.id)  # a job behind its team's head never preempts
+            if (
+                n <= 0
+                or self.blocker is not None
+                or (head is None and self.evictions_left > 0 and self._could_preempt(job, ts))
+            ):
+                self.blocked[prio] = same
+                self._consider(job, prio)
+                same = self.blocked.get(prio, 0)
+                continue
+            why = impossible.get((job.spot, n), "")
+            if why == "":
+                why = impossible[(job.spot, n)] = impossible_reason(job, self.caps, self.cfg.same_node)
+            if why is not None:
+                waiting[job.id] = why
+                continue
+            if ts.used + n > ts.team.nominal_gpus + ts.team.borrow_limit:
+                self.blocked[prio] = same
+                self._consider(job, prio)  # quota: the full path words it
+                same = self.blocked.get(prio, 0)
+                continue
+            if version != self.version:  # held GPUs change only with claims
+                version = self.version
+                reserved_by_spot = {s: self._reserved_usable(s) for s in ("never", "allowed", "preferred")}
+            reserved = reserved_by_spot[job.spot]
+            reserved = reserved if reserved >= n else 0  # held GPUs that would have been enough
+            young = preemption and job.priority > young_min
+            key = (
+                n,
+                job.spot,
+                higher,
+                0 if higher else same,
+                young,
+                reserved,
+                len(self.claimants),
+                None if head is None else head.id,
+            )
+            reason = reasons.get(key)
+            if reason is None:
+                reason = f"waiting for {n_gpus(n)}: 0 free" + self._tail(higher, same, young, reserved)
+                if head is not None:
+                    reason += (
+                        f"; behind job {head.id} of team {job.team} (priority {self._prio(head.priority)})"
+                    )
+                if higher or not same:
+                    reasons[key] = reason
+            waiting[job.id] = reason
+            same += 1
+            if not backfill:
+                self.blocker = job
+        self.blocked[prio] = same
+
+    def _blocked(self, job: PendingJob, ts: TeamState, quota_ok: bool, prio: int) -> None:
+        """Say why a job waits. Hot: with a long queue most jobs end here, so the tail of the
+        reason (what holds the GPUs, what it is behind) is built once per distinct tail."""
+        n = job.gpus
+        if not quota_ok:
+            self.decision.waiting[job.id] = (
+                f"waiting for {n_gpus(n)}: team {job.team} is at its limit {ts.limit} = nominal "
+                f"{ts.team.nominal_gpus} + borrow {ts.team.borrow_limit} ({ts.used} in use or reserved)"
+            )
+            return
+        free = self._usable_free(job.spot)
+        higher = 0
+        for p, k in self.blocked.items():
+            if p > prio:
+                higher += k
+        same = self.blocked.get(prio, 0)
+        young = self.cfg.preemption and job.priority > self.young_min
+        reserved = self._reserved_usable(job.spot)
+        reserved = reserved if free + reserved >= n else 0  # held GPUs that would have been enough
+        key = (higher, 0 if higher else same, young, reserved, len(self.claimants))
+        tail = self.tails.get(key)
+        if tail is None:
+            tail = self._tail(higher, same, young, reserved)
+            if higher or not same:
+                self.tails[key] = tail
+        head = f"waiting for {n} GPU{'' if n == 1 else 's'}: {free} free"
+        if job.spot == "never" and self.free_count["spot"]:
+            head += f" (not counting {self.free_count['spot']} spot, which this job never uses)"
+        if free and free >= n:
+            head += f"; no single node has {n} free" if self.cfg.same_node else "; not enough CPU or memory"
+        if job.id in self.behind:
+            first = self.behind[job.id]
+            tail += f"; behind job {first.id} of team {job.team} (priority {self._prio(first.priority)})"
+        self.decision.waiting[job.id] = head + tail
+        self.blocked[prio] = same + 1
+        target = self._soon(job, ts) if free > 0 and job.id not in self.behind else None
+        if target is not None and (held := self._hold(job, ts, target)):
+            self.decision.waiting[job.id] += (
+                f"; {held} free GPU{plural(held)} held for it until lower-priority or borrowed jobs "
+                "can be preempted"
+            )
+        elif job.id == self.starving_id and free > 0 and (held := self._hold(job, ts)):
+            self.decision.waiting[job.id] += f"; waiting for a long time, so {held} free GPUs are held for it"
+        if not self.cfg.backfill:
+            self.blocker = job
+
+    def _tail(self, higher: int, same: int, young: bool, reserved: int) -> str:
+        """The end of a waiting reason: GPUs held for others that would have been enough,
+        what the job is behind, and whether preemption may help soon. Only the position
+        varies from job to job."""
+        key = (reserved, len(self.claimants), young)
+        fixed = self.tail_parts.get(key)
+        if fixed is None:
+            held = ""
+            if reserved and self.claimants:
+                c = self.claimants[0]
+                others = len(self.claimants) - 1
+                more = f" and {others} other job{plural(others)}" if others else ""
+                verb = "is" if reserved == 1 else "are"
+                prio = self._prio(c.priority)
+                held = f"; {reserved} more {verb} held for job {c.id} (priority {prio}){more}"
+            soon = f"; lower-priority jobs become preemptible after {self.cfg.min_runtime_s:.0f} s of runtime"
+            fixed = self.tail_parts[key] = (held, soon if young else "")
+        if higher:
+            return f"{fixed[0]}; behind {higher} higher-priority job{plural(higher)}{fixed[1]}"
+        if same:
+            return f"{fixed[0]}; behind {same} job{plural(same)} of equal priority{fixed[1]}"
+        return fixed[0] + fixed[1]

@@ -1,0 +1,281 @@
+"""What one scheduling cycle knows and changes: the free GPUs and those being released, by
+node; each team's standing (GPUs in use or reserved against its quota, its dominant share);
+the victims it may choose; and the decision being built. The layers above (`preemption.py`,
+`cycle.py`) change this state only through the actions here, so the accounting of GPUs,
+quota and fair share lives in one place.
+
+Nothing here outlives the cycle: the policy is a pure function of the `ClusterView`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from visionloop.sched.placement import CLASS_ORDER, capacities, free_pool, group_by_node, take, usable
+from visionloop.sched.view import (
+    ActiveJob,
+    ClusterView,
+    Decision,
+    Gpu,
+    PendingJob,
+    Placement,
+    SpotPolicy,
+    Team,
+)
+
+if TYPE_CHECKING:
+    from visionloop.sched.policy import PolicyConfig
+
+_UNLIMITED = 1 << 40  # the borrow limit of a team without a configured quota
+
+
+@dataclass
+class TeamState:
+    """A team's standing during one cycle: what it holds or has been given so far."""
+
+    team: Team
+    used: int = 0  # GPUs held (not counting jobs on their way out) + placed/claimed this cycle
+    cpus: float = 0.0
+    memory_gb: float = 0.0
+
+    @property
+    def limit(self) -> int:
+        return self.team.nominal_gpus + self.team.borrow_limit
+
+    def over_nominal(self, minus: int = 0) -> bool:
+        return self.used - minus > self.team.nominal_gpus
+
+
+class CycleState:
+    """The state of one cycle, built from the view; see the module docstring."""
+
+    def __init__(self, view: ClusterView, cfg: PolicyConfig) -> None:
+        self.view, self.cfg, self.now = view, cfg, view.now
+        self.decision = Decision()
+        self.names = {rank: name for name, rank in cfg.priorities.items()}
+        self.ranks = sorted(set(cfg.priorities.values()))
+        self.aged: dict[tuple[int, int], int] = {}  # memo of _aged()
+        self.total_gpus = max(1, len(view.gpus))
+        self.caps = capacities(view.gpus)
+        self.free = free_pool(view)
+        gpu_by_id = {g.id: g for g in view.gpus}
+        # GPUs of jobs already on their way out: free soon, claimable now.
+        self.releasing = group_by_node(
+            gpu_by_id[gid]
+            for j in view.running
+            if not j.preemptible
+            for gid in j.gpu_ids
+            if gid in gpu_by_id and gpu_by_id[gid].up
+        )
+        self.free_count = dict.fromkeys(("owned", "on_demand", "spot"), 0)
+        self.reserved_count = dict.fromkeys(("owned", "on_demand", "spot"), 0)  # free, but claimed or held
+        for gs in self.free.values():
+            for g in gs:
+                self.free_count[g.price_class] += 1
+        self.releasing_left = sum(len(gs) for gs in self.releasing.values())
+        self.gpu_by_id = gpu_by_id
+        # Node CPU/memory left, where the node declares limits.
+        self.node_cpu: dict[str, float] = {n: nd.cpus for n, nd in view.nodes.items() if nd.cpus is not None}
+        self.node_mem: dict[str, float] = {
+            n: nd.memory_gb for n, nd in view.nodes.items() if nd.memory_gb is not None
+        }
+        self.total_cpus = sum(self.node_cpu.values())
+        self.total_mem = sum(self.node_mem.values())
+        self.teams: dict[str, TeamState] = {n: TeamState(t) for n, t in view.teams.items()}
+        for j in view.running:
+            self._share_nodes(j, sign=-1.0)
+            if j.preemptible:
+                ts = self._team(j.team)
+                ts.used += len(j.gpu_ids)
+                ts.cpus += j.cpus
+                ts.memory_gb += j.memory_gb
+        # Victims: old enough, not already leaving; lowest priority, then least work lost.
+        self.victims = sorted(
+            (j for j in view.running if j.preemptible and self.now - j.started_at >= cfg.min_runtime_s),
+            key=lambda j: (self._held_rank(j), self._lost_gpu_s(j), -j.started_at, j.id),
+        )
+        # The lowest class among jobs too young to preempt (for the reasons shown).
+        self.young_min = min(
+            (
+                self._held_rank(j)
+                for j in view.running
+                if j.preemptible and self.now - j.started_at < cfg.min_runtime_s
+            ),
+            default=math.inf,
+        )
+        self.evicted: set[str] = set()
+        self.evictions_left = cfg.max_evictions_per_cycle if cfg.preemption else 0
+        self.claimants: list[PendingJob] = []  # jobs holding reserved GPUs, in order
+        self.starving_id: str | None = None  # the long-blocked job that holds free GPUs
+        self.blocker: PendingJob | None = None  # first blocked job when backfill is off
+        self.behind: dict[str, PendingJob] = {}  # job -> its team's head it waits behind
+        self.blocked: dict[int, int] = {}  # blocked jobs so far, by (effective) class
+        self.fail_soon: dict[tuple[object, ...], int] = {}  # smallest job _soon() found no room for
+        self.impossible: dict[tuple[SpotPolicy, int], str | None] = {}  # memo of impossible_reason()
+        self.tails: dict[tuple[int, int, bool, int, int], str] = {}  # memo of _tail() per position
+        self.tail_parts: dict[tuple[int, int, bool], tuple[str, str]] = {}  # memo of its fixed parts
+        # memo of _wait(): (GPUs, spot, higher, same, young, reserved, claimants, head) -> reason
+        self.reasons: dict[tuple[int, SpotPolicy, int, int, bool, int, int, str | None], str] = {}
+        self.saturated = False
+        self.version = 0  # bumped whenever a team's usage or the victims change
+        self.victim_cache: tuple[int, float, bool] = (-1, math.inf, False)
+        # Failure memos: the pools only shrink within a cycle, so a job shape that did not fit
+        # will not fit later in the cycle either. Keys hold what decides fitting.
+        self.fail_free: dict[tuple[object, ...], int] = {}
+        self.fail_release: dict[tuple[object, ...], int] = {}
+        self.fail_evict: dict[tuple[object, ...], int] = {}
+
+    # ----------------------------------------------------------------- bookkeeping
+
+    def _team(self, name: str) -> TeamState:
+        ts = self.teams.get(name)
+        if ts is None:  # not configured: no entitlement, no limit (only what is idle)
+            ts = self.teams[name] = TeamState(Team(name, 0, borrow_limit=_UNLIMITED))
+        return ts
+
+    def _lost_gpu_s(self, j: ActiveJob) -> float:
+        since = j.started_at if j.last_checkpoint_at is None else max(j.started_at, j.last_checkpoint_at)
+        return max(0.0, self.now - since) * len(j.gpu_ids)
+
+    def _share_nodes(self, j: ActiveJob | PendingJob, sign: float, gpus: Sequence[Gpu] = ()) -> None:
+        """Add (sign=+1) or take (-1) a job's CPUs/memory to the free amounts of its nodes,
+        split by how many of its GPUs each node holds."""
+        if not (self.node_cpu or self.node_mem) or not (j.cpus or j.memory_gb):
+            return
+        nodes = (
+            [g.node for g in gpus]
+            if gpus
+            else [self.gpu_by_id[gid].node for gid in getattr(j, "gpu_ids", ()) if gid in self.gpu_by_id]
+        )
+        for node in nodes:
+            if node in self.node_cpu:
+                self.node_cpu[node] += sign * j.cpus / len(nodes)
+            if node in self.node_mem:
+                self.node_mem[node] += sign * j.memory_gb / len(nodes)
+
+    def _node_cap(self, job: PendingJob) -> dict[str, int] | None:
+        if not (self.node_cpu or self.node_mem) or job.gpus <= 0 or not (job.cpus or job.memory_gb):
+            return None
+        cap: dict[str, int] = {}
+        for node in set(self.node_cpu) | set(self.node_mem):
+            c = job.gpus
+            if job.cpus and node in self.node_cpu:
+                c = min(c, math.floor(self.node_cpu[node] / (job.cpus / job.gpus) + 1e-9))
+            if job.memory_gb and node in self.node_mem:
+                c = min(c, math.floor(self.node_mem[node] / (job.memory_gb / job.gpus) + 1e-9))
+            cap[node] = max(0, c)
+        return cap
+
+    def _share(self, ts: TeamState) -> float:
+        s = ts.used / self.total_gpus
+        if self.total_cpus > 0:
+            s = max(s, ts.cpus / self.total_cpus)
+        if self.total_mem > 0:
+            s = max(s, ts.memory_gb / self.total_mem)
+        return s / max(ts.team.weight, 1e-9)
+
+    def _usable_free(self, spot: SpotPolicy) -> int:
+        fc = self.free_count
+        return fc["owned"] + fc["on_demand"] + (fc["spot"] if spot != "never" else 0)
+
+    def _reserved_usable(self, spot: SpotPolicy) -> int:
+        rc = self.reserved_count
+        return rc["owned"] + rc["on_demand"] + (rc["spot"] if spot != "never" else 0)
+
+    def _free_total(self) -> int:
+        return sum(self.free_count.values())
+
+    def _free_ids(self) -> set[str]:
+        return {g.id for gs in self.free.values() for g in gs}
+
+    def _prio(self, rank: int) -> str:
+        return self.names.get(rank, str(rank))
+
+    def _effective_priority(self, job: PendingJob) -> int:
+        """The class a queued job is ordered in: its own, aged by its wait."""
+        return self._aged(job.priority, self.now - job.submitted_at)
+
+    def _held_rank(self, v: ActiveJob) -> int:
+        """The class a running job defends its GPUs with: its own, aged by the wait before
+        it started (so a job that aging let in is not preempted straight away by the class
+        it was aged into). Aging never gives the right to preempt: waiting jobs use their
+        own class for that."""
+        if v.submitted_at is None:
+            return v.priority
+        return self._aged(v.priority, v.started_at - v.submitted_at)
+
+    def _aged(self, rank: int, waited: float) -> int:
+        if self.cfg.aging_s is None or waited < self.cfg.aging_s:
+            return rank
+        steps = int(waited // self.cfg.aging_s)
+        aged = self.aged.get((rank, steps))
+        if aged is None:
+            ranks = self.ranks if rank in self.ranks else sorted(set(self.ranks) | {rank})
+            i = ranks.index(rank)
+            top = max(i, len(ranks) - 2)  # aging never lifts a job into the top class
+            aged = self.aged[(rank, steps)] = ranks[min(i + steps, top)]
+        return aged
+
+    # ----------------------------------------------------------------- actions
+
+    def _place(self, job: PendingJob, ts: TeamState, gpus: Sequence[Gpu]) -> None:
+        take(self.free, gpus)
+        for g in gpus:
+            self.free_count[g.price_class] -= 1
+        self._account(job, ts, gpus)
+        self.decision.placements.append(Placement(job.id, tuple(g.id for g in gpus)))
+
+    def _account(self, job: PendingJob, ts: TeamState, gpus: Sequence[Gpu] | None) -> None:
+        """Count a placed or claimed job against its team (quota, fair share) and, when
+        placed, against its nodes' CPU and memory."""
+        ts.used += job.gpus
+        ts.cpus += job.cpus
+        ts.memory_gb += job.memory_gb
+        self.version += 1
+        if gpus is not None:
+            self._share_nodes(job, sign=-1.0, gpus=gpus)
+
+    def _claim(self, job: PendingJob, ts: TeamState, gpus: Sequence[Gpu]) -> None:
+        """Reserve GPUs (free now, being released, or about to be freed by victims) for a job
+        that will start on them in a later cycle."""
+        free_ids = self._free_ids()
+        now_free = [g for g in gpus if g.id in free_ids]
+        take(self.free, now_free)
+        for g in now_free:
+            self.free_count[g.price_class] -= 1
+            self.reserved_count[g.price_class] += 1
+        before = sum(len(gs) for gs in self.releasing.values())
+        take(self.releasing, [g for g in gpus if g.id not in free_ids])
+        self.releasing_left -= before - sum(len(gs) for gs in self.releasing.values())
+        self._account(job, ts, None)
+        self.claimants.append(job)
+
+    def _hold(self, job: PendingJob, ts: TeamState, target: Sequence[Gpu] | None = None) -> int:
+        """Hold free GPUs for a blocked job so that backfill stops taking them: the free
+        GPUs it can use on the nodes of `target` (where it will run; free ones first, so
+        fewer victims are needed), or without a target on its best node when it must fit on
+        one, anywhere otherwise. At most as many as it needs; returns how many."""
+        cand = {nd: [g for g in gs if usable(g, job.spot)] for nd, gs in self.free.items()}
+        cand = {nd: gs for nd, gs in cand.items() if gs}
+        if target is not None:
+            nodes = {g.node for g in target}
+            cand = {nd: gs for nd, gs in cand.items() if nd in nodes}
+        elif self.cfg.same_node and cand:
+            best = max(cand, key=lambda nd: (len(cand[nd]), nd))
+            cand = {best: cand[best]}
+        rank = {c: i for i, c in enumerate(CLASS_ORDER[job.spot])}
+        held = sorted((g for gs in cand.values() for g in gs), key=lambda g: (rank[g.price_class], g.id))
+        held = held[: job.gpus]
+        if not held:
+            return 0
+        take(self.free, held)
+        for g in held:
+            self.free_count[g.price_class] -= 1
+            self.reserved_count[g.price_class] += 1
+        if job not in self.claimants:
+            self.claimants.append(job)
+            self._account(job, ts, None)  # its team's standing counts the reservation
+        return len(held)

@@ -1,0 +1,439 @@
+"""The job store's schema (SQLAlchemy 2 ORM models) and its engines, for SQLite and PostgreSQL.
+
+Only `sched/store.py` uses these models; everything else sees the store's frozen records.
+The schema is created and upgraded by the Alembic migrations in `sched/migrations/` (run by
+`migrate`, never by `metadata.create_all`), so a database made by any release can be opened
+by a later one. Changing a model here means adding a migration: `new_revision` writes one.
+
+Times are float seconds since the epoch, the clock the scheduler and the simulator share.
+
+Concurrency model:
+- SQLite: WAL journal (readers never block the writer), `busy_timeout`, foreign keys on, and
+  every write transaction starts with `BEGIN IMMEDIATE`. Taking the write lock up front is
+  what makes concurrent writers queue on the busy timeout instead of failing: with
+  SQLite's default deferred BEGIN, two transactions that both read and then write deadlock
+  on the lock upgrade and one gets "database is locked" at once, whatever the timeout.
+- PostgreSQL: READ COMMITTED with `SELECT ... FOR UPDATE` on the job row for every state
+  change, and unique indexes as the last word on races (idempotency keys, GPUs held).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    CheckConstraint,
+    Double,
+    ForeignKey,
+    Index,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    text,
+)
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from visionloop.core.errors import ConfigError
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+
+# How long a SQLite writer waits for the lock before giving up (seconds). Transactions are
+# short (milliseconds); a long wait means another process is stuck holding the lock.
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+# The execution option that marks a connection's next transaction as a write (SQLite only:
+# it decides between BEGIN IMMEDIATE and a plain deferred BEGIN for readers).
+WRITE_OPTION = "visionloop_write"
+
+# pg_advisory_xact_lock key that serialises concurrent migrations of one PostgreSQL database.
+_PG_MIGRATION_LOCK = 0x766C5F6D6967  # "vl_mig"
+
+JOB_STATES = ("queued", "running", "preempting", "cancelling", "succeeded", "failed", "cancelled")
+OUTCOMES = ("succeeded", "failed", "preempted", "interrupted", "lost", "cancelled")
+PRICE_CLASSES = ("owned", "on_demand", "spot")
+SPOT_POLICIES = ("never", "allowed", "preferred")
+
+# Names for every constraint and index, so migrations can refer to them on both backends
+# (SQLite's batch mode needs them to alter a table).
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {float: Double(), dict[str, Any]: JSON()}  # noqa: RUF012
+
+
+class TeamRow(Base):
+    __tablename__ = "teams"
+    __table_args__ = (
+        CheckConstraint("nominal_gpus >= 0", name="nominal_gpus"),
+        CheckConstraint("borrow_limit >= 0", name="borrow_limit"),
+        CheckConstraint("weight > 0", name="weight"),
+    )
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    nominal_gpus: Mapped[int]
+    borrow_limit: Mapped[int]
+    weight: Mapped[float]
+    created_at: Mapped[float]
+    updated_at: Mapped[float]
+
+
+class TokenRow(Base):
+    """An API token: only its SHA-256 is stored, so a copy of the database grants nothing."""
+
+    __tablename__ = "api_tokens"
+    __table_args__ = (CheckConstraint("admin OR team IS NOT NULL", name="owner"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    team: Mapped[str | None] = mapped_column(String(64), ForeignKey("teams.name"))
+    admin: Mapped[bool] = mapped_column(Boolean)
+    label: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[float]
+    revoked_at: Mapped[float | None]
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        # A client that retries a submit with its key gets the same job back, never a second.
+        # NULL keys are distinct on both backends, so jobs without a key never collide.
+        UniqueConstraint("team", "idempotency_key"),
+        Index(None, "state", "submitted_at"),  # the queue: state = 'queued' in FIFO order
+        Index(None, "team", "state"),
+        CheckConstraint(_one_of("state", JOB_STATES), name="state"),
+        CheckConstraint(_one_of("spot", SPOT_POLICIES), name="spot"),
+        CheckConstraint("gpus >= 0", name="gpus"),
+        # Ids are shown to users: never hand out a deleted job's id again.
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    team: Mapped[str] = mapped_column(String(64), ForeignKey("teams.name"))
+    priority: Mapped[str] = mapped_column(String(64))  # the class's name, as submitted
+    priority_rank: Mapped[int]  # its rank when submitted; larger is more important
+    spot: Mapped[str] = mapped_column(String(16))
+    gpus: Mapped[int]
+    cpus: Mapped[float]
+    memory_gb: Mapped[float]
+    max_restarts: Mapped[int]
+    spec_doc: Mapped[dict[str, Any]]  # the document as submitted, verbatim
+    train_spec: Mapped[dict[str, Any]]  # the effective, validated train spec
+    run_dir: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16))
+    state_since: Mapped[float]
+    waiting_reason: Mapped[str | None] = mapped_column(Text)
+    restarts: Mapped[int] = mapped_column(default=0)  # failures retried
+    preemptions: Mapped[int] = mapped_column(default=0)
+    attempt: Mapped[int] = mapped_column(default=0)  # the latest attempt's number (0: none yet)
+    not_before: Mapped[float] = mapped_column(default=0.0)  # retry back-off
+    attained_gpu_s: Mapped[float] = mapped_column(default=0.0)
+    last_checkpoint_at: Mapped[float | None]
+    last_heartbeat_at: Mapped[float | None]
+    submitted_at: Mapped[float]
+    updated_at: Mapped[float]
+    started_at: Mapped[float | None]  # first attempt's start
+    finished_at: Mapped[float | None]
+    exit_code: Mapped[int | None]
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    version: Mapped[int] = mapped_column(default=1)  # +1 on every change: an ETag for clients
+
+
+class TransitionRow(Base):
+    """One row per state change, written in the same transaction as the change."""
+
+    __tablename__ = "job_transitions"
+    __table_args__ = (Index(None, "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    from_state: Mapped[str | None] = mapped_column(String(16))  # None: the submission
+    to_state: Mapped[str] = mapped_column(String(16))
+    at: Mapped[float]
+    reason: Mapped[str] = mapped_column(Text)
+
+
+class AttemptRow(Base):
+    """One run of a job's process: from placement to its exit (or loss)."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("job_id", "number"),
+        # The reconciler's query after a restart: every attempt still open.
+        Index(
+            "ix_attempts_open",
+            "job_id",
+            sqlite_where=text("ended_at IS NULL"),
+            postgresql_where=text("ended_at IS NULL"),
+        ),
+        CheckConstraint(f"outcome IS NULL OR {_one_of('outcome', OUTCOMES)}", name="outcome"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    number: Mapped[int]  # 1, 2, ... per job
+    executor: Mapped[str] = mapped_column(String(64))
+    # What the executor needs to find the process again after a control-plane restart.
+    handle: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    started_at: Mapped[float]
+    ended_at: Mapped[float | None]
+    exit_code: Mapped[int | None]
+    outcome: Mapped[str | None] = mapped_column(String(16))
+
+
+class AllocationRow(Base):
+    """One GPU held by one attempt: the cost ledger's raw data."""
+
+    __tablename__ = "allocations"
+    __table_args__ = (
+        # Never double-booked, even by two schedulers racing: at most one open row per GPU.
+        Index(
+            "uq_allocations_gpu_held",
+            "gpu_id",
+            unique=True,
+            sqlite_where=text("ended_at IS NULL"),
+            postgresql_where=text("ended_at IS NULL"),
+        ),
+        Index(None, "job_id"),
+        Index(None, "attempt_id"),
+        Index(None, "started_at"),
+        CheckConstraint(_one_of("price_class", PRICE_CLASSES), name="price_class"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    gpu_id: Mapped[str] = mapped_column(String(128))
+    node: Mapped[str] = mapped_column(String(128))
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    price_class: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[float]
+    ended_at: Mapped[float | None]
+
+
+class GpuRow(Base):
+    """The inventory. Up/down is durable so that a spot interruption survives a restart."""
+
+    __tablename__ = "gpus"
+    __table_args__ = (
+        Index(None, "node"),
+        CheckConstraint(_one_of("price_class", PRICE_CLASSES), name="price_class"),
+    )
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    node: Mapped[str] = mapped_column(String(128))
+    type: Mapped[str] = mapped_column(String(64))
+    price_class: Mapped[str] = mapped_column(String(16))
+    up: Mapped[bool] = mapped_column(Boolean)
+    down_reason: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[float]
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (Index(None, "job_id", "at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int | None]
+    step: Mapped[int]
+    at: Mapped[float]
+
+
+# --------------------------------------------------------------------------- engines
+
+_URL_EXAMPLES = (
+    "sqlite:////home/me/.visionloop/state.db or postgresql+psycopg://user:password@db-host:5432/visionloop"
+)
+
+
+def parse_url(url: str) -> URL:
+    """The store's database URL, checked: SQLite, or PostgreSQL through psycopg 3 (the driver
+    the `[postgres]` extra installs; `postgresql://` and `postgres://` mean it too)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as e:
+        raise ConfigError(f"{url!r} is not a database URL. Use e.g. {_URL_EXAMPLES}.") from e
+    backend = parsed.get_backend_name()
+    if backend == "sqlite" and parsed.get_driver_name() == "pysqlite":
+        return parsed
+    if backend in ("postgresql", "postgres") and parsed.drivername in (
+        "postgresql",
+        "postgres",
+        "postgresql+psycopg",
+    ):
+        return parsed.set(drivername="postgresql+psycopg")
+    raise ConfigError(
+        f"the job store supports SQLite and PostgreSQL (with psycopg 3), not {parsed.drivername!r} "
+        f"in {parsed.render_as_string(hide_password=True)}. Use e.g. {_URL_EXAMPLES}."
+    )
+
+
+def make_engine(url: URL) -> Engine:
+    """An engine with the connection settings the store's guarantees rely on (see the module
+    docstring). It connects lazily: `Store.open` turns connection errors into advice."""
+    if url.get_backend_name() == "sqlite":
+        return _sqlite_engine(url)
+    try:
+        return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+    except (NoSuchModuleError, ModuleNotFoundError) as e:
+        raise ConfigError(
+            "a PostgreSQL job store needs the psycopg driver: pip install 'visionloop[postgres]'."
+        ) from e
+
+
+def _sqlite_engine(url: URL) -> Engine:
+    if not url.database or url.database == ":memory:" or url.database.startswith("file:"):
+        # Each pooled connection would get its own empty database.
+        raise ConfigError(
+            "the job store needs a SQLite *file*, e.g. sqlite:////home/me/.visionloop/state.db "
+            "(four slashes for an absolute path)."
+        )
+    url = url.set(database=str(Path(url.database).expanduser()))
+    folder = Path(str(url.database)).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create {folder} for the job store: {e}. Choose a writable place.") from e
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy (below) emit BEGIN: the sqlite3 module would emit a deferred one.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            # FULL: a committed transition survives a power cut, not only a process crash.
+            cursor.execute("PRAGMA synchronous = FULL")
+            cursor.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        write = conn.get_execution_options().get(WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+# --------------------------------------------------------------------------- migrations
+
+
+_script_lock = threading.Lock()
+
+
+@functools.cache
+def _script_unlocked() -> Any:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(MIGRATIONS_DIR))
+
+
+def _script() -> Any:
+    # Loaded once per process: twenty stores opened at once must not each import the
+    # migration files.
+    with _script_lock:
+        return _script_unlocked()
+
+
+def alembic_config(connection: Connection | None = None) -> Any:
+    """An Alembic config for the packaged migrations (no alembic.ini needed). With a
+    connection, `env.py` migrates through it, inside the caller's transaction."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    head = _script().get_current_head()
+    assert isinstance(head, str), "the packaged migrations have exactly one head"
+    return head
+
+
+def current_revision(conn: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    rev = MigrationContext.configure(conn).get_current_revision()
+    return None if rev is None else str(rev)
+
+
+def migrate(engine: Engine, shown_url: str) -> None:
+    """Bring the database to the newest schema this code knows, creating it if empty.
+
+    Runs in one write transaction (DDL is transactional on both backends), so a crash
+    mid-way leaves the old schema intact, and concurrent openers queue behind each other
+    (SQLite: BEGIN IMMEDIATE; PostgreSQL: an advisory lock) instead of racing the DDL."""
+    from alembic import command
+
+    script = _script()
+    head = head_revision()
+    # The common case, a database already at head, needs no write lock.
+    with engine.connect() as conn, conn.begin():
+        if current_revision(conn) == head:
+            return
+    with engine.connect() as conn:
+        conn.execution_options(**{WRITE_OPTION: True})
+        with conn.begin():
+            if engine.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+            current = current_revision(conn)
+            if current == head:
+                return
+            known = {rev.revision for rev in script.walk_revisions()}
+            if current is not None and current not in known:
+                raise ConfigError(
+                    f"the job store at {shown_url} has schema revision {current}, newer than this "
+                    f"visionloop knows (its newest is {head}): it was upgraded by a newer release. "
+                    "Upgrade visionloop (pip install -U visionloop), or point it at another database."
+                )
+            command.upgrade(alembic_config(conn), "head")
+
+
+def new_revision(message: str) -> None:
+    """Write a migration for the difference between the models above and the newest
+    migration (autogenerate against a scratch SQLite database), for a developer to review:
+
+        python -c 'from visionloop.sched.db import new_revision; new_revision("add x to jobs")'
+    """
+    import tempfile
+
+    from alembic import command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = make_engine(parse_url(f"sqlite:///{tmp}/scratch.db"))
+        try:
+            migrate(engine, "a scratch database")
+            with engine.begin() as conn:
+                rev_id = f"{int(head_revision()) + 1:04d}"  # revisions are numbered in order
+                command.revision(alembic_config(conn), message=message, autogenerate=True, rev_id=rev_id)
+        finally:
+            engine.dispose()

@@ -1,0 +1,1 @@
+"""Executors run a job's attempt somewhere (local processes, a Ray cluster) and report back."""

@@ -1,0 +1,173 @@
+"""Preemption: which running jobs step aside for a waiting one, and only when that makes
+it fit. A job may preempt lower classes (within its team always; across teams only jobs
+on borrowed GPUs, unless it stays within its own nominal quota), and a team under its
+nominal quota reclaims borrowed GPUs whatever their class. Victims lose the least work:
+lowest class first, then the least GPU-time since their last checkpoint; never a job that
+is already leaving or has run less than `min_runtime_s`. Greedy in that order until the job
+fits, then every victim it can do without is dropped again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from visionloop.sched.cycle_state import CycleState, TeamState
+from visionloop.sched.placement import group_by_node, merge, pick, usable
+from visionloop.sched.reasons import n_gpus, plural
+from visionloop.sched.view import ActiveJob, Eviction, Gpu, PendingJob, SpotPolicy
+
+
+class Preemption(CycleState):
+    """Victim selection on top of the cycle's state."""
+
+    def _try_preempt(self, job: PendingJob, ts: TeamState) -> bool:
+        """Evict the fewest, cheapest victims that let `job` fit, claim the GPUs for it, and
+        say so in its waiting reason. False (and nothing evicted) when no set of allowed
+        victims makes it fit, or the cycle's eviction budget is too small for the set."""
+        n = job.gpus
+        reclaim = ts.used + n <= ts.team.nominal_gpus
+        quota_gap = ts.used + n - ts.limit  # GPUs its own team must give up first
+        shape = (job.team, job.priority, reclaim, job.spot, job.cpus / n, job.memory_gb / n)
+        if n >= self.fail_evict.get(shape, n + 1):
+            return False
+        if quota_gap > 0 and quota_gap > sum(
+            len(v.gpu_ids) for v in self.victims if v.team == job.team and self._held_rank(v) < job.priority
+        ):
+            self.fail_evict[shape] = n
+            return False
+        cands = [
+            v
+            for v in self.victims
+            if v.id not in self.evicted
+            and self._may_evict(v, job, reclaim)
+            and self._usable_gpus(v, job.spot)
+        ]
+        pool = merge(self.free, self.releasing)
+        cap = self._node_cap(job)
+        chosen: list[ActiveJob] = []
+        taken: dict[str, int] = {}
+        found = False
+        for v in cands:
+            if not self._may_evict(v, job, reclaim, taken.get(v.team, 0)):
+                continue  # its team is no longer above nominal once earlier victims leave
+            chosen.append(v)
+            taken[v.team] = taken.get(v.team, 0) + len(v.gpu_ids)
+            if self._fits(job, ts, pool, chosen, cap):
+                found = True
+                break
+        if not found:
+            self.fail_evict[shape] = n
+            return False
+        for v in reversed(chosen[:-1]):  # never evict more than needed
+            rest = [c for c in chosen if c is not v]
+            if self._fits(job, ts, pool, rest, cap):
+                chosen = rest
+        if len(chosen) > self.evictions_left:
+            return False
+        got = self._fits(job, ts, pool, chosen, cap)
+        assert got is not None
+        for v in chosen:
+            self.evicted.add(v.id)
+            self.evictions_left -= 1
+            self.version += 1
+            vt = self._team(v.team)
+            vt.used -= len(v.gpu_ids)
+            vt.cpus -= v.cpus
+            vt.memory_gb -= v.memory_gb
+            if self._held_rank(v) < job.priority:
+                reason = f"preempted for job {job.id} (priority {self._prio(job.priority)})"
+            else:
+                nominal = ts.team.nominal_gpus
+                reason = f"team {job.team} reclaims its nominal quota ({nominal} GPUs) for job {job.id}"
+            self.decision.evictions.append(Eviction(v.id, reason, for_job=job.id))
+        victim_ids = {gid for v in chosen for gid in v.gpu_ids}
+        pending = [g for g in got if g.id not in victim_ids]
+        self._claim(job, ts, pending)
+        ids = ", ".join(v.id for v in chosen)
+        freed = n_gpus(len(got) - len(pending))
+        self.decision.waiting[job.id] = (
+            f"preempting {len(chosen)} job{plural(len(chosen))} ({ids}) to free {freed}; "
+            "starts once they have checkpointed and stopped"
+        )
+        return True
+
+    def _may_evict(self, v: ActiveJob, job: PendingJob, reclaim: bool, taken: int = 0) -> bool:
+        """May `v` step aside for `job` (`taken`: GPUs of `v`'s team already chosen)?
+        - same team: only for a higher class;
+        - `job` stays within its team's nominal quota (`reclaim`): a lower class always, any
+          class while `v`'s team is above its nominal (reclaiming borrowed GPUs);
+        - `job` would borrow: a lower class, and only if `v`'s team stays at or above its
+          nominal without it; else `v` would be entitled to reclaim at once (a livelock)."""
+        lower = self._held_rank(v) < job.priority
+        if v.team == job.team:
+            return lower
+        vt = self._team(v.team)
+        if reclaim:
+            return lower or vt.over_nominal(taken)
+        return lower and vt.used - taken - len(v.gpu_ids) >= vt.team.nominal_gpus
+
+    def _usable_gpus(self, v: ActiveJob, spot: SpotPolicy) -> int:
+        return sum(1 for gid in v.gpu_ids if gid in self.gpu_by_id and usable(self.gpu_by_id[gid], spot))
+
+    def _fits(
+        self,
+        job: PendingJob,
+        ts: TeamState,
+        pool: Mapping[str, list[Gpu]],
+        victims: Sequence[ActiveJob],
+        cap: Mapping[str, int] | None,
+    ) -> list[Gpu] | None:
+        own = sum(len(v.gpu_ids) for v in victims if v.team == job.team)
+        if ts.used - own + job.gpus > ts.limit:
+            return None
+        extra = [self.gpu_by_id[gid] for v in victims for gid in v.gpu_ids if gid in self.gpu_by_id]
+        return pick(merge(pool, group_by_node(extra)), job.gpus, job.spot, self.cfg.same_node, cap)
+
+    def _soon(self, job: PendingJob, ts: TeamState) -> list[Gpu] | None:
+        """Where the job would run if every job it may preempt (young ones included) were
+        gone: free and releasing GPUs plus those victims'. Its free GPUs there are held for
+        it, because a job backfilled into them now would only be preempted again once the
+        victims are old enough. None when preemption cannot make it fit."""
+        if not self.cfg.preemption:
+            return None
+        reclaim = ts.used + job.gpus <= ts.team.nominal_gpus
+        shape = (job.team, job.priority, reclaim, job.spot)
+        if job.gpus >= self.fail_soon.get(shape, job.gpus + 1):
+            return None
+        extra = [
+            self.gpu_by_id[gid]
+            for v in self.view.running
+            if v.preemptible and v.id not in self.evicted and self._may_evict(v, job, reclaim)
+            for gid in v.gpu_ids
+            if gid in self.gpu_by_id
+        ]
+        got = pick(
+            merge(self.free, self.releasing, group_by_node(extra)), job.gpus, job.spot, self.cfg.same_node
+        )
+        if got is None:
+            self.fail_soon[shape] = job.gpus
+        return got
+
+    def _victim_summary(self) -> tuple[float, bool]:
+        """The lowest class among victims left, and whether any of them is borrowed."""
+        if self.version != self.victim_cache[0]:
+            left = [v for v in self.victims if v.id not in self.evicted]
+            lowest = min((self._held_rank(v) for v in left), default=math.inf)
+            borrowed = any(self._team(v.team).over_nominal() for v in left)
+            self.victim_cache = (self.version, lowest, borrowed)
+        return self.victim_cache[1], self.victim_cache[2]
+
+    def _could_preempt(self, job: PendingJob, ts: TeamState) -> bool:
+        """Cheap upper bound of `_try_preempt`: is there any victim this job may take?"""
+        if self.evictions_left <= 0:
+            return False
+        lowest, borrowed = self._victim_summary()
+        return lowest < job.priority or (borrowed and ts.used + job.gpus <= ts.team.nominal_gpus)
+
+    def _preemption_possible(self, prio: int) -> bool:
+        """Could any job of (effective) class `prio` or below still preempt?"""
+        if self.evictions_left <= 0:
+            return False
+        lowest, borrowed = self._victim_summary()
+        return lowest < prio or borrowed

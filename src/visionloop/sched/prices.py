@@ -1,0 +1,116 @@
+"""The price catalog: what one GPU-hour costs, by GPU type and price class, read from a TOML
+file the user can edit (the default ships as `visionloop/assets/prices.toml`, with its
+sources and the meaning of the amortised "owned" rate in its comments).
+
+The cost ledger and the scheduler simulator price GPU-time through `PriceCatalog`; a
+malformed file fails at load, naming the file, the key and a valid example, rather than
+producing a silently wrong bill later.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from visionloop.core.errors import ConfigError
+from visionloop.sched.view import PriceClass
+
+PRICE_CLASSES: tuple[PriceClass, ...] = ("owned", "on_demand", "spot")
+DEFAULT_CATALOG = "visionloop/assets/prices.toml (shipped with visionloop)"
+
+_EXAMPLE = '[gpus."A100-80GB"]\nowned = 0.95\non_demand = 3.43\nspot = 1.65'
+
+
+@dataclass(frozen=True)
+class PriceCatalog:
+    """USD per GPU-hour: `prices[gpu_type][price_class]`."""
+
+    prices: Mapping[str, Mapping[PriceClass, float]]
+    source: str  # the file it came from, for error messages
+
+    def per_gpu_hour(self, gpu_type: str, price_class: PriceClass) -> float:
+        table = self.prices.get(gpu_type)
+        if table is None:
+            known = ", ".join(sorted(self.prices)) or "none"
+            raise ConfigError(
+                f"no price for GPU type {gpu_type!r} in {self.source} (it has: {known}). "
+                f"Add a table for it, e.g.\n{_EXAMPLE.replace('A100-80GB', gpu_type)}"
+            )
+        if price_class not in table:
+            raise ConfigError(f"unknown price class {price_class!r}; use one of {', '.join(PRICE_CLASSES)}.")
+        return table[price_class]
+
+    def per_gpu_second(self, gpu_type: str, price_class: PriceClass) -> float:
+        return self.per_gpu_hour(gpu_type, price_class) / 3600.0
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        return tuple(sorted(self.prices))
+
+
+def load_catalog(path: Path | None = None) -> PriceCatalog:
+    """The catalog at `path`, or the default one shipped with visionloop when None."""
+    if path is None:
+        text = resources.files("visionloop").joinpath("assets/prices.toml").read_text(encoding="utf-8")
+        return parse_catalog(text, DEFAULT_CATALOG)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"price catalog {path} does not exist; give the path of a TOML file such as\n{_EXAMPLE}\n"
+            "or leave the price catalog unset to use the default one."
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read price catalog {path}: {e}") from None
+    return parse_catalog(text, str(path))
+
+
+def parse_catalog(text: str, source: str) -> PriceCatalog:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(
+            f"price catalog {source} is not valid TOML ({e}); a valid entry:\n{_EXAMPLE}"
+        ) from None
+    gpus = doc.get("gpus")
+    unknown = sorted(set(doc) - {"gpus"})
+    if unknown:
+        raise ConfigError(
+            f"price catalog {source}: unknown top-level key {unknown[0]!r}; prices go in "
+            f'[gpus."<type>"] tables, e.g.\n{_EXAMPLE}'
+        )
+    if not isinstance(gpus, dict) or not gpus:
+        raise ConfigError(f'price catalog {source} has no [gpus."<type>"] tables; add one, e.g.\n{_EXAMPLE}')
+    prices: dict[str, dict[PriceClass, float]] = {}
+    for gpu_type, table in gpus.items():
+        where = f'price catalog {source}, [gpus."{gpu_type}"]'
+        example = _EXAMPLE.replace("A100-80GB", gpu_type)
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} must be a table of prices, e.g.\n{example}")
+        extra = sorted(set(table) - set(PRICE_CLASSES))
+        if extra:
+            raise ConfigError(
+                f"{where}: unknown key {extra[0]!r}; the keys are {', '.join(PRICE_CLASSES)}, e.g.\n{example}"
+            )
+        row: dict[PriceClass, float] = {}
+        for cls in PRICE_CLASSES:
+            if cls not in table:
+                raise ConfigError(f"{where}: missing key {cls!r} (USD per GPU-hour), e.g.\n{example}")
+            value = table[cls]
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ConfigError(
+                    f"{where}: {cls} = {value!r} is not a price; give USD per GPU-hour as a number "
+                    f">= 0, e.g.\n{example}"
+                )
+            row[cls] = float(value)
+        prices[gpu_type] = row
+    return PriceCatalog(prices, source)

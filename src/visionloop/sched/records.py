@@ -1,0 +1,178 @@
+"""The job store's records: plain frozen data that `Store` returns, detached from any
+database session, so a caller can keep, compare or serialise them (`dataclasses.asdict`)
+and can never change state behind the store's back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from visionloop.core.errors import SpecError, StoreError
+from visionloop.sched.states import JobState
+from visionloop.sched.view import Gpu, PriceClass, SpotPolicy, Team
+from visionloop.specs import TrainSpec
+
+# How an attempt ended: preempted (by the scheduler, exit 75 after SIGTERM), interrupted (a
+# spot GPU went away), lost (the process vanished or stopped heart-beating).
+Outcome = Literal["succeeded", "failed", "preempted", "interrupted", "lost", "cancelled"]
+
+
+class GpuLike(Protocol):
+    """What the store needs to know of a GPU (view.Gpu, an executor's discovery, ...)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def price_class(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TeamRecord:
+    name: str
+    nominal_gpus: int
+    borrow_limit: int
+    weight: float
+    created_at: float
+    updated_at: float
+
+    def as_view(self) -> Team:
+        return Team(self.name, self.nominal_gpus, self.borrow_limit, self.weight)
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a token belongs to: a team, or an admin (team None or not)."""
+
+    token_id: int
+    team: str | None
+    admin: bool
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    id: int
+    team: str | None
+    admin: bool
+    label: str
+    created_at: float
+    revoked_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: int
+    name: str | None
+    team: str
+    priority: str
+    priority_rank: int
+    spot: SpotPolicy
+    gpus: int
+    cpus: float
+    memory_gb: float
+    max_restarts: int
+    run_dir: Path
+    state: JobState
+    state_since: float  # when it entered `state` (grace periods count from here)
+    waiting_reason: str | None  # why a queued job is not running, shown to its owner
+    restarts: int  # failures retried
+    preemptions: int
+    attempt: int  # the latest attempt's number; 0 before the first start
+    not_before: float  # retry back-off: not placeable before this time
+    attained_gpu_s: float  # GPU-seconds of all ended attempts
+    last_checkpoint_at: float | None
+    last_heartbeat_at: float | None
+    submitted_at: float
+    updated_at: float
+    started_at: float | None  # the first attempt's start
+    finished_at: float | None
+    exit_code: int | None  # the latest attempt's
+    idempotency_key: str | None
+    version: int  # +1 on every change
+    # The documents are loaded by get_job and submit (and list_jobs(with_specs=True)) only:
+    # a scheduler listing 10,000 queued jobs does not need them.
+    spec_doc: dict[str, Any] | None = field(default=None, repr=False)  # verbatim, as submitted
+    train_doc: dict[str, Any] | None = field(default=None, repr=False)  # the effective train spec
+
+    @property
+    def train_spec(self) -> TrainSpec:
+        """The effective train spec, validated again (so a spec the current code cannot read
+        fails here, with a message, rather than in a training process)."""
+        if self.train_doc is None:
+            raise StoreError(f"job {self.id} was listed without its spec; read it with Store.get_job.")
+        try:
+            return TrainSpec.model_validate(self.train_doc)
+        except ValueError as e:
+            raise SpecError(f"job {self.id}'s stored train spec is no longer valid: {e}") from e
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    job_id: int
+    from_state: JobState | None  # None: the submission
+    to_state: JobState
+    at: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    gpu_id: str
+    node: str
+    gpu_type: str
+    price_class: PriceClass
+    started_at: float
+    ended_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    job_id: int
+    number: int
+    executor: str
+    handle: dict[str, Any] | None  # what the executor needs to find the process again
+    started_at: float
+    ended_at: float | None
+    exit_code: int | None
+    outcome: Outcome | None
+    allocations: tuple[Allocation, ...]
+
+    @property
+    def gpu_ids(self) -> tuple[str, ...]:
+        return tuple(a.gpu_id for a in self.allocations)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerRow:
+    """One GPU held by one attempt: the cost ledger's raw data (priced in sched/cost.py)."""
+
+    job_id: int
+    team: str
+    attempt: int
+    gpu_id: str
+    node: str
+    gpu_type: str
+    price_class: PriceClass
+    start: float
+    end: float | None  # None while it runs
+    outcome: Outcome | None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    job_id: int
+    attempt: int | None
+    step: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRecord(Gpu):
+    down_reason: str | None = None
+    updated_at: float = 0.0

@@ -1,0 +1,614 @@
+"""The control plane's core: one scheduling cycle, and the actions users and operators take.
+
+A cycle (every `cycle_s`, and at once after a submit, a cancel or a spot notice):
+
+1. **Reconcile** every open attempt with its executor: record exits (0 → succeeded; 75 →
+   requeued to resume from its checkpoint; other codes → retried with back-off until
+   `max_restarts`, then failed with its last log lines), detect processes that vanished or
+   stopped heart-beating (requeued), and SIGKILL victims whose grace period ran out. An
+   attempt the executor cannot answer for (ExecutorError: Ray's dashboard unreachable, say)
+   is left exactly as it is, GPUs included, and asked again next cycle; the others and the
+   scheduling go on.
+2. **Decide**: build a `ClusterView` from the store and hand it to the policy.
+3. **Act**: evictions get SIGTERM (the trainer checkpoints and exits 75); placements are
+   committed to the store (job RUNNING, GPUs allocated) *before* the executor launches them,
+   and every queued job's waiting reason is stored.
+
+Why this order is safe against a SIGKILL of the control plane at any moment: the store
+changes only in transactions, and an attempt is committed before its process exists. After a
+restart, reconcile finds the attempt: its process is either alive (re-adopted), finished
+(the executor reads its exit code back: from the attempt folder, or from Ray) or was never
+started (lost → requeued). A
+job is therefore never lost, never run twice at the same time, and never left running
+without an open attempt that accounts for its GPUs.
+
+All state changes hold `self._lock`, so API calls (cancel, spot notices) and the cycle never
+interleave; submits need no lock because the store serialises them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from visionloop.core.errors import ExecutorError, NotFoundError, SpecError, VisionloopError
+from visionloop.core.fsutil import atomic_write_text
+from visionloop.core.settings import Settings
+from visionloop.sched.config import DEFAULT_TEAM, ClusterConfig
+from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
+from visionloop.sched.policy import PolicyConfig, schedule
+from visionloop.sched.prices import load_catalog
+from visionloop.sched.states import ACTIVE, JobState, TransitionError
+from visionloop.sched.store import Job, Store
+from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
+from visionloop.specs import JobSpec, TrainSpec, format_validation_error, spec_to_yaml
+from visionloop.train.signals import EXIT_PREEMPTED
+
+log = logging.getLogger(__name__)
+
+# How many log lines a failed job shows as its reason.
+FAILURE_LOG_LINES = 20
+_CKPT_NAME = re.compile(r"step-(\d+)\.ckpt")
+
+
+class SubmitError(VisionloopError):
+    """A submission the control plane refuses (the API answers 4xx with this message)."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a team's token, or an admin token (team None)."""
+
+    team: str | None
+    admin: bool
+
+    def may_see(self, job: Job) -> bool:
+        return self.admin or job.team == self.team
+
+
+_TAIL_BYTES = 64 * 1024
+
+
+def _tail(executor: Executor, handle: Handle | None, lines: int) -> str:
+    """The last `lines` lines of an attempt's log, through the executor (a Ray job's log is
+    on its node, not here). Best effort: a log that cannot be read says so, and never keeps
+    a failure from being recorded."""
+    if not handle:
+        return ""
+    try:
+        offset = 0
+        path = executor.log_path(handle)
+        if path is not None:
+            offset = max(0, path.stat().st_size - _TAIL_BYTES) if path.is_file() else 0
+        data = b""
+        for piece in executor.read_log(handle, offset):
+            data = (data + piece)[-_TAIL_BYTES:]
+    except (ExecutorError, OSError) as e:
+        return f"(the log could not be read: {e})"
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        store: Store,
+        executor: Executor,
+        config: ClusterConfig,
+        settings: Settings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.executor = executor
+        self.config = config
+        self.settings = settings
+        self.clock = clock
+        self._lock = threading.RLock()
+        self.wake = threading.Event()
+        t = config.timings
+        self.policy = PolicyConfig(
+            min_runtime_s=t.min_runtime_s, order=t.order, same_node=True, priorities=dict(config.priorities)
+        )
+        self.jobs_dir = settings.home / "jobs"
+        self.catalog = load_catalog(config.prices)
+        self._sync_inventory()
+        self._sync_teams()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _sync_inventory(self) -> None:
+        gpus = self.executor.capacity()
+        self.store.sync_gpus(gpus)
+
+    def _sync_teams(self) -> None:
+        teams = list(self.config.teams)
+        if not teams and self.store.get_team(DEFAULT_TEAM) is None:
+            # One machine, no config: a single team entitled to every GPU.
+            n = len(self.executor.capacity())
+            teams = [Team(DEFAULT_TEAM, nominal_gpus=n, borrow_limit=0)]
+        for team in teams:
+            self.store.upsert_team(team.name, team.nominal_gpus, team.borrow_limit, team.weight)
+
+    # ------------------------------------------------------------------ submit
+
+    def submit(
+        self,
+        principal: Principal,
+        doc: Mapping[str, Any],
+        *,
+        team: str | None = None,
+        priority: str | None = None,
+        gpus: int | None = None,
+        spot: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
+        """Validate everything a job needs *now*, so nothing waits forever in the queue for a
+        reason nobody sees: the spec, the team, the priority class, and that the cluster
+        could ever hold it."""
+        job_doc = dict(doc) if "train" in doc else {"train": dict(doc)}
+        overrides: dict[str, Any] = {}
+        if priority is not None:
+            overrides["priority"] = priority
+        if spot is not None:
+            overrides["spot"] = spot
+        if team is not None:
+            overrides["team"] = team
+        job_doc.update(overrides)
+        if gpus is not None:
+            job_doc["resources"] = {**dict(job_doc.get("resources") or {}), "gpus": gpus}
+        from pydantic import ValidationError
+
+        try:
+            job = JobSpec.model_validate(job_doc)
+        except ValidationError as e:
+            raise SubmitError(format_validation_error(e, JobSpec, "the job spec")) from e
+        team_name = job.team or principal.team or DEFAULT_TEAM
+        if not principal.admin and team_name != principal.team:
+            raise SubmitError(
+                f"your token belongs to team {principal.team!r}; it cannot submit for team {team_name!r}.",
+                status=403,
+            )
+        if self.store.get_team(team_name) is None:
+            known = ", ".join(t.name for t in self.store.list_teams()) or "none"
+            raise SubmitError(
+                f"unknown team {team_name!r}; known teams: {known}. An admin adds one with "
+                f"`visionloop admin team set {team_name} --nominal N`.",
+                status=404,
+            )
+        try:
+            rank = self.config.priority_rank(job.priority)
+        except VisionloopError as e:
+            raise SubmitError(str(e)) from e
+        self._check_fits(job)
+        self._check_dataset(job.train)
+        return self.store.submit(
+            dict(doc),
+            job,
+            team=team_name,
+            priority_rank=rank,
+            run_dir=None,
+            idempotency_key=idempotency_key,
+            now=self.clock(),
+        )
+
+    def _check_fits(self, job: JobSpec) -> None:
+        gpus = [g for g in self.store.list_gpus() if job.spot != "never" or not g.spot]
+        need = job.resources.gpus
+        by_node: dict[str, int] = {}
+        for g in gpus:
+            by_node[g.node] = by_node.get(g.node, 0) + 1
+        biggest = max(by_node.values(), default=0)
+        if need > biggest:
+            where = "non-spot " if job.spot == "never" else ""
+            raise SubmitError(
+                f"the job asks for {need} GPUs but the largest machine has {biggest} {where}GPUs "
+                f"({len(gpus)} in all). Ask for at most {biggest} (--gpus {biggest})"
+                + (" or allow spot capacity (--spot allowed)." if job.spot == "never" else "."),
+            )
+
+    def _check_dataset(self, train: TrainSpec) -> None:
+        dataset = Path(train.data.dataset)
+        if not dataset.is_absolute():
+            raise SubmitError(
+                f"data.dataset {dataset} is relative; the control plane cannot know relative to what. "
+                "Submit with `visionloop submit` (it resolves paths against the spec file) or give an "
+                "absolute path."
+            )
+        if not (dataset / "dataset.json").is_file():
+            raise SubmitError(
+                f"data.dataset {dataset} is not a dataset folder (no dataset.json). "
+                "Make one with `visionloop data ingest SOURCE --out DIR`."
+            )
+
+    # ------------------------------------------------------------------ actions
+
+    def cancel(self, principal: Principal, job_id: int) -> Job:
+        with self._lock:
+            job = self.visible_job(principal, job_id)
+            now = self.clock()
+            if job.state.terminal:
+                return job
+            if job.state == JobState.QUEUED:
+                job = self.store.transition(
+                    job_id,
+                    JobState.CANCELLED,
+                    f"cancelled by {self._who(principal)}",
+                    expect=JobState.QUEUED,
+                    now=now,
+                )
+            elif job.state != JobState.CANCELLING:
+                job = self.store.transition(
+                    job_id,
+                    JobState.CANCELLING,
+                    f"cancel requested by {self._who(principal)}: stopping after a checkpoint",
+                    expect=job.state,
+                    now=now,
+                )
+                self._signal(job_id, terminate=True)
+        self.wake.set()
+        return job
+
+    def spot_interrupt(self, target: str, reason: str | None = None) -> list[int]:
+        """A spot notice for a GPU id or a whole node: its GPUs go down, and the jobs on them
+        get the same checkpoint-and-requeue handshake as a preemption."""
+        with self._lock:
+            now = self.clock()
+            why = reason or f"spot interruption on {target}"
+            affected = set(self.store.set_gpus_up(target, up=False, reason=why, now=now))
+            if not affected:
+                raise NotFoundError(f"no GPU or node named {target!r}; `visionloop admin gpus` lists them.")
+            victims: list[int] = []
+            for attempt in self.store.active_attempts():
+                if not affected & {a.gpu_id for a in attempt.allocations}:
+                    continue
+                job = self.store.get_job(attempt.job_id)
+                if job.state == JobState.RUNNING:
+                    self.store.transition(
+                        job.id,
+                        JobState.PREEMPTING,
+                        f"{why}: checkpointing before the GPU goes",
+                        expect=JobState.RUNNING,
+                        now=now,
+                    )
+                    self._signal(job.id, terminate=True)
+                    victims.append(job.id)
+        self.wake.set()
+        return victims
+
+    def spot_restore(self, target: str) -> list[str]:
+        with self._lock:
+            gpus = self.store.set_gpus_up(target, up=True, reason="spot capacity back", now=self.clock())
+            if not gpus:
+                raise NotFoundError(f"no GPU or node named {target!r}; `visionloop admin gpus` lists them.")
+        self.wake.set()
+        return gpus
+
+    def visible_job(self, principal: Principal, job_id: int) -> Job:
+        try:
+            job = self.store.get_job(job_id)
+        except NotFoundError:
+            job = None
+        if job is None or not principal.may_see(job):
+            # The same answer for "absent" and "another team's": ids leak nothing.
+            raise NotFoundError(f"no job {job_id} visible to you; `visionloop jobs list` shows yours.")
+        return job
+
+    @staticmethod
+    def _who(principal: Principal) -> str:
+        return "an admin" if principal.admin else f"team {principal.team}"
+
+    # ------------------------------------------------------------------ the cycle
+
+    def cycle(self) -> None:
+        with self._lock:
+            now = self.clock()
+            self._reconcile(now)
+            view = self._view(now)
+            decision = schedule(view, self.policy)
+            for ev in decision.evictions:
+                job_id = int(ev.job_id)
+                try:
+                    self.store.transition(
+                        job_id, JobState.PREEMPTING, ev.reason, expect=JobState.RUNNING, now=now
+                    )
+                except TransitionError:
+                    continue  # it finished meanwhile; the next cycle sees the freed GPUs
+                self._signal(job_id, terminate=True)
+            gpus = {g.id: g for g in self.store.list_gpus()}
+            for p in decision.placements:
+                self._start(int(p.job_id), [gpus[i] for i in p.gpu_ids], now)
+            self.store.set_waiting_reasons({int(k): v for k, v in decision.waiting.items()})
+
+    def _view(self, now: float) -> ClusterView:
+        teams = {
+            t.name: Team(t.name, t.nominal_gpus, t.borrow_limit, t.weight) for t in self.store.list_teams()
+        }
+        gpus = self.store.list_gpus()
+        running: list[ActiveJob] = []
+        jobs = {
+            j.id: j
+            for j in self.store.list_jobs(team=None, states=set(ACTIVE) | {JobState.QUEUED}, limit=None)
+        }
+        for attempt in self.store.active_attempts():
+            job = jobs.get(attempt.job_id)
+            if job is None:
+                continue
+            running.append(
+                ActiveJob(
+                    id=str(job.id),
+                    team=job.team,
+                    priority=job.priority_rank,
+                    gpu_ids=tuple(a.gpu_id for a in attempt.allocations),
+                    started_at=attempt.started_at,
+                    spot=job.spot,
+                    cpus=job.cpus,
+                    memory_gb=job.memory_gb,
+                    last_checkpoint_at=job.last_checkpoint_at,
+                    attained_gpu_s=job.attained_gpu_s,
+                    preemptible=job.state == JobState.RUNNING,
+                    submitted_at=job.submitted_at,
+                )
+            )
+        queued = [
+            PendingJob(
+                id=str(j.id),
+                team=j.team,
+                priority=j.priority_rank,
+                gpus=j.gpus,
+                submitted_at=j.submitted_at,
+                spot=j.spot,
+                cpus=j.cpus,
+                memory_gb=j.memory_gb,
+                attained_gpu_s=j.attained_gpu_s,
+                not_before=j.not_before or 0.0,
+            )
+            for j in jobs.values()
+            if j.state == JobState.QUEUED
+        ]
+        return ClusterView(now=now, gpus=gpus, teams=teams, running=running, queued=queued)
+
+    # ------------------------------------------------------------------ launching
+
+    def job_dir(self, job_id: int) -> Path:
+        return self.jobs_dir / f"job-{job_id}"
+
+    def _command(self, job: Job) -> list[str]:
+        spec_path = self.job_dir(job.id) / "train.yaml"
+        if not spec_path.is_file():
+            spec_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(spec_path, spec_to_yaml(job.train_spec))
+        cmd = [sys.executable, "-m", "visionloop", "train", str(spec_path), "--run-dir", str(job.run_dir)]
+        if job.gpus > 1:
+            cmd += ["--nproc-per-node", str(job.gpus)]
+        return cmd
+
+    def _start(self, job_id: int, gpus: list[Gpu], now: float) -> None:
+        try:
+            attempt = self.store.start_attempt(job_id, self.executor.name, gpus, now=now)
+        except (TransitionError, VisionloopError) as e:
+            log.warning("job %s was not started: %s", job_id, e)
+            return
+        job = self.store.get_job(job_id)
+        attempt_dir = self.job_dir(job_id) / f"attempt-{attempt.number}"
+        # The folder is known before the process exists, so a control plane killed between
+        # these lines finds the attempt again (its shim writes shim.json there).
+        self.store.set_attempt_handle(job_id, attempt.number, {"attempt_dir": str(attempt_dir)})
+        request = LaunchRequest(
+            job_id=job_id,
+            attempt=attempt.number,
+            command=self._command(job),
+            gpus=gpus,
+            attempt_dir=attempt_dir,
+            env={
+                "VISIONLOOP_HOME": str(self.settings.home),
+                "VISIONLOOP_TRACKING_URI": self.settings.tracking_uri,
+            },
+            cpus=job.cpus,
+            memory_gb=job.memory_gb,
+        )
+        try:
+            handle = self.executor.launch(request)
+        except ExecutorError as e:
+            self._finish_failed(job, attempt.number, None, f"could not start: {e}", now)
+            return
+        self.store.set_attempt_handle(job_id, attempt.number, handle)
+
+    def _signal(self, job_id: int, *, terminate: bool) -> None:
+        for attempt in self.store.active_attempts():
+            if attempt.job_id == job_id and attempt.handle:
+                try:
+                    if terminate:
+                        self.executor.terminate(attempt.handle)
+                    else:
+                        self.executor.kill(attempt.handle)
+                except ExecutorError as e:
+                    log.warning("could not signal job %s: %s", job_id, e)
+
+    # ------------------------------------------------------------------ reconcile
+
+    def _reconcile(self, now: float) -> None:
+        for attempt in self.store.active_attempts():
+            job = self.store.get_job(attempt.job_id)
+            handle: Handle = attempt.handle or {
+                "attempt_dir": str(self.job_dir(job.id) / f"attempt-{attempt.number}")
+            }
+            try:
+                self._reconcile_attempt(job, attempt.number, handle, now)
+            except ExecutorError as e:
+                # The executor could not answer (the Ray dashboard is unreachable, say): this
+                # attempt keeps its state and GPUs until a later cycle gets an answer, and the
+                # other attempts and the scheduling go on. Nothing is concluded from silence,
+                # so nothing that may still run is requeued (and run twice).
+                log.warning(
+                    "job %s attempt %s: the executor did not answer (%s); asking again next cycle",
+                    job.id,
+                    attempt.number,
+                    e,
+                )
+
+    def _reconcile_attempt(self, job: Job, number: int, handle: Handle, now: float) -> None:
+        t = self.config.timings
+        status = self.executor.poll(handle)
+        if status.state == "running":
+            self._scan_checkpoints(job)
+            beat = status.heartbeat_at
+            if beat is not None:
+                self.store.heartbeat(job.id, beat)
+            if beat is not None and now - beat > t.heartbeat_timeout_s:
+                self.executor.kill(handle)
+                self._finish_lost(job, number, f"no heartbeat for {now - beat:.0f} s; killed", now)
+            elif (
+                job.state in (JobState.PREEMPTING, JobState.CANCELLING) and now - job.state_since > t.grace_s
+            ):
+                log.warning("job %s did not stop within %.0f s of SIGTERM: SIGKILL", job.id, t.grace_s)
+                self.executor.kill(handle)
+            return
+        if status.state == "lost":
+            self._finish_lost(job, number, status.detail or "process vanished", now)
+            return
+        self._finish_exited(job, number, status, handle, now)
+
+    def _scan_checkpoints(self, job: Job) -> None:
+        """Checkpoints the trainer wrote since the last look (its run dir is the record):
+        they decide which victim loses the least work, and what a preemption lost."""
+        folder = Path(job.run_dir) / "checkpoints"
+        known = {c.step for c in self.store.checkpoints(job.id)}
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return
+        for entry in entries:
+            m = _CKPT_NAME.fullmatch(entry.name)
+            if m and int(m.group(1)) not in known:
+                try:
+                    at = entry.stat().st_mtime
+                except OSError:
+                    continue  # pruned meanwhile
+                self.store.record_checkpoint(job.id, int(m.group(1)), at)
+
+    def _finish_exited(
+        self, job: Job, number: int, status: AttemptStatus, handle: Handle, now: float
+    ) -> None:
+        code = status.exit_code if status.exit_code is not None else -1
+        if job.state == JobState.CANCELLING:
+            outcome, nxt, why = "cancelled", JobState.CANCELLED, f"cancelled (exit {code})"
+            if code == 0:
+                outcome, nxt, why = "succeeded", JobState.SUCCEEDED, "finished before the cancel took effect"
+            self.store.end_attempt(job.id, number, outcome, code, now, nxt, why)
+            return
+        if code == 0:
+            self.store.end_attempt(
+                job.id, number, "succeeded", 0, now, JobState.SUCCEEDED, "finished (exit 0)"
+            )
+            return
+        if job.state == JobState.PREEMPTING:
+            # A preemption never counts as a failure, even if the victim had to be SIGKILLed:
+            # it resumes from its last checkpoint.
+            outcome = "interrupted" if self._on_down_gpu(job.id, number) else "preempted"
+            how = (
+                "checkpointed and exited 75"
+                if code == EXIT_PREEMPTED
+                else f"exit {code} after the grace period"
+            )
+            self.store.end_attempt(
+                job.id,
+                number,
+                outcome,
+                code,
+                now,
+                JobState.QUEUED,
+                f"{outcome}: {how}; requeued to resume",
+                preemptions=job.preemptions + 1,
+            )
+            return
+        if code == EXIT_PREEMPTED:
+            self.store.end_attempt(
+                job.id,
+                number,
+                "preempted",
+                code,
+                now,
+                JobState.QUEUED,
+                "stopped after a checkpoint (exit 75, signalled outside visionloop); requeued to resume",
+            )
+            return
+        # The executor's word on it, if any (Ray's "could not start it: ..." for exit 126).
+        why = f"exit {code} ({status.detail})" if status.detail else f"exit {code}"
+        self._finish_failed(job, number, code, why, now, handle)
+
+    def _on_down_gpu(self, job_id: int, number: int) -> bool:
+        down = {g.id for g in self.store.list_gpus() if not g.up}
+        return any(
+            a.gpu_id in down
+            for att in self.store.active_attempts()
+            if (att.job_id, att.number) == (job_id, number)
+            for a in att.allocations
+        )
+
+    def _finish_failed(
+        self, job: Job, number: int, code: int | None, why: str, now: float, handle: Handle | None = None
+    ) -> None:
+        if job.restarts < job.max_restarts:
+            delay = self.config.timings.retry_backoff_s * math.pow(2, job.restarts)
+            self.store.end_attempt(
+                job.id,
+                number,
+                "failed",
+                code,
+                now,
+                JobState.QUEUED,
+                f"{why}; retry {job.restarts + 1} of {job.max_restarts} in {delay:.0f} s",
+                restarts=job.restarts + 1,
+                not_before=now + delay,
+            )
+        else:
+            reason = f"{why}; no restarts left ({job.max_restarts})"
+            tail = _tail(self.executor, handle, FAILURE_LOG_LINES)
+            if tail:
+                reason += f". Last log lines:\n{tail}"
+            self.store.end_attempt(job.id, number, "failed", code, now, JobState.FAILED, reason)
+
+    def _finish_lost(self, job: Job, number: int, detail: str, now: float) -> None:
+        if job.state == JobState.CANCELLING:
+            self.store.end_attempt(
+                job.id, number, "cancelled", None, now, JobState.CANCELLED, f"cancelled ({detail})"
+            )
+            return
+        self.store.end_attempt(
+            job.id, number, "lost", None, now, JobState.QUEUED, f"process lost ({detail}); requeued to resume"
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """The scheduler thread: a cycle every `cycle_s`, or at once when woken."""
+        while not stop.is_set():
+            try:
+                self.cycle()
+            except Exception:  # the loop must outlive one bad cycle; the next one retries
+                log.exception("scheduling cycle failed")
+            self.wake.wait(self.config.timings.cycle_s)
+            self.wake.clear()
+
+
+def dump_spec_yaml(doc: Mapping[str, Any]) -> str:
+    return yaml.safe_dump(dict(doc), sort_keys=False)
+
+
+__all__ = ["ControlPlane", "Principal", "SpecError", "SubmitError"]

@@ -1,0 +1,396 @@
+"""A discrete-event simulation of the queue in simulated time, driving the same policy
+function the control plane calls (`schedule` or the `fifo` baseline) with a `ClusterView`
+built from the simulated state, and applying its `Decision` as the control plane would.
+
+What it models, and why each matters to the policy:
+  - a job runs at full speed on its GPUs for `duration_s` of progress; it checkpoints every
+    `checkpoint_every_s` of progress (the victim choice prefers recent checkpoints);
+  - an eviction gives the victim `grace_s` with its GPUs (the GPUs are not free at once),
+    then requeues it with the progress of its last checkpoint: work since then is lost;
+  - a spot interruption takes a spot node's GPUs away at once and stops its jobs the same
+    way (they lose the work since their last checkpoint);
+  - a restart costs `restart_overhead_s` (process start, data loader warm-up, checkpoint load);
+  - scheduling cycles run at every event and every `tick_s` while jobs wait (back-offs and
+    minimum runtimes expire between events).
+The simulator checks every decision (free, up, right spot class, right count) and raises
+`SimError` on a bad one: it doubles as a test harness for the policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from visionloop.core.errors import VisionloopError
+from visionloop.sched.sim.cluster import ClusterSpec
+from visionloop.sched.sim.trace import TraceJob
+from visionloop.sched.view import (
+    DEFAULT_PRIORITIES,
+    ActiveJob,
+    ClusterView,
+    Decision,
+    Gpu,
+    PendingJob,
+    PriceClass,
+)
+
+Scheduler = Callable[[ClusterView], Decision]
+
+_FINISH, _RELEASE, _SPOT, _ARRIVE, _TICK = range(5)  # processing order at equal times
+
+
+class SimError(VisionloopError):
+    """The policy under simulation made a decision the cluster cannot carry out."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    checkpoint_every_s: float = 600.0
+    grace_s: float = 60.0
+    restart_overhead_s: float = 60.0
+    tick_s: float = 60.0
+    max_time_s: float = 60 * 86400.0  # give up (and report unfinished jobs) past this
+    priorities: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
+
+
+@dataclass
+class JobRecord:
+    id: str
+    team: str
+    priority: str
+    gpus: int
+    spot: str
+    submit: float
+    duration_s: float
+    first_start: float | None = None
+    finish: float | None = None
+    queued_s: float = 0.0  # total time waiting in the queue (first wait and after stops)
+    preemptions: int = 0
+    interruptions: int = 0
+
+    @property
+    def jct(self) -> float | None:
+        return None if self.finish is None else self.finish - self.submit
+
+
+@dataclass
+class SimResult:
+    jobs: list[JobRecord]
+    start: float  # first submission
+    end: float  # last completion (or when the simulation gave up)
+    busy_gpu_s: dict[tuple[str, PriceClass], float]  # (gpu type, price class) -> GPU-seconds allocated
+    team_gpu_s: dict[str, float]  # team -> GPU-seconds allocated
+    up_gpu_s: dict[tuple[str, PriceClass], float]  # (gpu type, price class) -> GPU-seconds available
+    lost_gpu_s: dict[str, float]  # "preempted" / "interrupted" -> GPU-seconds that produced nothing kept
+    useful_gpu_s: float
+    cycles: int
+    unfinished: list[str]
+    # GPU-seconds held per team while every team of the cluster had jobs waiting: the share a
+    # policy gives each team under contention (over a whole run it is fixed by the workload).
+    contended_team_gpu_s: dict[str, float] = field(default_factory=dict)
+    contended_s: float = 0.0  # how long that was
+
+
+class _Job:
+    __slots__ = (
+        "attained",
+        "epoch",
+        "gpus",
+        "kept",
+        "last_cause",
+        "overhead",
+        "p0",
+        "progress",
+        "queued_since",
+        "rank",
+        "rec",
+        "restarts",
+        "spec",
+        "state",
+        "t0",
+    )  # fmt: skip
+
+    def __init__(self, spec: TraceJob, rank: int) -> None:
+        self.spec, self.rank = spec, rank
+        self.rec = JobRecord(
+            spec.id, spec.team, spec.priority, spec.gpus, spec.spot, spec.submit_time, spec.duration_s
+        )
+        self.state = "future"
+        self.progress = 0.0  # progress kept (checkpointed) before the current allocation
+        self.t0 = self.p0 = self.overhead = self.queued_since = self.kept = 0.0
+        self.gpus: tuple[str, ...] = ()
+        self.epoch = self.restarts = 0
+        self.attained = 0.0
+        self.last_cause = ""
+
+
+class Simulation:
+    def __init__(
+        self,
+        trace: list[TraceJob],
+        cluster: ClusterSpec,
+        scheduler: Scheduler,
+        config: SimConfig | None = None,
+    ) -> None:
+        self.cfg = config or SimConfig()
+        self.cluster, self.scheduler = cluster, scheduler
+        unknown = sorted({j.priority for j in trace} - set(self.cfg.priorities))
+        if unknown:
+            raise SimError(
+                f"trace uses priority class(es) {', '.join(unknown)}; known: {dict(self.cfg.priorities)}"
+            )
+        self.jobs = {j.id: _Job(j, self.cfg.priorities[j.priority]) for j in trace}
+        if len(self.jobs) != len(trace):
+            raise SimError("job ids in the trace are not unique")
+        self.teams = {t.name: t for t in cluster.teams}
+        self.node_of: dict[str, str] = {}
+        self.gpu_meta: dict[str, tuple[str, PriceClass]] = {}
+        for node in cluster.nodes:
+            for g in node.gpu_list():
+                self.node_of[g.id] = node.name
+                self.gpu_meta[g.id] = (g.type, g.price_class)
+        self.node_up = {n.name: n.spot_trace is None or n.spot_trace.up_at(0.0) for n in cluster.nodes}
+        self.holder: dict[str, _Job] = {}
+        self.events: list[tuple[float, int, int, str, int]] = []
+        self.seq = 0
+        self.next_tick = -math.inf
+        self.cycles = 0
+        self.busy: dict[tuple[str, PriceClass], float] = {}
+        self.team_busy: dict[str, float] = {}
+        self.lost = {"preempted": 0.0, "interrupted": 0.0}
+        self.useful = 0.0
+        self.contended: dict[str, float] = {}
+        self.contended_s = 0.0
+        self._gpus_cache: list[Gpu] | None = None
+
+    # ----------------------------------------------------------------- events
+
+    def _push(self, t: float, kind: int, key: str = "", epoch: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, kind, self.seq, key, epoch))
+
+    def run(self) -> SimResult:
+        for j in self.jobs.values():
+            self._push(j.spec.submit_time, _ARRIVE, j.spec.id)
+        for node in self.cluster.nodes:
+            if node.spot_trace is not None:
+                nxt = node.spot_trace.next_change(0.0)
+                if math.isfinite(nxt):
+                    self._push(nxt, _SPOT, node.name)
+        start = min((j.spec.submit_time for j in self.jobs.values()), default=0.0)
+        done = 0
+        t = start
+        contended = False
+        while self.events and done < len(self.jobs):
+            last, t = t, self.events[0][0]
+            if t > self.cfg.max_time_s:
+                break
+            if contended:
+                self.contended_s += t - last
+                for j in self.holder.values():
+                    self.contended[j.spec.team] = self.contended.get(j.spec.team, 0.0) + (t - last)
+            while self.events and self.events[0][0] == t:
+                _, kind, _, key, epoch = heapq.heappop(self.events)
+                done += self._handle(t, kind, key, epoch)
+            if done == len(self.jobs):
+                break
+            contended = False
+            if any(j.state == "queued" for j in self.jobs.values()):
+                decision = self._cycle(t)
+                waiting_teams = {j.spec.team for j in self.jobs.values() if j.state == "queued"}
+                contended = bool(self.teams) and waiting_teams >= set(self.teams)
+                if self._stuck(decision):
+                    break
+                if self.next_tick <= t:
+                    self.next_tick = t + self.cfg.tick_s
+                    self._push(self.next_tick, _TICK)
+        return self._result(start, t)
+
+    def _handle(self, t: float, kind: int, key: str, epoch: int) -> int:
+        if kind == _ARRIVE:
+            j = self.jobs[key]
+            j.state, j.queued_since = "queued", t
+        elif kind == _FINISH:
+            j = self.jobs[key]
+            if j.epoch == epoch and (
+                j.state == "running" or (j.state == "stopping" and j.last_cause == "preempted")
+            ):
+                # A victim may finish inside its grace period: that allocation lost nothing.
+                j.state = "running"
+                self._end_allocation(j, t, kept=j.spec.duration_s)
+                j.state, j.rec.finish = "done", t
+                return 1
+        elif kind == _RELEASE:
+            j = self.jobs[key]
+            if j.epoch == epoch and j.state == "stopping":
+                self._end_allocation(j, t, kept=j.kept)
+                j.progress, j.state, j.queued_since = j.kept, "queued", t
+                j.restarts += 1
+        elif kind == _SPOT:
+            node = next(n for n in self.cluster.nodes if n.name == key)
+            assert node.spot_trace is not None
+            up = node.spot_trace.up_at(t)
+            self.node_up[key] = up
+            self._gpus_cache = None
+            if not up:
+                for j in {h for g, h in self.holder.items() if self.node_of[g] == key}:
+                    if j.state == "running":
+                        self._stop(j, t, "interrupted")
+            nxt = node.spot_trace.next_change(t)
+            if math.isfinite(nxt):
+                self._push(nxt, _SPOT, key)
+        return 0
+
+    # ----------------------------------------------------------------- job life
+
+    def _checkpoint(self, j: _Job, t: float) -> tuple[float, float | None]:
+        """Progress of the job's last checkpoint at time t, and when it was taken."""
+        ran = max(0.0, t - j.t0 - j.overhead)
+        k = math.floor(ran / self.cfg.checkpoint_every_s) if self.cfg.checkpoint_every_s > 0 else 0
+        if k == 0:
+            return j.p0, None
+        return j.p0 + k * self.cfg.checkpoint_every_s, j.t0 + j.overhead + k * self.cfg.checkpoint_every_s
+
+    def _start(self, j: _Job, gpus: tuple[str, ...], t: float) -> None:
+        j.rec.queued_s += t - j.queued_since
+        if j.rec.first_start is None:
+            j.rec.first_start = t
+        j.state, j.gpus, j.t0, j.p0 = "running", gpus, t, j.progress
+        j.overhead = self.cfg.restart_overhead_s if j.restarts else 0.0
+        j.epoch += 1
+        for g in gpus:
+            self.holder[g] = j
+        self._push(t + j.overhead + (j.spec.duration_s - j.p0), _FINISH, j.spec.id, j.epoch)
+
+    def _stop(self, j: _Job, t: float, cause: str) -> None:
+        j.kept, _ = self._checkpoint(j, t)
+        j.kept = min(j.kept, j.spec.duration_s)
+        j.state, j.last_cause = "stopping", cause
+        if cause == "preempted":
+            j.rec.preemptions += 1
+        else:
+            j.rec.interruptions += 1
+        self._push(t + self.cfg.grace_s, _RELEASE, j.spec.id, j.epoch)
+
+    def _end_allocation(self, j: _Job, t: float, kept: float) -> None:
+        held = t - j.t0
+        n = len(j.gpus)
+        useful = max(0.0, kept - j.p0)
+        self.useful += n * useful
+        if j.state == "stopping":
+            self.lost[j.last_cause] += n * (held - useful)
+        elif j.restarts:  # restart overhead of a finished job, charged to what stopped it
+            self.lost[j.last_cause] += n * j.overhead
+        j.attained += n * held
+        self.team_busy[j.spec.team] = self.team_busy.get(j.spec.team, 0.0) + n * held
+        for g in j.gpus:
+            meta = self.gpu_meta[g]
+            self.busy[meta] = self.busy.get(meta, 0.0) + held
+            del self.holder[g]
+        j.gpus = ()
+
+    # ----------------------------------------------------------------- cycles
+
+    def _gpus(self) -> list[Gpu]:
+        if self._gpus_cache is None:
+            self._gpus_cache = [g for n in self.cluster.nodes for g in n.gpu_list(self.node_up[n.name])]
+        return self._gpus_cache
+
+    def _view(self, t: float) -> ClusterView:
+        running, queued = [], []
+        for j in self.jobs.values():
+            s = j.spec
+            if j.state in ("running", "stopping"):
+                _, ckpt_at = self._checkpoint(j, t)
+                running.append(
+                    ActiveJob(
+                        s.id,
+                        s.team,
+                        j.rank,
+                        j.gpus,
+                        j.t0,
+                        s.spot,
+                        last_checkpoint_at=ckpt_at,
+                        attained_gpu_s=j.attained + len(j.gpus) * (t - j.t0),
+                        preemptible=j.state == "running",
+                        submitted_at=s.submit_time,
+                    )
+                )
+            elif j.state == "queued":
+                queued.append(
+                    PendingJob(s.id, s.team, j.rank, s.gpus, s.submit_time, s.spot, attained_gpu_s=j.attained)
+                )
+        return ClusterView(t, self._gpus(), self.teams, running, queued)
+
+    def _cycle(self, t: float) -> Decision:
+        self.cycles += 1
+        view = self._view(t)
+        decision = self.scheduler(view)
+        up = {g.id for g in view.gpus if g.up}
+        spot_ids = {g.id for g in view.gpus if g.spot}
+        seen: set[str] = set()
+        for p in decision.placements:
+            j = self.jobs.get(p.job_id)
+            if j is None or j.state != "queued":
+                raise SimError(f"t={t}: placed job {p.job_id}, which is not queued")
+            bad = [g for g in p.gpu_ids if g not in up or g in self.holder or g in seen]
+            if bad or len(p.gpu_ids) != j.spec.gpus:
+                raise SimError(
+                    f"t={t}: job {p.job_id} placed on {p.gpu_ids}: busy, down or wrong count {bad}"
+                )
+            if j.spec.spot == "never" and spot_ids.intersection(p.gpu_ids):
+                raise SimError(f"t={t}: job {p.job_id} (spot: never) placed on spot GPUs")
+            seen.update(p.gpu_ids)
+        for e in decision.evictions:
+            j = self.jobs.get(e.job_id)
+            if j is None or j.state != "running":
+                raise SimError(f"t={t}: evicted job {e.job_id}, which is not running")
+        for e in decision.evictions:
+            self._stop(self.jobs[e.job_id], t, "preempted")
+        for p in decision.placements:
+            self._start(self.jobs[p.job_id], p.gpu_ids, t)
+        placed = {p.job_id for p in decision.placements}
+        silent = [j.spec.id for j in self.jobs.values() if j.state == "queued" and j.spec.id not in placed]
+        silent = [i for i in silent if i not in decision.waiting]
+        if silent:
+            raise SimError(f"t={t}: queued job(s) {silent[:5]} neither placed nor given a reason")
+        return decision
+
+    def _stuck(self, decision: Decision) -> bool:
+        """Nothing running, nothing coming, every node up, and the policy placed nothing:
+        the remaining jobs can never run (the policy reported them as impossible)."""
+        if decision.placements or decision.evictions:
+            return False
+        if any(j.state in ("running", "stopping", "future") for j in self.jobs.values()):
+            return False
+        return all(self.node_up.values())
+
+    def _result(self, start: float, end: float) -> SimResult:
+        up: dict[tuple[str, PriceClass], float] = {}
+        for node in self.cluster.nodes:
+            span = end - start if node.spot_trace is None else node.spot_trace.uptime(start, end)
+            key = (node.gpu_type, node.price_class)
+            up[key] = up.get(key, 0.0) + node.gpus * span
+        return SimResult(
+            jobs=[j.rec for j in self.jobs.values()],
+            start=start,
+            end=end,
+            busy_gpu_s=self.busy,
+            team_gpu_s=self.team_busy,
+            up_gpu_s=up,
+            lost_gpu_s=self.lost,
+            useful_gpu_s=self.useful,
+            cycles=self.cycles,
+            unfinished=[j.spec.id for j in self.jobs.values() if j.state != "done"],
+            contended_team_gpu_s=self.contended,
+            contended_s=self.contended_s,
+        )
+
+
+def simulate(
+    trace: list[TraceJob], cluster: ClusterSpec, scheduler: Scheduler, config: SimConfig | None = None
+) -> SimResult:
+    """Run `trace` on `cluster` under `scheduler` until every job has finished."""
+    return Simulation(trace, cluster, scheduler, config).run()

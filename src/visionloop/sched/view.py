@@ -1,0 +1,114 @@
+"""What the scheduling policy sees and what it decides: plain frozen data, no database, no
+processes. The control plane builds a `ClusterView` from its store and executor; the
+simulator builds one from a trace in simulated time. Both hand it to the same policy.
+
+Times are seconds on one clock (wall-clock epoch seconds in the control plane, simulated
+seconds in the simulator); the policy never reads a clock itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+SpotPolicy = Literal["never", "allowed", "preferred"]
+PriceClass = Literal["owned", "on_demand", "spot"]
+
+# Priority classes by rank: a larger rank is more important. The control plane reads the
+# user's classes from its config; these are the defaults (and the traces' classes).
+DEFAULT_PRIORITIES: Mapping[str, int] = {"low": 10, "normal": 50, "high": 100}
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    id: str  # unique, e.g. "node0/3"
+    node: str
+    type: str  # e.g. "A100-80GB", matched against the price catalog
+    price_class: PriceClass = "owned"
+    up: bool = True  # False while a spot interruption has taken it away
+
+    @property
+    def spot(self) -> bool:
+        return self.price_class == "spot"
+
+
+@dataclass(frozen=True, slots=True)
+class Team:
+    name: str
+    nominal_gpus: int  # the team's entitlement: what it can always reclaim
+    borrow_limit: int = 0  # GPUs it may use beyond nominal while others leave them idle
+    weight: float = 1.0  # fair-share weight
+
+
+@dataclass(frozen=True, slots=True)
+class PendingJob:
+    id: str
+    team: str
+    priority: int  # rank of its priority class (DEFAULT_PRIORITIES)
+    gpus: int
+    submitted_at: float
+    spot: SpotPolicy = "allowed"
+    cpus: float = 0.0
+    memory_gb: float = 0.0
+    attained_gpu_s: float = 0.0  # GPU-seconds received so far (least-attained-service order)
+    not_before: float = 0.0  # retry back-off: not placeable before this time
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveJob:
+    id: str
+    team: str
+    priority: int
+    gpu_ids: tuple[str, ...]
+    started_at: float  # start of the current allocation
+    spot: SpotPolicy = "allowed"
+    cpus: float = 0.0
+    memory_gb: float = 0.0
+    last_checkpoint_at: float | None = None
+    attained_gpu_s: float = 0.0
+    # False once the job is already on its way out (preempting, cancelling): it still holds
+    # its GPUs but must not be chosen as a victim again.
+    preemptible: bool = True
+    # When it was first submitted (None: unknown). With priority aging, a job that started
+    # after a long wait keeps its aged class against preemption; without it, it is ignored.
+    submitted_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    cpus: float | None = None  # None: not limited by the policy
+    memory_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    now: float
+    gpus: Sequence[Gpu]
+    teams: Mapping[str, Team]
+    running: Sequence[ActiveJob]
+    queued: Sequence[PendingJob]
+    nodes: Mapping[str, Node] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    job_id: str
+    gpu_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    job_id: str
+    reason: str  # stored as the transition reason, e.g. "preempted by job 42 (priority high)"
+    for_job: str | None = None
+
+
+@dataclass
+class Decision:
+    placements: list[Placement] = field(default_factory=list)
+    evictions: list[Eviction] = field(default_factory=list)
+    # Every queued job that was not placed, with the reason shown to its owner
+    # ("waiting for 4 GPUs: 2 free, team quota 2 + borrow 0 used"), so nothing waits silently.
+    waiting: dict[str, str] = field(default_factory=dict)

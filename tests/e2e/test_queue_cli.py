@@ -1,0 +1,156 @@
+"""The queue the way a user drives it: `visionloop up --detach`, `submit`, `jobs ...`,
+`admin ...`, `cost report`, `down` — and a control plane SIGKILLed mid-job and restarted."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _cpkit import FAST, free_port
+from _trainkit import cli, spec_doc, write_spec
+
+CLUSTER_TOML = """
+[scheduler]
+{timings}
+
+[[teams]]
+name = "vision"
+nominal_gpus = 2
+borrow_limit = 1
+
+[[inventory]]
+node = "local"
+type = "fake"
+count = 1
+price_class = "owned"
+
+[[inventory]]
+node = "spot-a"
+type = "fake"
+count = 2
+price_class = "spot"
+"""
+
+
+def _ok(*args: str) -> str:
+    p = cli(*args)
+    assert p.returncode == 0, f"visionloop {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+def _show(job_id: int) -> dict[str, Any]:
+    return dict(json.loads(_ok("jobs", "show", str(job_id), "--json")))
+
+
+def _wait(job_id: int, pred: Any, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    show: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        show = _show(job_id)
+        if pred(show["job"]):
+            return show
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} never got there; last seen:\n{json.dumps(show, indent=1)[:4000]}")
+
+
+@pytest.fixture
+def up(vl_home: Path) -> Iterator[str]:
+    timings = "\n".join(f"{k} = {v}" for k, v in FAST.items())
+    (vl_home / "cluster.toml").write_text(CLUSTER_TOML.format(timings=timings))
+    port = str(free_port())
+    _ok("up", "--detach", "--port", port)
+    yield port
+    cli("down")
+    # Jobs outlive the control plane by design; the test must not leave any behind.
+    for state in (vl_home / "jobs").glob("job-*/attempt-*/shim.json"):
+        with contextlib.suppress(ProcessLookupError, KeyError, ValueError, PermissionError):
+            os.killpg(json.loads(state.read_text())["child_pid"], signal.SIGKILL)
+
+
+def test_submit_follow_spot_interrupt_and_cost_from_the_cli(
+    up: str, tmp_path: Path, digits_dataset: Path
+) -> None:
+    doc = spec_doc(digits_dataset, epochs=None, steps=300)
+    spec = write_spec(
+        tmp_path / "job.yaml", {"train": doc, "team": "vision", "spot": "preferred", "name": "digits"}
+    )
+    job_id = int(_ok("submit", str(spec)).strip())
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "visionloop", "jobs", "logs", str(job_id), "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    show = _wait(job_id, lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None)
+    (alloc,) = show["attempts"][0]["allocations"]
+    assert alloc["price_class"] == "spot"  # `preferred` takes spot first
+    listed = _ok("jobs", "list")
+    assert "digits" in listed and "running" in listed
+
+    p = cli("admin", "spot-interrupt", "spot-a")
+    assert p.returncode == 0 and str(job_id) in p.stderr
+    show = _wait(job_id, lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
+    assert show["job"]["state"] == "succeeded"
+    first, second = show["attempts"]
+    assert first["outcome"] == "interrupted" and first["exit_code"] == 75
+    # With spot gone, `preferred` falls back to the owned GPU.
+    assert [a["price_class"] for a in second["allocations"]] == ["owned"]
+    gpus = _ok("admin", "gpus")
+    assert "spot interruption" in gpus
+
+    # The follower saw both attempts and stopped by itself when the job ended.
+    followed, follow_err = follower.communicate(timeout=60)
+    assert follower.returncode == 0, follow_err
+    first_part, _, second_part = followed.decode().partition("--- attempt 2 ---")
+    assert "resuming from" not in first_part and "resuming from" in second_part
+
+    human = _ok("jobs", "show", str(job_id))
+    assert "interrupted" in human and "spot saved" in human
+    report = json.loads(_ok("cost", "report", "--json"))
+    line = report["by_team"]["vision"]
+    assert line["gpu_hours"] > 0 and line["spot_gpu_hours"] > 0 and line["spot_saved"] > 0
+    assert 0 < line["lost_gpu_hours_interruption"] <= first_hours(first)
+    assert "step" in _ok("jobs", "logs", str(job_id), "--attempt", "1").lower()
+
+
+def first_hours(attempt: dict[str, Any]) -> float:
+    return float(attempt["ended_at"] - attempt["started_at"]) / 3600
+
+
+def test_control_plane_sigkilled_mid_job_readopts_it(
+    up: str, vl_home: Path, tmp_path: Path, digits_dataset: Path
+) -> None:
+    spec = write_spec(tmp_path / "train.yaml", spec_doc(digits_dataset, epochs=None, steps=150))
+    job_id = int(_ok("submit", str(spec), "--team", "vision", "--spot", "never").strip())
+    _wait(job_id, lambda j: j["state"] == "running")
+    state = json.loads((vl_home / "control-plane.json").read_text())
+    os.kill(state["pid"], signal.SIGKILL)
+    time.sleep(1.0)
+    _ok("up", "--detach", "--port", up)  # same home, same store: it must find the running job
+    show = _wait(job_id, lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
+    assert show["job"]["state"] == "succeeded"
+    # Re-adopted, not restarted: one attempt, never requeued.
+    assert len(show["attempts"]) == 1 and show["attempts"][0]["outcome"] == "succeeded"
+    assert [t["to_state"] for t in show["transitions"]] == ["queued", "running", "succeeded"]
+
+
+def test_cli_errors_are_one_clear_line(up: str, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2]\n")
+    p = cli("submit", str(bad))
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "train" in p.stderr
+    p = cli("jobs", "show", "424242")
+    assert p.returncode != 0 and "no job 424242" in p.stderr
+    p = cli("submit", str(tmp_path / "missing.yaml"))
+    assert p.returncode != 0 and "does not exist" in p.stderr
+    p = cli("jobs", "list", env={"VISIONLOOP_TOKEN": "wrong"})
+    assert p.returncode != 0 and "unknown or revoked token" in p.stderr

@@ -1,0 +1,575 @@
+"""The queue policy: priorities, quotas and borrowing, fair share, preemption and victim
+choice, reservations, spot placement, packing, reasons for waiting, and the FIFO baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from visionloop.core.errors import ConfigError
+from visionloop.sched.policy import PolicyConfig, fifo, schedule
+from visionloop.sched.view import (
+    ActiveJob,
+    ClusterView,
+    Decision,
+    Gpu,
+    Node,
+    PendingJob,
+    PriceClass,
+    SpotPolicy,
+    Team,
+)
+
+LOW, NORMAL, HIGH = 10, 50, 100
+NOW = 100_000.0
+
+
+def node_gpus(node: str, n: int, cls: PriceClass = "owned", up: bool = True, typ: str = "fake") -> list[Gpu]:
+    return [Gpu(f"{node}/{i}", node, typ, cls, up) for i in range(n)]
+
+
+def q(
+    id: str,
+    gpus: int = 1,
+    team: str = "a",
+    prio: int = NORMAL,
+    t: float = 0.0,
+    spot: SpotPolicy = "allowed",
+    **kw: float,
+) -> PendingJob:
+    return PendingJob(id, team, prio, gpus, submitted_at=t, spot=spot, **kw)  # type: ignore[arg-type]
+
+
+def r(
+    id: str,
+    gpu_ids: Sequence[str],
+    team: str = "a",
+    prio: int = NORMAL,
+    started: float = NOW - 3600,
+    ckpt: float | None = None,
+    preemptible: bool = True,
+    submitted: float | None = None,
+) -> ActiveJob:
+    return ActiveJob(
+        id,
+        team,
+        prio,
+        tuple(gpu_ids),
+        started,
+        last_checkpoint_at=ckpt,
+        preemptible=preemptible,
+        submitted_at=submitted,
+    )
+
+
+def view(
+    gpus: Sequence[Gpu],
+    queued: Sequence[PendingJob] = (),
+    running: Sequence[ActiveJob] = (),
+    teams: Sequence[Team] = (),
+    now: float = NOW,
+    nodes: dict[str, Node] | None = None,
+) -> ClusterView:
+    return ClusterView(now, list(gpus), {t.name: t for t in teams}, list(running), list(queued), nodes or {})
+
+
+def placed(d: Decision) -> dict[str, tuple[str, ...]]:
+    return {p.job_id: p.gpu_ids for p in d.placements}
+
+
+CFG = PolicyConfig(aging_s=None)  # aging off unless a test is about it
+
+
+# --------------------------------------------------------------------------- priorities, quotas
+
+
+def test_higher_priority_first_and_lower_waits_with_reason() -> None:
+    d = schedule(view(node_gpus("n0", 2), [q("low", 2, prio=LOW, t=1), q("high", 2, prio=HIGH, t=5)]), CFG)
+    assert placed(d) == {"high": ("n0/0", "n0/1")}
+    assert d.waiting == {"low": "waiting for 2 GPUs: 0 free"}
+
+
+def test_blocked_higher_priority_job_is_named_in_reasons_behind_it() -> None:
+    running = [r("busy", ["n0/0", "n0/1"], prio=HIGH)]  # nothing can be preempted
+    d = schedule(view(node_gpus("n0", 4), [q("big", 4, prio=HIGH), q("mid", 4, prio=NORMAL)], running), CFG)
+    assert d.placements == [] and d.evictions == []
+    assert d.waiting["big"].startswith("waiting for 4 GPUs: 2 free")
+    assert "behind 1 higher-priority job" in d.waiting["mid"]
+
+
+def test_quota_limit_nominal_plus_borrow() -> None:
+    teams = [Team("a", nominal_gpus=2, borrow_limit=1)]
+    d = schedule(view(node_gpus("n0", 8), [q(f"j{i}", t=i) for i in range(4)], teams=teams), CFG)
+    assert set(placed(d)) == {"j0", "j1", "j2"}
+    assert d.waiting["j3"] == (
+        "waiting for 1 GPU: team a is at its limit 3 = nominal 2 + borrow 1 (3 in use or reserved)"
+    )
+
+
+def test_borrowing_uses_idle_gpus_of_other_teams() -> None:
+    teams = [Team("a", 2, borrow_limit=6), Team("b", 6)]
+    d = schedule(view(node_gpus("n0", 8), [q(f"j{i}", t=i) for i in range(8)], teams=teams), CFG)
+    assert len(d.placements) == 8 and not d.waiting
+
+
+def test_entitled_job_goes_before_a_higher_priority_borrower() -> None:
+    # b is at its nominal quota: its high job would borrow the GPU a is entitled to.
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
+    running = [r(f"b{i}", [f"n0/{i}"], team="b", prio=HIGH) for i in range(4)] + [r("a0", ["n0/4"], team="a")]
+    gpus = node_gpus("n0", 6)
+    d = schedule(view(gpus, [q("bh", team="b", prio=HIGH), q("al", team="a", prio=LOW)], running, teams), CFG)
+    assert placed(d) == {"al": ("n0/5",)}
+    assert d.waiting["bh"].startswith("waiting for 1 GPU: 0 free")
+
+
+def test_reclaim_evicts_only_borrowed_jobs_least_work_lost_first() -> None:
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
+    # b holds 6 (2 borrowed); a holds 2 and wants 3 more, 2 of them within its nominal.
+    running = [r(f"b{i}", [f"n0/{i}"], team="b", prio=HIGH, ckpt=NOW - 100 * (i + 1)) for i in range(6)] + [
+        r("a0", ["n0/6"], team="a"),
+        r("a1", ["n0/7"], team="a"),
+    ]
+    queued = [q("x", team="a", t=1), q("y", team="a", t=2), q("z", team="a", t=3)]
+    d = schedule(view(node_gpus("n0", 8), queued, running, teams), CFG)
+    assert [e.job_id for e in d.evictions] == ["b0", "b1"]  # most recent checkpoints
+    assert all(
+        e.reason == f"team a reclaims its nominal quota (4 GPUs) for job {e.for_job}" for e in d.evictions
+    )
+    assert {e.for_job for e in d.evictions} == {"x", "y"}
+    assert d.waiting["x"].startswith("preempting 1 job (b0) to free 1 GPU")
+    assert d.waiting["z"].startswith("waiting for 1 GPU: 0 free")  # b is back at nominal: no more
+
+
+# --------------------------------------------------------------------------- victims
+
+
+def test_victims_lowest_priority_then_most_recent_checkpoint() -> None:
+    running = [
+        r("normal", ["n0/0"], prio=NORMAL, ckpt=NOW - 10),
+        r("low-old-ckpt", ["n0/1"], prio=LOW, ckpt=NOW - 3000),
+        r("low-new-ckpt", ["n0/2"], prio=LOW, ckpt=NOW - 60),
+        r("low-no-ckpt", ["n0/3"], prio=LOW, started=NOW - 1200),
+    ]
+    d = schedule(view(node_gpus("n0", 4), [q("h", prio=HIGH)], running), CFG)
+    assert [(e.job_id, e.reason, e.for_job) for e in d.evictions] == [
+        ("low-new-ckpt", "preempted for job h (priority high)", "h")
+    ]
+    d2 = schedule(view(node_gpus("n0", 4), [q("h", 3, prio=HIGH)], running), CFG)
+    assert sorted(e.job_id for e in d2.evictions) == ["low-new-ckpt", "low-no-ckpt", "low-old-ckpt"]
+
+
+def test_never_a_young_or_non_preemptible_victim() -> None:
+    running = [
+        r("young", ["n0/0"], prio=LOW, started=NOW - 599),
+        r("leaving", ["n0/1"], prio=LOW, preemptible=False),
+    ]
+    d = schedule(view(node_gpus("n0", 2), [q("h", prio=HIGH)], running), CFG)
+    assert d.evictions == []
+    # the releasing GPU of the leaving job is claimed for h instead
+    assert d.waiting["h"] == "waiting for 1 GPU being released by jobs that are stopping; 1 GPU held for it"
+    d2 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], running), CFG)
+    assert d2.evictions == []
+    assert "lower-priority jobs become preemptible after 600 s of runtime" in d2.waiting["h"]
+    d3 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], running), PolicyConfig(min_runtime_s=500))
+    assert [e.job_id for e in d3.evictions] == ["young"]
+
+
+def test_no_pointless_evictions_and_never_more_than_needed() -> None:
+    gpus = node_gpus("n0", 4) + node_gpus("n1", 4)
+    running = [
+        r("l0", ["n0/0", "n0/1"], prio=LOW),
+        r("n0", ["n0/2", "n0/3"], prio=HIGH),
+        r("l1", ["n1/0"], prio=LOW),
+        r("n1", ["n1/1", "n1/2", "n1/3"], prio=HIGH),
+    ]
+    # 4 on one node: no low victim set can free a whole node -> nothing evicted.
+    d = schedule(view(gpus, [q("h", 4, prio=HIGH)], running), CFG)
+    assert d.evictions == [] and d.waiting["h"].startswith("waiting for 4 GPUs: 0 free")
+    # 1 GPU: the single cheapest victim, not both.
+    d = schedule(view(gpus, [q("h", 1, prio=HIGH)], running), CFG)
+    assert [e.job_id for e in d.evictions] == ["l1"]
+    # spanning allowed: 3 GPUs need both low jobs.
+    d = schedule(view(gpus, [q("h", 3, prio=HIGH)], running), PolicyConfig(same_node=False, aging_s=None))
+    assert sorted(e.job_id for e in d.evictions) == ["l0", "l1"]
+
+
+def test_max_evictions_per_cycle() -> None:
+    running = [r(f"l{i}", [f"n0/{i}"], prio=LOW) for i in range(4)]
+    cfg = PolicyConfig(max_evictions_per_cycle=2, aging_s=None)
+    d = schedule(view(node_gpus("n0", 4), [q("a", 2, prio=HIGH), q("b", 2, prio=HIGH, t=1)], running), cfg)
+    assert len(d.evictions) == 2 and {e.for_job for e in d.evictions} == {"a"}
+    assert d.waiting["b"].startswith("waiting for 2 GPUs: 0 free")
+
+
+def test_preemption_off() -> None:
+    running = [r("l", ["n0/0"], prio=LOW)]
+    d = schedule(view(node_gpus("n0", 1), [q("h", prio=HIGH)], running), PolicyConfig(preemption=False))
+    assert d.evictions == [] and "h" in d.waiting
+
+
+# --------------------------------------------------------------------------- reservations
+
+
+def test_freed_gpus_are_reserved_for_the_job_they_were_freed_for() -> None:
+    gpus = node_gpus("n0", 4)
+    running = [r("l0", ["n0/0", "n0/1"], prio=LOW), r("l1", ["n0/2"], prio=LOW)]
+    queue = [q("big", 4, prio=HIGH, t=0), q("small", 1, prio=NORMAL, t=1)]
+    # cycle 1: one GPU free; big evicts both low jobs; small must not take the free GPU.
+    d1 = schedule(view(gpus, queue, running), CFG)
+    assert sorted(e.job_id for e in d1.evictions) == ["l0", "l1"]
+    assert placed(d1) == {}
+    assert "held for job big" in d1.waiting["small"]
+    # cycle 2: the victims are checkpointing (preemptible=False), one GPU still free.
+    leaving = [
+        r("l0", ["n0/0", "n0/1"], prio=LOW, preemptible=False),
+        r("l1", ["n0/2"], prio=LOW, preemptible=False),
+    ]
+    d2 = schedule(view(gpus, queue, leaving), CFG)
+    assert d2.evictions == [] and placed(d2) == {}
+    assert d2.waiting["big"].startswith("waiting for 3 GPUs being released")
+    # cycle 3: l1 has gone, l0 is still stopping: the 2 free GPUs stay held for big.
+    d3 = schedule(view(gpus, [*queue, q("l1", 1, prio=LOW, t=-5)], leaving[:1]), CFG)
+    assert placed(d3) == {} and d3.evictions == []
+    # cycle 4: all gone: big starts on all four; the rest wait.
+    d4 = schedule(view(gpus, [*queue, q("l0", 2, prio=LOW, t=-9), q("l1", 1, prio=LOW, t=-5)]), CFG)
+    assert placed(d4) == {"big": ("n0/0", "n0/1", "n0/2", "n0/3")}
+
+
+def test_own_team_lower_class_does_not_take_gpus_its_borrower_waits_for() -> None:
+    # a's high job must borrow and waits for b's borrowed (still young) job; a's low job would
+    # fit in a's nominal but must not take the free GPUs ah holds (ah would preempt it later).
+    teams = [Team("a", 3, borrow_limit=5), Team("b", 1, borrow_limit=7)]
+    running = [
+        r("a0", ["n0/0", "n0/1"], team="a", prio=HIGH),
+        r("b0", ["n0/2", "n0/3", "n0/4"], team="b", prio=LOW, started=NOW - 10),
+        r("b1", ["n0/5"], team="b", prio=HIGH),
+    ]
+    queue = [q("ah", 4, team="a", prio=HIGH), q("al", 1, team="a", prio=LOW)]
+    d = schedule(view(node_gpus("n0", 8), queue, running, teams), CFG)
+    assert d.evictions == [] and placed(d) == {}
+    assert d.waiting["ah"].endswith(
+        "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
+    )
+    assert d.waiting["al"].startswith("waiting for 1 GPU: 0 free")
+
+
+def test_a_borrower_never_takes_a_team_below_its_nominal_quota() -> None:
+    # Evicting b0 would leave b under its nominal 2, and b0 would reclaim straight back.
+    teams = [Team("a", 1, borrow_limit=7), Team("b", 2, borrow_limit=6)]
+    running = [r("a0", ["n0/0"], team="a", prio=LOW), r("b0", ["n0/1", "n0/2"], team="b", prio=LOW)]
+    d = schedule(view(node_gpus("n0", 3), [q("ah", 2, team="a", prio=HIGH)], running, teams), CFG)
+    assert d.evictions == []  # a0 alone is not enough; b0 is not borrowed
+    # With b's nominal at 0 all of b0 is borrowed: it goes (alone: a0 is not needed).
+    teams = [Team("a", 1, borrow_limit=7), Team("b", 0, borrow_limit=8)]
+    d = schedule(view(node_gpus("n0", 3), [q("ah", 2, team="a", prio=HIGH)], running, teams), CFG)
+    assert [(e.job_id, e.reason) for e in d.evictions] == [("b0", "preempted for job ah (priority high)")]
+
+
+def test_only_a_teams_head_preempts_or_reclaims() -> None:
+    # a's head (high, 8 GPUs) must borrow; a's low job would fit in a's nominal 4 but waits
+    # behind it: it does not reclaim from b's borrower itself (found as a livelock: it
+    # reclaimed GPUs that b's higher-class borrower took straight back, for ever).
+    teams = [Team("a", 4, borrow_limit=8), Team("b", 0, borrow_limit=8)]
+    running = [r("b0", [f"n0/{i}" for i in range(8)], team="b", prio=NORMAL)]
+    queue = [q("head", 8, team="a", prio=HIGH), q("low", 1, team="a", prio=LOW)]
+    d = schedule(view(node_gpus("n0", 8), queue, running, teams), CFG)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b0", "head")]
+    assert "behind job head of team a (priority high)" in d.waiting["low"]
+    # without the head, the low job is its team's head and reclaims its nominal quota
+    d = schedule(view(node_gpus("n0", 8), queue[1:], running, teams), CFG)
+    assert [(e.job_id, e.reason) for e in d.evictions] == [
+        ("b0", "team a reclaims its nominal quota (4 GPUs) for job low")
+    ]
+    # a job that can never run heads nothing
+    d = schedule(
+        view(node_gpus("n0", 8), [q("huge", 64, team="a", prio=HIGH), queue[1]], running, teams), CFG
+    )
+    assert [e.for_job for e in d.evictions] == ["low"]
+
+
+def test_starving_job_holds_free_gpus_when_configured() -> None:
+    gpus = node_gpus("n0", 4)
+    running = [r("busy", ["n0/0", "n0/1"], prio=NORMAL)]
+    queue = [q("old-big", 4, t=NOW - 5 * 3600), q("small", 1, t=NOW - 60)]
+    d = schedule(view(gpus, queue, running), CFG)
+    assert set(placed(d)) == {"small"}  # backfill
+    cfg = PolicyConfig(reserve_after_s=4 * 3600, aging_s=None)
+    d = schedule(view(gpus, queue, running), cfg)
+    assert placed(d) == {}
+    assert "waiting for a long time, so 2 free GPUs are held for it" in d.waiting["old-big"]
+
+
+def test_backfill_off_blocks_behind_the_first_waiting_job() -> None:
+    running = [r("busy", ["n0/0", "n0/1"], prio=HIGH)]
+    queue = [q("big", 4, t=0), q("small", 1, t=1)]
+    d = schedule(view(node_gpus("n0", 4), queue, running), PolicyConfig(backfill=False, aging_s=None))
+    assert placed(d) == {} and d.waiting["small"] == "waiting behind job big (backfill is off)"
+    d = schedule(view(node_gpus("n0", 4), queue, running), CFG)
+    assert set(placed(d)) == {"small"}
+
+
+# --------------------------------------------------------------------------- spot and placement
+
+
+def spot_cluster(spot_up: bool = True) -> list[Gpu]:
+    return node_gpus("own", 2) + node_gpus("od", 2, "on_demand") + node_gpus("spot", 2, "spot", up=spot_up)
+
+
+@pytest.mark.parametrize(
+    ("spot", "n", "expected"),
+    [
+        ("allowed", 2, ("own/0", "own/1")),
+        ("allowed", 4, ("spot/0", "spot/1", "own/0", "own/1")),
+        ("preferred", 2, ("spot/0", "spot/1")),
+        ("never", 4, ("own/0", "own/1", "od/0", "od/1")),
+    ],
+)
+def test_spot_placement_order(spot: SpotPolicy, n: int, expected: tuple[str, ...]) -> None:
+    d = schedule(view(spot_cluster(), [q("j", n, spot=spot)]), PolicyConfig(same_node=False))
+    assert sorted(placed(d)["j"]) == sorted(expected)
+
+
+def test_allowed_takes_on_demand_last() -> None:
+    d = schedule(view(spot_cluster(), [q("j", 5)]), PolicyConfig(same_node=False))
+    assert sum(g.startswith("od/") for g in placed(d)["j"]) == 1
+
+
+def test_spot_never_never_lands_on_spot() -> None:
+    running = [r("x", ["own/0", "own/1", "od/0", "od/1"], prio=HIGH)]
+    d = schedule(view(spot_cluster(), [q("j", 1, spot="never")], running), CFG)
+    assert placed(d) == {}
+    assert d.waiting["j"].startswith(
+        "waiting for 1 GPU: 0 free (not counting 2 spot, which this job never uses)"
+    )
+
+
+def test_preferred_falls_back_when_spot_is_down() -> None:
+    d = schedule(view(spot_cluster(spot_up=False), [q("j", 2, spot="preferred")]), CFG)
+    assert placed(d)["j"] == ("own/0", "own/1")
+
+
+def test_one_gpu_type_when_possible() -> None:
+    gpus = [Gpu("n0/0", "n0", "A"), Gpu("n0/1", "n0", "B"), Gpu("n0/2", "n0", "B"), Gpu("n0/3", "n0", "A")]
+    d = schedule(view(gpus, [q("j", 2)]), CFG)
+    assert placed(d)["j"] in (("n0/0", "n0/3"), ("n0/1", "n0/2"))
+
+
+def test_same_node_packing_best_fit_and_spanning_fewest_nodes() -> None:
+    gpus = node_gpus("n0", 4) + node_gpus("n1", 4) + node_gpus("n2", 4)
+    running = [r("x", ["n0/0"], prio=HIGH), r("y", ["n1/0", "n1/1"], prio=HIGH)]
+    d = schedule(view(gpus, [q("two", 2)], running), CFG)
+    assert placed(d)["two"] == ("n1/2", "n1/3")  # the tightest node that fits
+    d = schedule(view(gpus, [q("five", 5)], running), CFG)
+    assert d.waiting["five"].startswith("can never run: needs 5 GPUs on one node but the largest node has 4")
+    d = schedule(view(gpus, [q("five", 5)], running), PolicyConfig(same_node=False))
+    nodes = {g.split("/")[0] for g in placed(d)["five"]}
+    assert nodes in ({"n2", "n0"}, {"n2", "n1"}) and len(placed(d)["five"]) == 5
+
+
+def test_node_cpu_and_memory_limits() -> None:
+    gpus = node_gpus("n0", 4) + node_gpus("n1", 4)
+    nodes = {"n0": Node("n0", cpus=8, memory_gb=64), "n1": Node("n1", cpus=32, memory_gb=256)}
+    job = PendingJob("j", "a", NORMAL, 2, 0.0, cpus=16, memory_gb=32)
+    d = schedule(view(gpus, [job], nodes=nodes), CFG)
+    assert {g.split("/")[0] for g in placed(d)["j"]} == {"n1"}
+
+
+# --------------------------------------------------------------------------- reasons and odd input
+
+
+def test_not_before_is_honoured() -> None:
+    d = schedule(view(node_gpus("n0", 2), [q("j", not_before=NOW + 42)]), CFG)
+    assert placed(d) == {} and d.waiting["j"] == "retry back-off until t=100042 s (in 42 s)"
+    d = schedule(view(node_gpus("n0", 2), [q("j", not_before=1_800_000_042.0)], now=1_800_000_000.0), CFG)
+    assert d.waiting["j"] == "retry back-off until 08:00:42 UTC (in 42 s)"
+    d = schedule(view(node_gpus("n0", 2), [q("j", not_before=NOW)]), CFG)
+    assert "j" in placed(d)
+
+
+def test_impossible_jobs_are_reported_not_looped() -> None:
+    teams = [Team("a", 2, borrow_limit=1)]
+    queue = [q("huge", 100, team="b"), q("nonspot", 3, spot="never", team="b"), q("quota", 4, team="a")]
+    d = schedule(
+        view(node_gpus("n0", 2) + node_gpus("s", 8, "spot"), queue, teams=teams),
+        PolicyConfig(same_node=False),
+    )
+    assert d.waiting["huge"].startswith("can never run: needs 100 GPUs but the cluster has 10 GPUs")
+    assert d.waiting["nonspot"].startswith("can never run: needs 3 GPUs but the cluster has 2 non-spot GPUs")
+    assert d.waiting["quota"].startswith("can never run: needs 4 GPUs but team a may use at most 3")
+
+
+def test_cpu_only_job_starts_without_gpus() -> None:
+    d = schedule(view([], [q("cpu", 0)]), CFG)
+    assert placed(d) == {"cpu": ()}
+
+
+def test_fair_share_by_weighted_dominant_share() -> None:
+    teams = [Team("a", 0, borrow_limit=8, weight=2.0), Team("b", 0, borrow_limit=8, weight=1.0)]
+    queue = [q(f"a{i}", team="a", t=i) for i in range(6)] + [q(f"b{i}", team="b", t=i) for i in range(6)]
+    d = schedule(view(node_gpus("n0", 6), queue, teams=teams), CFG)
+    got = sorted(placed(d))
+    assert got == ["a0", "a1", "a2", "a3", "b0", "b1"]
+
+
+def test_fair_share_counts_the_dominant_resource() -> None:
+    # b uses few GPUs but most of the memory: a goes first.
+    teams = [Team("a", 0, borrow_limit=8), Team("b", 0, borrow_limit=8)]
+    nodes = {"n0": Node("n0", cpus=64, memory_gb=100)}
+    running = [ActiveJob("bm", "b", NORMAL, ("n0/0",), NOW - 3600, memory_gb=80)]
+    queue = [q("b1", team="b", t=0), q("a1", team="a", t=5)]
+    d = schedule(view(node_gpus("n0", 2), queue, running, teams, nodes=nodes), CFG)
+    assert placed(d) == {"a1": ("n0/1",)}
+
+
+def test_las_order_puts_fresh_jobs_before_ones_that_already_ran() -> None:
+    queue = [q("ran", t=0, attained_gpu_s=7200.0), q("fresh", t=10)]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), CFG))) == {"fresh"}
+    fifo_cfg = PolicyConfig(order="fifo", aging_s=None)
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), fifo_cfg))) == {"ran"}
+
+
+def test_aging_lifts_order_and_protects_the_aged_job() -> None:
+    cfg = PolicyConfig(aging_s=3600)
+    queue = [q("old-low", prio=LOW, t=NOW - 3 * 3600), q("new-normal", prio=NORMAL, t=NOW - 10)]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), cfg))) == {"old-low"}
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), CFG))) == {"new-normal"}
+    # once started after that wait it is not preempted by a normal job, only by a high one
+    running = [r("old-low", ["n0/0"], prio=LOW, started=NOW - 1800, submitted=NOW - 3 * 3600 - 1800)]
+    assert schedule(view(node_gpus("n0", 1), [q("n", prio=NORMAL)], running), cfg).evictions == []
+    assert len(schedule(view(node_gpus("n0", 1), [q("h", prio=HIGH)], running), cfg).evictions) == 1
+    # aging never lifts into the top class
+    queue = [q("ancient", prio=LOW, t=0.0), q("high", prio=HIGH, t=NOW - 1)]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), cfg))) == {"high"}
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError, match="order must be 'fifo' or 'las'"):
+        PolicyConfig(order="sjf")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="min_runtime_s"):
+        PolicyConfig(min_runtime_s=-1)
+    with pytest.raises(ConfigError, match="aging_s must be a positive"):
+        PolicyConfig(aging_s=0)
+
+
+# --------------------------------------------------------------------------- FIFO baseline
+
+
+def test_fifo_blocks_behind_the_first_job_and_ignores_priority_and_quota() -> None:
+    running = [r("busy", ["n0/0", "n0/1"], prio=LOW)]
+    teams = [Team("a", 0, borrow_limit=0)]
+    queue = [q("first", 4, t=0), q("high", 1, prio=HIGH, t=1), q("ok", 1, t=2)]
+    d = fifo(view(node_gpus("n0", 4), queue, running, teams))
+    assert d.placements == [] and d.evictions == []
+    assert d.waiting == {
+        "first": "waiting for 4 GPUs: 2 free",
+        "high": "waiting behind job first (first come, first served)",
+        "ok": "waiting behind job first (first come, first served)",
+    }
+    d = fifo(view(node_gpus("n0", 4), queue[1:], running, teams))
+    assert set(placed(d)) == {"high", "ok"}  # no quota: team a has 0 GPUs and still runs
+
+
+def test_fifo_skips_backoff_and_impossible_jobs() -> None:
+    queue = [q("later", not_before=NOW + 5, t=0), q("huge", 64, t=1), q("ok", 2, t=2)]
+    d = fifo(view(node_gpus("n0", 2), queue))
+    assert placed(d) == {"ok": ("n0/0", "n0/1")}
+    assert d.waiting["later"].startswith("retry back-off") and d.waiting["huge"].startswith("can never run")
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+@st.composite
+def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
+    n_nodes = draw(st.integers(1, 4))
+    gpus: list[Gpu] = []
+    for k in range(n_nodes):
+        cls = draw(st.sampled_from(["owned", "on_demand", "spot"]))
+        up = draw(st.booleans()) if cls == "spot" else True
+        gpus += node_gpus(f"n{k}", draw(st.integers(1, 4)), cls, up)
+    teams = [
+        Team(t, draw(st.integers(0, 6)), draw(st.integers(0, 6)), draw(st.sampled_from([0.5, 1.0, 2.0])))
+        for t in "ab"
+    ]
+    free = [g.id for g in gpus]
+    running: list[ActiveJob] = []
+    for i in range(draw(st.integers(0, 6))):
+        if not free:
+            break
+        take = free[: draw(st.integers(1, min(3, len(free))))]
+        free = free[len(take) :]
+        running.append(
+            r(
+                f"r{i}",
+                take,
+                team=draw(st.sampled_from("abc")),
+                prio=draw(st.sampled_from([LOW, NORMAL, HIGH])),
+                started=NOW - draw(st.sampled_from([10, 700, 5000])),
+                ckpt=draw(st.sampled_from([None, NOW - 30, NOW - 900])),
+                preemptible=draw(st.booleans()),
+            )
+        )
+    queued = [
+        q(
+            f"q{i}",
+            draw(st.integers(0, 9)),
+            team=draw(st.sampled_from("abc")),
+            prio=draw(st.sampled_from([LOW, NORMAL, HIGH])),
+            t=NOW - draw(st.integers(0, 20_000)),
+            spot=draw(st.sampled_from(["never", "allowed", "preferred"])),
+            not_before=draw(st.sampled_from([0.0, 0.0, NOW + 30])),
+            attained_gpu_s=float(draw(st.integers(0, 3)) * 1000),
+        )
+        for i in range(draw(st.integers(0, 12)))
+    ]
+    cfg = PolicyConfig(
+        same_node=draw(st.booleans()),
+        backfill=draw(st.booleans()),
+        order=draw(st.sampled_from(["las", "fifo"])),
+        max_evictions_per_cycle=draw(st.integers(0, 3)),
+        reserve_after_s=draw(st.sampled_from([None, 3600.0])),
+    )
+    return view(gpus, queued, running, teams), cfg
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_views())
+def test_invariants(vc: tuple[ClusterView, PolicyConfig]) -> None:
+    v, cfg = vc
+    for d in (schedule(v, cfg), fifo(v, same_node=cfg.same_node)):
+        by_id = {g.id: g for g in v.gpus}
+        held = {gid for j in v.running for gid in j.gpu_ids}
+        queued = {j.id: j for j in v.queued}
+        seen: set[str] = set()
+        for p in d.placements:
+            job = queued[p.job_id]
+            assert len(p.gpu_ids) == job.gpus
+            for gid in p.gpu_ids:
+                g = by_id[gid]
+                assert g.up, "placed on a down GPU"
+                assert gid not in held and gid not in seen, "double-booked GPU"
+                assert not (job.spot == "never" and g.spot), "spot: never job on spot"
+                seen.add(gid)
+            assert job.not_before <= v.now
+            if cfg.same_node and p.gpu_ids:
+                assert len({by_id[g].node for g in p.gpu_ids}) == 1
+        # every queued job: placed, or waiting with a reason, never both
+        assert set(placed(d)) | set(d.waiting) == set(queued)
+        assert not set(placed(d)) & set(d.waiting)
+        assert all(reason for reason in d.waiting.values())
+    d = schedule(v, cfg)
+    running = {j.id: j for j in v.running}
+    for e in d.evictions:
+        victim = running[e.job_id]
+        assert victim.preemptible and v.now - victim.started_at >= cfg.min_runtime_s
+        assert e.for_job in queued and e.reason
+    assert len(d.evictions) <= cfg.max_evictions_per_cycle
+    # no team beyond nominal + borrow because of this cycle's placements
+    for name, team in v.teams.items():
+        before = sum(len(j.gpu_ids) for j in v.running if j.team == name and j.preemptible)
+        added = sum(queued[p.job_id].gpus for p in d.placements if queued[p.job_id].team == name)
+        if added:
+            assert before + added <= team.nominal_gpus + team.borrow_limit

@@ -1,0 +1,297 @@
+"""The scheduler simulator: traces, spot traces, the event loop (arrivals, completions,
+preemptions with grace and checkpoint loss, spot interruptions) and the metrics, on small
+synthetic traces whose results are checked by hand."""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from visionloop.core.errors import DataError
+from visionloop.sched.policy import PolicyConfig, fifo, schedule
+from visionloop.sched.prices import load_catalog
+from visionloop.sched.sim import (
+    ClusterSpec,
+    NodeSpec,
+    SimConfig,
+    SimError,
+    TraceJob,
+    default_cluster,
+    entitlement_teams,
+    load_spot_trace,
+    load_trace,
+    simulate,
+    spot_trace,
+    summarize,
+)
+from visionloop.sched.view import ClusterView, Decision, Placement, Team
+
+VL = partial(schedule, config=PolicyConfig(same_node=False))
+FIFO = partial(fifo, same_node=False)
+
+
+def job(id: str, t: float, gpus: int, dur: float, prio: str = "normal", spot: str = "allowed") -> TraceJob:
+    return TraceJob(id, t, gpus, dur, "a", prio, spot)  # type: ignore[arg-type]
+
+
+def jct(result: object, id: str) -> float | None:
+    return next(j.jct for j in result.jobs if j.id == id)  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def test_load_trace(tmp_path: Path) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text(
+        "job_id,submit_time,gpus,duration_s,team,priority,spot\n"
+        "b,20,2,60,research,high,never\n"
+        "a,10,1,30,detection,normal,preferred\n"
+    )
+    jobs = load_trace(p)
+    assert [j.id for j in jobs] == ["a", "b"]
+    assert jobs[1] == TraceJob("b", 20.0, 2, 60.0, "research", "high", "never")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("job_id,submit_time,gpus\nx,1,1\n", "lacks column(s) duration_s, team, priority, spot"),
+        ("job_id,submit_time,gpus,duration_s,team,priority,spot\nx,1,zero,5,a,low,never\n", "line 2"),
+        ("job_id,submit_time,gpus,duration_s,team,priority,spot\nx,1,1,5,a,low,sometimes\n", "spot must be"),
+        ("job_id,submit_time,gpus,duration_s,team,priority,spot\nx,1,0,5,a,low,never\n", "gpus must be >= 1"),
+    ],
+)
+def test_load_trace_errors(tmp_path: Path, text: str, expected: str) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text(text)
+    with pytest.raises(DataError, match="job trace") as e:
+        load_trace(p)
+    assert expected in str(e.value)
+
+
+def test_spot_trace_runs_offset_and_wrap(tmp_path: Path) -> None:
+    tr = spot_trace("t", [1, 1, 0, 0, 1, 1], gap_s=100)  # up 0-200, down 200-400, up 400-600, repeats
+    assert [tr.up_at(t) for t in (0, 199, 200, 399, 400, 599, 600, 850)] == [1, 1, 0, 0, 1, 1, 1, 0]
+    assert tr.next_change(0) == 200 and tr.next_change(200) == 400 and tr.next_change(450) == 800
+    assert tr.uptime(0, 1200) == 800
+    shifted = spot_trace("t", [1, 1, 0, 0, 1, 1], gap_s=100, offset_s=150)
+    assert shifted.up_at(0) and not shifted.up_at(60) and shifted.next_change(0) == 50
+    assert spot_trace("flat", [1, 1], 10).next_change(5) == float("inf")
+    p = tmp_path / "z.json"
+    p.write_text(json.dumps({"metadata": {"gap_seconds": 60}, "data": [0, 2, 1]}))
+    loaded = load_spot_trace(p, offset_s=60)
+    assert loaded.name == "z" and loaded.up_at(0) and loaded.next_change(0) == 120
+    p.write_text("{}")
+    with pytest.raises(DataError, match="is not"):
+        load_spot_trace(p)
+
+
+def test_default_cluster_and_teams() -> None:
+    c = default_cluster()
+    assert c.total_gpus == 64 and len(c.nodes) == 8
+    assert [n.price_class for n in c.nodes].count("spot") == 2
+    assert sum(n.gpus for n in c.nodes if n.price_class == "owned") == 32
+    assert {t.name: (t.nominal_gpus, t.borrow_limit, t.weight) for t in c.teams} == {
+        "detection": (32, 32, 0.5),
+        "segmentation": (19, 45, 0.3),
+        "research": (13, 51, 0.2),
+    }
+    assert sum(t.nominal_gpus for t in entitlement_teams(10)) == 10
+
+
+# --------------------------------------------------------------------------- hand-checked runs
+
+
+def four_gpus() -> ClusterSpec:
+    return ClusterSpec((NodeSpec("n0", 4, "fake"),))
+
+
+def test_backfill_against_fifo_by_hand() -> None:
+    trace = [job("A", 0, 2, 100), job("B", 1, 4, 50), job("C", 2, 1, 30)]
+    f = simulate(trace, four_gpus(), FIFO)
+    v = simulate(trace, four_gpus(), VL)
+    # FIFO: A 0-100, B waits for A: 100-150, C waits behind B: 150-180.
+    assert [jct(f, i) for i in "ABC"] == [100, 149, 178]
+    # visionloop: C backfills at once (2-32); B still starts when A ends.
+    assert [jct(v, i) for i in "ABC"] == [100, 149, 30]
+    fm, vm = summarize(f, four_gpus(), load_catalog()), summarize(v, four_gpus(), load_catalog())
+    assert fm["avg_jct_s"] == pytest.approx(427 / 3) and vm["avg_jct_s"] == pytest.approx(93)
+    assert fm["makespan_s"] == 180 and vm["makespan_s"] == 150
+    assert vm["by_size"]["1"] == {"jobs": 1, "avg_jct_s": 30, "avg_queue_s": 0, "max_queue_s": 0}
+    assert vm["by_size"][">8"]["jobs"] == 0 and vm["by_size"]["2-4"]["max_queue_s"] == 99
+    # busy GPU-seconds: 2*100 + 4*50 + 1*30 over 4 GPUs * 150 s
+    assert vm["utilisation"] == pytest.approx(430 / 600)
+    assert vm["cost_usd"] == pytest.approx(430 / 3600 * 0.5)  # "fake" owned: 0.5 USD/GPU-h
+
+
+def test_preemption_grace_and_checkpoint_loss_by_hand() -> None:
+    cluster = ClusterSpec((NodeSpec("n0", 2, "fake"),))
+    trace = [job("L", 0, 2, 10_000, prio="low"), job("H", 1000, 2, 100, prio="high")]
+    r = simulate(trace, cluster, VL)
+    recs = {j.id: j for j in r.jobs}
+    # L is evicted at 1000 (ran 1000 s > 600 s), checkpointed at 600 s of progress; after
+    # its 60 s grace H runs 1060-1160; L restarts at 1160, pays 60 s overhead, 9,400 s left.
+    assert recs["H"].jct == 160 and recs["H"].queued_s == 60
+    assert recs["L"].finish == 1160 + 60 + 9400 and recs["L"].preemptions == 1 and recs["L"].queued_s == 100
+    # lost: 2 GPUs * (1060 s held - 600 s kept) + 2 * 60 s restart overhead
+    assert r.lost_gpu_s == {"preempted": 2 * 460 + 2 * 60, "interrupted": 0.0}
+    assert r.useful_gpu_s == 2 * 10_000 + 2 * 100
+    f = simulate(trace, cluster, FIFO)
+    assert jct(f, "H") == 10_000 + 100 - 1000  # FIFO waits for L to finish
+
+
+def test_spot_interruption_requeues_and_prices_by_hand() -> None:
+    spot = spot_trace("s", [1, 1, 0] + [1] * 17, gap_s=500)  # down 1000-1500
+    cluster = ClusterSpec((NodeSpec("own", 1, "fake"), NodeSpec("s", 2, "fake", "spot", spot)))
+    r = simulate([job("S", 0, 2, 2000, spot="preferred")], cluster, VL)
+    rec = r.jobs[0]
+    # on spot at 0; interrupted at 1000 (checkpoint at 600); back at 1500: 60 s + 1,400 s.
+    assert rec.finish == 1500 + 60 + 1400 and rec.interruptions == 1 and rec.preemptions == 0
+    assert r.lost_gpu_s["interrupted"] == 2 * 460 + 2 * 60
+    m = summarize(r, cluster, load_catalog())
+    assert m["spot_gpu_h"] == pytest.approx((2 * 1060 + 2 * 1460) / 3600)
+    assert m["cost_usd"] == pytest.approx(m["spot_gpu_h"] * 1.0)
+    assert m["spot_savings_usd"] == pytest.approx(m["spot_gpu_h"] * (2.0 - 1.0))
+    # available: 1 owned GPU all along, 2 spot GPUs except 500 s
+    assert m["utilisation"] == pytest.approx(5040 / (2960 + 2 * 2460))
+    assert m["fleet_cost_usd"] == pytest.approx((2960 * 0.5 + 2 * 2460 * 1.0) / 3600)
+
+
+def test_team_shares_against_entitlement() -> None:
+    cluster = ClusterSpec((NodeSpec("n0", 4, "fake"),), (Team("a", 3, 1), Team("b", 1, 3)))
+    trace = [TraceJob("x", 0, 3, 100, "a", "normal"), TraceJob("y", 0, 1, 100, "b", "normal")]
+    m = summarize(simulate(trace, cluster, VL), cluster, load_catalog())
+    assert m["teams"]["a"] == {
+        "gpu_h": pytest.approx(300 / 3600),
+        "share": 0.75,
+        "share_contended": None,  # b never waited
+        "entitlement": 0.75,
+    }
+    assert m["teams"]["b"]["share"] == 0.25
+
+
+def test_share_under_contention_follows_entitlement() -> None:
+    # Both teams keep 4 one-GPU jobs of 100 s queued; a is entitled to 3 of 4 GPUs.
+    cluster = ClusterSpec((NodeSpec("n0", 4, "fake"),), (Team("a", 3, 1), Team("b", 1, 3)))
+    trace = [TraceJob(f"{t}{i}", 0, 1, 100, t, "normal") for t in "ab" for i in range(4)]
+    r = simulate(trace, cluster, VL)
+    m = summarize(r, cluster, load_catalog())
+    # 0-100: a runs 3, b 1 (both wait); 100-200: a's last job and 3 of b's, nobody waits.
+    assert m["contended_h"] == pytest.approx(100 / 3600)
+    assert m["teams"]["a"]["share_contended"] == 0.75 and m["teams"]["b"]["share_contended"] == 0.25
+
+
+# --------------------------------------------------------------------------- guard rails
+
+
+def test_bad_decisions_raise_sim_error() -> None:
+    trace = [job("A", 0, 1, 10), job("B", 0, 1, 10)]
+
+    def double_book(view: ClusterView) -> Decision:
+        return Decision(placements=[Placement(j.id, ("n0/0",)) for j in view.queued])
+
+    with pytest.raises(SimError, match="busy, down or wrong count"):
+        simulate(trace, four_gpus(), double_book)
+    with pytest.raises(SimError, match="neither placed nor given a reason"):
+        simulate(trace, four_gpus(), lambda view: Decision())
+    with pytest.raises(SimError, match="priority class"):
+        simulate([job("A", 0, 1, 10, prio="urgent")], four_gpus(), VL)
+
+
+def test_impossible_job_ends_the_run_as_unfinished() -> None:
+    r = simulate([job("A", 0, 1, 10), job("huge", 0, 9, 10)], four_gpus(), VL)
+    assert r.unfinished == ["huge"] and jct(r, "A") == 10
+
+
+def test_random_trace_completes_under_both_policies() -> None:
+    rng = random.Random(7)
+    cluster = default_cluster(gpus_per_node=2)  # 16 GPUs, 4 of them spot (never interrupted)
+    trace = [
+        TraceJob(
+            f"j{i}",
+            rng.uniform(0, 3600),
+            rng.choice([1, 1, 2, 4, 6]),
+            rng.uniform(60, 4000),
+            rng.choice(["detection", "segmentation", "research"]),
+            rng.choice(["low", "normal", "normal", "high"]),
+            rng.choice(["never", "allowed", "preferred"]),  # type: ignore[arg-type]
+        )
+        for i in range(30)
+    ]
+    for policy in (VL, FIFO):
+        r = simulate(trace, cluster, policy)
+        assert r.unfinished == [] and all(j.finish is not None for j in r.jobs)
+        assert r.useful_gpu_s == pytest.approx(sum(j.gpus * j.duration_s for j in trace))
+
+
+@pytest.mark.parametrize("seed", [3, 17, 29, 41])
+def test_no_livelock_on_random_clusters_and_configs(seed: int) -> None:
+    """Whatever the quotas and knobs, every job that can run finishes, and no job is
+    preempted without end (found: borrowers and reclaimers taking GPUs back and forth)."""
+    rng = random.Random(seed)
+    spot = spot_trace("s", [rng.choice([1, 1, 1, 0]) for _ in range(50)], gap_s=600)
+    teams = (
+        Team("detection", rng.randint(0, 6), rng.randint(0, 12), 0.5),
+        Team("research", rng.randint(0, 6), rng.randint(0, 12), 0.2),
+    )
+    cluster = ClusterSpec(
+        (
+            NodeSpec("a", 4, "fake"),
+            NodeSpec("b", 4, "fake", "on_demand"),
+            NodeSpec("s", 4, "fake", "spot", spot),
+        ),
+        teams,
+    )
+    trace = [
+        TraceJob(
+            f"j{i}",
+            rng.uniform(0, 7200),
+            rng.choice([1, 1, 2, 3, 4, 6, 8]),
+            rng.uniform(60, 6000),
+            rng.choice(["detection", "research", "other"]),
+            rng.choice(["low", "normal", "high"]),
+            rng.choice(["never", "allowed", "preferred"]),  # type: ignore[arg-type]
+        )
+        for i in range(30)
+    ]
+    cfg = PolicyConfig(
+        same_node=False,
+        min_runtime_s=rng.choice([0, 300]),
+        max_evictions_per_cycle=rng.randint(1, 4),
+        aging_s=1800.0,
+        reserve_after_s=3600.0,
+    )
+    r = simulate(trace, cluster, partial(schedule, config=cfg), SimConfig(max_time_s=10 * 86400))
+    limits = {t.name: t.nominal_gpus + t.borrow_limit for t in teams}
+    never_fits = {j.id for j in trace if j.team in limits and j.gpus > limits[j.team]}
+    never_fits |= {j.id for j in trace if j.spot == "never" and j.gpus > 8}
+    assert set(r.unfinished) == never_fits
+    assert max(j.preemptions for j in r.jobs) < 50
+
+
+def test_command_line_runs_a_trace_from_a_data_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from visionloop.sched.sim.__main__ import main
+    from visionloop.sched.sim.cluster import DEFAULT_SPOT_TRACES
+
+    (tmp_path / "sched" / "traces").mkdir(parents=True)
+    (tmp_path / "sched" / "traces" / "trace-1.csv").write_text(
+        "job_id,submit_time,gpus,duration_s,team,priority,spot\n"
+        "a,0,8,600,detection,normal,allowed\nb,30,2,300,research,high,never\n"
+    )
+    for rel, _ in DEFAULT_SPOT_TRACES:
+        (tmp_path / "spot" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "spot" / rel).write_text(
+            json.dumps({"metadata": {"gap_seconds": 3600}, "data": [1] * 100})
+        )
+    assert main(["--trace", "1", "--data", str(tmp_path), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["finished"] == 2 and metrics["avg_jct_s"] == pytest.approx((600 + 300) / 2)
+    assert main(["--trace", "1", "--data", str(tmp_path / "missing")]) == 1
+    assert "pass --data DIR" in capsys.readouterr().err
