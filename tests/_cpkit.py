@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,12 @@ import httpx
 from visionloop.core.settings import load_settings
 from visionloop.sched.config import ClusterConfig, parse_cluster_config
 from visionloop.sched.service import ControlPlane
+
+# Two teams sharing the test inventory.
+TEAMS = [
+    {"name": "vision", "nominal_gpus": 1, "borrow_limit": 1},
+    {"name": "research", "nominal_gpus": 1, "borrow_limit": 1},
+]
 
 # Fast timings so that a whole preemption round trip takes seconds, not minutes.
 FAST = {"cycle_s": 0.2, "grace_s": 60, "min_runtime_s": 0, "heartbeat_timeout_s": 60, "retry_backoff_s": 0.5}
@@ -99,3 +106,12 @@ def control_plane(db_url: str, config: ClusterConfig, *, run_scheduler: bool = T
             if attempt.handle:
                 plane.executor.kill(attempt.handle)
         plane.store.close()
+
+
+def train_doc(dataset: Path, **kw: Any) -> dict[str, Any]:
+    """A small digits train spec (see _trainkit.spec_doc) tracked in its own experiment."""
+    from _trainkit import spec_doc
+
+    doc = spec_doc(dataset, **kw)
+    doc["tracking"] = {"experiment": "queue-tests"}
+    return doc

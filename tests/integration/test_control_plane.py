@@ -11,21 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from _cpkit import CP, cluster_config, control_plane
+from _cpkit import CP, TEAMS, cluster_config, control_plane
+from _cpkit import train_doc as _train
 from _dbkit import BACKENDS, fresh_database
-from _trainkit import spec_doc
 
 ONE_GPU = [{"node": "local", "type": "fake", "count": 1, "price_class": "owned"}]
-TEAMS = [
-    {"name": "vision", "nominal_gpus": 1, "borrow_limit": 1},
-    {"name": "research", "nominal_gpus": 1, "borrow_limit": 1},
-]
-
-
-def _train(dataset: Path, **kw: Any) -> dict[str, Any]:
-    doc = spec_doc(dataset, **kw)
-    doc["tracking"] = {"experiment": "queue-tests"}
-    return doc
 
 
 def _states(show: dict[str, Any]) -> list[str]:

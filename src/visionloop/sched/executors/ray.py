@@ -337,7 +337,10 @@ class RayExecutor:
         sid = self.submission_id(request.job_id, request.attempt)
         node = self._node_of(request)
         self._stop_orphans(request)
-        entrypoint = f"exec env {SUBMISSION_ENV}={sid} {shlex.join(request.command)}"
+        # Ray sets CUDA_VISIBLE_DEVICES only for entrypoints that request GPUs; a CPU job left
+        # without it would see every GPU of its node, other jobs' included.
+        no_gpus = "" if request.gpus else "CUDA_VISIBLE_DEVICES= "
+        entrypoint = f"exec env {no_gpus}{SUBMISSION_ENV}={sid} {shlex.join(request.command)}"
         env = {
             **request.env,
             "VISIONLOOP_JOB_ID": str(request.job_id),

@@ -1,0 +1,251 @@
+"""The control plane on Ray, chosen by configuration alone (`[executor] kind = "ray"`):
+the config's validation, what `build_plane` builds and refuses, how the cycle copes with an
+executor that cannot answer or could not start a job, and, end to end on the session's real
+two-node Ray cluster (tests/_raysession.py), the real trainer preempted by a higher-priority
+job through SIGTERM → checkpoint → exit 75 → requeue → resume.
+
+Both Ray nodes run on this machine, so the dataset, VISIONLOOP_HOME and run dirs are valid
+for them as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import textwrap
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _cpkit import TEAMS, cluster_config, control_plane
+from _cpkit import train_doc as _train
+from _dbkit import fresh_database
+from _raykit import RayCluster
+from visionloop.api.server import build_plane
+from visionloop.core.errors import ConfigError, ExecutorError
+from visionloop.core.settings import load_settings
+from visionloop.sched import config as config_module
+from visionloop.sched.config import DEFAULT_RAY_ADDRESS, parse_cluster_config
+from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
+from visionloop.sched.executors.ray import RayExecutor
+from visionloop.sched.service import ControlPlane, Principal
+from visionloop.sched.store import Store
+from visionloop.sched.view import Gpu
+
+pytest_plugins = ["_raysession"]  # the session's Ray cluster: `ray_cluster`
+
+ADMIN = Principal(team=None, admin=True)
+
+
+# -- the [executor] section ----------------------------------------------------------------------
+
+
+def _docstring_example() -> str:
+    doc = config_module.__doc__ or ""
+    start = doc.index("priority classes.\n\n") + len("priority classes.\n\n")
+    return textwrap.dedent(doc[start : doc.index("\n\nWith `kind")])
+
+
+def test_the_documented_example_parses_and_its_ray_variant_refuses_an_inventory() -> None:
+    cfg = parse_cluster_config(tomllib.loads(_docstring_example()))
+    assert cfg.executor.kind == "local" and cfg.inventory is not None and len(cfg.inventory) == 4
+    assert cfg.prices == Path("prices.toml") and [t.name for t in cfg.teams] == ["detection"]
+    ray = _docstring_example().replace('kind = "local"', "").replace("# kind =", "kind =")
+    with pytest.raises(ConfigError, match=r"\[\[inventory\]\] lists GPUs for the local executor"):
+        parse_cluster_config(tomllib.loads(ray))
+
+
+def test_the_executor_defaults_to_local_and_ray_to_the_local_dashboard() -> None:
+    assert parse_cluster_config({}).executor.kind == "local"
+    ray = parse_cluster_config({"executor": {"kind": "ray"}}).executor
+    assert (ray.kind, ray.address, ray.prefix) == ("ray", DEFAULT_RAY_ADDRESS, "vl")
+    ray = parse_cluster_config(
+        {
+            "executor": {
+                "kind": "ray",
+                "address": "https://head:8265/",
+                "prefix": "vl-cv",
+                "request_timeout_s": 5,
+            }
+        }
+    ).executor
+    assert (ray.address, ray.prefix, ray.request_timeout_s) == ("https://head:8265", "vl-cv", 5.0)
+
+
+@pytest.mark.parametrize(
+    ("doc", "words"),
+    [
+        ({"executor": "ray"}, "must be a table"),
+        ({"executor": {"kind": "slurm"}}, 'executor.kind must be "local" or "ray"'),
+        ({"executor": {"kind": "ray", "adress": "http://h:8265"}}, "unknown keys ['adress']"),
+        ({"executor": {"address": "http://h:8265"}}, 'only apply to kind = "ray"'),
+        ({"executor": {"kind": "ray", "address": "ray://head:10001"}}, "Ray Client"),
+        ({"executor": {"kind": "ray", "address": "head:6379"}}, "not the GCS port 6379"),
+        ({"executor": {"kind": "ray", "prefix": "Team_A"}}, "executor.prefix must be lower-case"),
+        ({"executor": {"kind": "ray", "request_timeout_s": 0}}, "request_timeout_s must be a number >= 1"),
+        ({"executor": {"kind": "ray"}, "inventory": [{"count": 1}]}, "Remove [[inventory]]"),
+        ({"inventory": [{"count": 1, "prices": "p.toml"}]}, "belongs to that table"),
+    ],
+)
+def test_a_bad_executor_section_says_what_to_write(doc: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_cluster_config(doc, Path("/etc/vl/cluster.toml"))
+    assert words in str(e.value) and "/etc/vl/cluster.toml" in str(e.value)
+
+
+def test_build_plane_refuses_another_executor_while_jobs_run(tmp_path: Path, digits_dataset: Path) -> None:
+    settings = load_settings().ensure()
+    db_url = f"sqlite:///{tmp_path / 'state.db'}"
+    local = cluster_config(inventory=[{"node": "local", "count": 1}])
+    plane = build_plane(settings, local, db_url)
+    try:
+        job = plane.submit(ADMIN, _train(digits_dataset))
+        # Placed, as by a cycle (without launching anything).
+        plane.store.start_attempt(job.id, "local", plane.store.list_gpus(), now=time.time())
+    finally:
+        plane.store.close()
+    ray = cluster_config(executor={"kind": "ray", "address": "http://127.0.0.1:9"})
+    with pytest.raises(ConfigError, match=rf"'local': job\(s\) {job.id}\b.*kind set back"):
+        build_plane(settings, ray, db_url)
+    build_plane(settings, local, db_url).store.close()  # the same executor starts fine
+
+
+def test_build_plane_with_an_unreachable_ray_says_so() -> None:
+    cfg = cluster_config(executor={"kind": "ray", "address": "http://127.0.0.1:9", "request_timeout_s": 2})
+    with pytest.raises(
+        ExecutorError, match=re.escape("cannot reach the Ray dashboard at http://127.0.0.1:9:")
+    ):
+        build_plane(load_settings().ensure(), cfg, None)
+
+
+# -- the cycle with an executor that cannot answer -----------------------------------------------
+
+
+class ScriptedExecutor:
+    """An executor whose attempts report what the test says (by job id): running by
+    default, an AttemptStatus, or an ExecutorError raised from `poll`."""
+
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.script: dict[int, AttemptStatus | ExecutorError] = {}
+        self.launched: list[int] = []
+
+    def capacity(self) -> list[Gpu]:
+        return [Gpu("n-1/0", "n-1", "fake"), Gpu("n-1/1", "n-1", "fake")]
+
+    def launch(self, request: LaunchRequest) -> Handle:
+        self.launched.append(request.job_id)
+        return {"job": request.job_id, "attempt_dir": str(request.attempt_dir)}
+
+    def poll(self, handle: Handle) -> AttemptStatus:
+        answer = self.script.get(int(handle["job"]), AttemptStatus("running"))
+        if isinstance(answer, ExecutorError):
+            raise answer
+        return answer
+
+    def terminate(self, handle: Handle) -> None:
+        pass
+
+    def kill(self, handle: Handle) -> None:
+        pass
+
+    def log_path(self, handle: Handle) -> Path | None:
+        return None  # like Ray's: the log is elsewhere
+
+    def read_log(self, handle: Handle, offset: int = 0) -> Iterator[bytes]:
+        yield b"".join(f"line {i}\n".encode() for i in range(1, 31))[offset:]
+
+
+def test_an_executor_that_cannot_answer_stalls_only_its_own_attempt(
+    tmp_path: Path, digits_dataset: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = load_settings().ensure()
+    store = Store.open(f"sqlite:///{tmp_path / 'state.db'}")
+    executor = ScriptedExecutor()
+    plane = ControlPlane(store, executor, cluster_config(), settings)
+    try:
+        a, b, c = (
+            plane.submit(ADMIN, {"train": _train(digits_dataset), "max_restarts": 0}) for _ in range(3)
+        )
+        plane.cycle()
+        assert executor.launched == [a.id, b.id]  # two GPUs: c waits
+        executor.script[a.id] = ExecutorError("cannot reach the Ray dashboard at http://head:8265")
+        executor.script[b.id] = AttemptStatus(
+            "exited", exit_code=126, detail="Ray could not start it: runtime env setup failed"
+        )
+        with caplog.at_level(logging.WARNING, logger="visionloop.sched.service"):
+            plane.cycle()
+        # a: unknown this cycle, so left as it was (running, holding its GPU), and said so.
+        assert store.get_job(a.id).state == "running"
+        assert f"job {a.id} attempt 1: the executor did not answer" in caplog.text
+        # b: failed, with what Ray said and the last log lines (read through the executor);
+        # c took its GPU in the same cycle.
+        assert store.get_job(b.id).state == "failed"
+        reason = store.transitions(b.id)[-1].reason
+        assert "exit 126 (Ray could not start it: runtime env setup failed)" in reason, reason
+        assert "Last log lines:\nline 11\n" in reason and reason.endswith("line 30"), reason
+        assert executor.launched == [a.id, b.id, c.id]
+        executor.script[a.id] = AttemptStatus("exited", exit_code=0)
+        plane.cycle()
+        assert store.get_job(a.id).state == "succeeded"
+    finally:
+        store.close()
+
+
+# -- end to end on the Ray cluster -----------------------------------------------------------------
+
+
+def test_on_ray_a_higher_priority_job_preempts_through_a_checkpoint_and_the_victim_resumes(
+    ray_cluster: RayCluster, digits_dataset: Path, tmp_path: Path
+) -> None:
+    cfg = cluster_config(
+        executor={"kind": "ray", "address": ray_cluster.address, "prefix": f"vlcp{os.getpid()}"},
+        teams=TEAMS,
+        scheduler={"cycle_s": 0.5},
+    )
+    with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, cfg) as cp:
+        assert isinstance(cp.plane.executor, RayExecutor)
+        # The inventory is the Ray cluster's: 2 spot L4 on the head, 2 on-demand A100 on the worker.
+        gpus = cp.plane.store.list_gpus()
+        assert sorted((g.type, g.price_class) for g in gpus) == [
+            ("A100-80GB", "on_demand"),
+            ("A100-80GB", "on_demand"),
+            ("L4", "spot"),
+            ("L4", "spot"),
+        ]
+        # Jobs that must not run on spot, and one on-demand GPU out of service: they compete.
+        on_demand = sorted(g.id for g in gpus if not g.spot)
+        cp.plane.spot_interrupt(on_demand[1], reason="held back by the test")
+        # Each test Ray node has 1 CPU: ask for less, or Ray never starts the job.
+        job = {"resources": {"gpus": 1, "cpus": 0.4, "memory_gb": 0.5}, "spot": "never"}
+        with cp.client() as c:
+            low_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=40), "priority": "low"}
+            low = c.post("/v1/jobs", json={"spec": low_spec, "team": "research"}).json()
+            # Once it has checkpointed, the trainer is past start-up and has work to keep.
+            cp.wait_job(low["id"], lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None)
+            high_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=8), "priority": "high"}
+            high = c.post("/v1/jobs", json={"spec": high_spec, "team": "vision"}).json()
+        high_show = cp.wait_job(high["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
+        assert high_show["job"]["state"] == "succeeded", high_show
+        low_show = cp.wait_job(low["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
+        done = low_show["job"]
+        assert done["state"] == "succeeded" and done["preemptions"] == 1 and done["restarts"] == 0, low_show
+        states = [t["to_state"] for t in low_show["transitions"]]
+        assert states == ["queued", "running", "preempting", "queued", "running", "succeeded"]
+        assert f"job {high['id']}" in low_show["transitions"][2]["reason"]
+        first, second = low_show["attempts"]
+        assert (first["outcome"], first["exit_code"], second["outcome"]) == ("preempted", 75, "succeeded")
+        for attempt in (first, second, *high_show["attempts"]):
+            assert attempt["executor"] == "ray" and attempt["handle"]["submission_id"].startswith("vlcp")
+            assert [a["gpu_id"] for a in attempt["allocations"]] == [on_demand[0]]
+        with cp.client() as c:
+            second_log = c.get(f"/v1/jobs/{low['id']}/logs", params={"attempt": 2}).text
+        assert "resuming from step-" in second_log, second_log
+        for show in (low_show, high_show):
+            assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()
