@@ -650,3 +650,32 @@ def test_a_writer_killed_mid_transaction_leaves_the_store_consistent(
     if make_url(db_url).get_backend_name() == "sqlite":
         with sqlite3.connect(str(make_url(db_url).database)) as conn:
             assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_heartbeats_update_many_jobs_in_one_call(store: Store) -> None:
+    a, b = submit(store, "a"), submit(store, "b")
+    assert store.heartbeats({}) == 0
+    assert store.heartbeats({a.id: 100.5, b.id: 200.25, 999_999: 1.0}) == 2  # unknown id skipped
+    assert store.get_job(a.id).last_heartbeat_at == 100.5
+    assert store.get_job(b.id).last_heartbeat_at == 200.25
+    assert store.heartbeats({a.id: 101.0}) == 1
+    assert (store.get_job(a.id).last_heartbeat_at, store.get_job(b.id).last_heartbeat_at) == (101.0, 200.25)
+
+
+def test_view_jobs_lists_queued_and_active_jobs_with_the_scheduler_columns(store: Store) -> None:
+    a, b, c = submit(store, "a", gpus=2, now=10.0), submit(store, "b", now=11.0), submit(store, "c", now=12.0)
+    store.transition(c.id, JobState.CANCELLED, "test", now=13.0)
+    store.sync_gpus(GPUS, now=1.0)
+    store.start_attempt(b.id, "local", GPUS[:1], now=14.0)
+    rows = store.view_jobs()
+    assert [(r.id, r.state) for r in rows] == [(a.id, "queued"), (b.id, "running")]
+    r = rows[0]
+    assert (r.team, r.priority_rank, r.gpus, r.submitted_at, r.spot, r.memory_gb) == (
+        "vision",
+        50,
+        2,
+        10.0,
+        a.spot,
+        16.0,
+    )
+    assert (r.attained_gpu_s, r.not_before, r.last_checkpoint_at) == (0.0, 0.0, None)

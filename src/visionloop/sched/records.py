@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from visionloop.core.errors import SpecError, StoreError
 from visionloop.sched.states import JobState
@@ -63,6 +63,24 @@ class TokenRecord:
     label: str
     created_at: float
     revoked_at: float | None
+
+
+class ViewJob(NamedTuple):
+    """The columns of a job the scheduler's view needs (`Store.view_jobs`): a plain row, so
+    that reading 10,000 queued jobs every cycle converts nothing it does not use."""
+
+    id: int
+    team: str
+    state: str  # a JobState value
+    priority_rank: int
+    gpus: int
+    submitted_at: float
+    spot: SpotPolicy
+    cpus: float
+    memory_gb: float
+    attained_gpu_s: float
+    not_before: float | None
+    last_checkpoint_at: float | None
 
 
 @dataclass(frozen=True, slots=True)

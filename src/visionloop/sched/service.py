@@ -57,6 +57,8 @@ from visionloop.train.signals import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
+QUEUED, RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
+
 # How many log lines a failed job shows as its reason.
 FAILURE_LOG_LINES = 20
 _CKPT_NAME = re.compile(r"step-(\d+)\.ckpt")
@@ -127,6 +129,11 @@ class ControlPlane:
         )
         self.jobs_dir = settings.home / "jobs"
         self.catalog = load_catalog(config.prices)
+        # Caches that only spare the store redundant writes and reads (never the source of a
+        # decision; empty after a restart, which costs one full round of writes):
+        self._beats_written: dict[int, float] = {}  # job → the heartbeat last stored
+        self._ckpt_steps: dict[int, set[int]] = {}  # job → checkpoint steps known stored
+        self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
         self._sync_inventory()
         self._sync_teams()
 
@@ -333,7 +340,16 @@ class ControlPlane:
             gpus = {g.id: g for g in self.store.list_gpus()}
             for p in decision.placements:
                 self._start(int(p.job_id), [gpus[i] for i in p.gpu_ids], now)
-            self.store.set_waiting_reasons({int(k): v for k, v in decision.waiting.items()})
+            self._store_waiting_reasons({int(k): v for k, v in decision.waiting.items()})
+
+    def _store_waiting_reasons(self, reasons: dict[int, str]) -> None:
+        """Send only the reasons that changed since the last cycle. The cache is rebuilt from
+        this cycle's queue each time, so a job that left the queue (placed, cancelled) is
+        forgotten and gets its reason written again if it comes back."""
+        changed = {k: v for k, v in reasons.items() if self._reasons_sent.get(k) != v}
+        if changed:
+            self.store.set_waiting_reasons(changed)
+        self._reasons_sent = reasons
 
     def _view(self, now: float) -> ClusterView:
         teams = {
@@ -341,10 +357,8 @@ class ControlPlane:
         }
         gpus = self.store.list_gpus()
         running: list[ActiveJob] = []
-        jobs = {
-            j.id: j
-            for j in self.store.list_jobs(team=None, states=set(ACTIVE) | {JobState.QUEUED}, limit=None)
-        }
+        rows = self.store.view_jobs()
+        jobs = {j.id: j for j in rows if j.state != QUEUED}
         for attempt in self.store.active_attempts():
             job = jobs.get(attempt.job_id)
             if job is None:
@@ -361,25 +375,25 @@ class ControlPlane:
                     memory_gb=job.memory_gb,
                     last_checkpoint_at=job.last_checkpoint_at,
                     attained_gpu_s=job.attained_gpu_s,
-                    preemptible=job.state == JobState.RUNNING,
+                    preemptible=job.state == RUNNING,
                     submitted_at=job.submitted_at,
                 )
             )
         queued = [
             PendingJob(
-                id=str(j.id),
-                team=j.team,
-                priority=j.priority_rank,
-                gpus=j.gpus,
-                submitted_at=j.submitted_at,
-                spot=j.spot,
-                cpus=j.cpus,
-                memory_gb=j.memory_gb,
-                attained_gpu_s=j.attained_gpu_s,
-                not_before=j.not_before or 0.0,
+                str(j.id),
+                j.team,
+                j.priority_rank,
+                j.gpus,
+                j.submitted_at,
+                j.spot,
+                j.cpus,
+                j.memory_gb,
+                j.attained_gpu_s,
+                j.not_before or 0.0,
             )
-            for j in jobs.values()
-            if j.state == JobState.QUEUED
+            for j in rows
+            if j.state == QUEUED
         ]
         return ClusterView(now=now, gpus=gpus, teams=teams, running=running, queued=queued)
 
@@ -443,13 +457,18 @@ class ControlPlane:
     # ------------------------------------------------------------------ reconcile
 
     def _reconcile(self, now: float) -> None:
-        for attempt in self.store.active_attempts():
-            job = self.store.get_job(attempt.job_id)
+        attempts = self.store.active_attempts()
+        # The attempts' jobs in one query (without their spec documents, which reconcile does
+        # not read); a job in no active state (should not happen) is read on its own.
+        jobs = {j.id: j for j in self.store.list_jobs(states=ACTIVE)} if attempts else {}
+        beats: dict[int, float] = {}
+        for attempt in attempts:
+            job = jobs.get(attempt.job_id) or self.store.get_job(attempt.job_id)
             handle: Handle = attempt.handle or {
                 "attempt_dir": str(self.job_dir(job.id) / f"attempt-{attempt.number}")
             }
             try:
-                self._reconcile_attempt(job, attempt.number, handle, now)
+                self._reconcile_attempt(job, attempt.number, handle, now, beats)
             except ExecutorError as e:
                 # The executor could not answer (the Ray dashboard is unreachable, say): this
                 # attempt keeps its state and GPUs until a later cycle gets an answer, and the
@@ -461,15 +480,25 @@ class ControlPlane:
                     attempt.number,
                     e,
                 )
+        # Heartbeats in one write per cycle, and only those that moved: a job's beat is stored
+        # for `jobs show`; the timeout above is judged on the executor's answer, not on this.
+        changed = {k: v for k, v in beats.items() if self._beats_written.get(k) != v}
+        if changed:
+            self.store.heartbeats(changed)
+        open_jobs = {a.job_id for a in attempts}
+        self._beats_written = {k: v for k, v in (self._beats_written | changed).items() if k in open_jobs}
+        self._ckpt_steps = {k: v for k, v in self._ckpt_steps.items() if k in open_jobs}
 
-    def _reconcile_attempt(self, job: Job, number: int, handle: Handle, now: float) -> None:
+    def _reconcile_attempt(
+        self, job: Job, number: int, handle: Handle, now: float, beats: dict[int, float]
+    ) -> None:
         t = self.config.timings
         status = self.executor.poll(handle)
         if status.state == "running":
             self._scan_checkpoints(job)
             beat = status.heartbeat_at
             if beat is not None:
-                self.store.heartbeat(job.id, beat)
+                beats[job.id] = beat
             if beat is not None and now - beat > t.heartbeat_timeout_s:
                 self.executor.kill(handle)
                 self._finish_lost(job, number, f"no heartbeat for {now - beat:.0f} s; killed", now)
@@ -488,19 +517,30 @@ class ControlPlane:
         """Checkpoints the trainer wrote since the last look (its run dir is the record):
         they decide which victim loses the least work, and what a preemption lost."""
         folder = Path(job.run_dir) / "checkpoints"
-        known = {c.step for c in self.store.checkpoints(job.id)}
         try:
             entries = list(os.scandir(folder))
         except OSError:
             return
+        known = self._ckpt_steps.get(job.id, set())
+        new = []
         for entry in entries:
             m = _CKPT_NAME.fullmatch(entry.name)
             if m and int(m.group(1)) not in known:
-                try:
-                    at = entry.stat().st_mtime
-                except OSError:
-                    continue  # pruned meanwhile
-                self.store.record_checkpoint(job.id, int(m.group(1)), at)
+                new.append((int(m.group(1)), entry))
+        if not new:
+            return
+        # Something this process has not seen stored: the store decides (a restart, or
+        # another writer, may have recorded it already).
+        known = self._ckpt_steps[job.id] = {c.step for c in self.store.checkpoints(job.id)}
+        for step, entry in new:
+            if step in known:
+                continue
+            try:
+                at = entry.stat().st_mtime
+            except OSError:
+                continue  # pruned meanwhile
+            self.store.record_checkpoint(job.id, step, at)
+            known.add(step)
 
     def _finish_exited(
         self, job: Job, number: int, status: AttemptStatus, handle: Handle, now: float

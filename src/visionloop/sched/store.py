@@ -66,8 +66,9 @@ from visionloop.sched.records import (
     TeamRecord,
     TokenRecord,
     Transition,
+    ViewJob,
 )
-from visionloop.sched.states import JobState, TransitionError, check_transition
+from visionloop.sched.states import ACTIVE, JobState, TransitionError, check_transition
 from visionloop.sched.view import PriceClass
 from visionloop.specs import JobSpec
 
@@ -547,6 +548,19 @@ class Store:
         with self._session(write=False) as s:
             return [_job_from_values(r) for r in s.execute(q)]
 
+    def view_jobs(self) -> list[ViewJob]:
+        """Every queued or active job, in submission order, as the scheduler's view needs it:
+        only those columns, as plain rows (one indexed query; what each cycle reads)."""
+        table = cast(Table, JobRow.__table__)
+        states = [s.value for s in JobState if s == JobState.QUEUED or s in ACTIVE]
+        q = (
+            select(*(table.c[name] for name in ViewJob._fields))
+            .where(table.c.state.in_(states))
+            .order_by(table.c.id)
+        )
+        with self._session(write=False) as s:
+            return [ViewJob(*r) for r in s.execute(q)]
+
     def transitions(self, job_id: int) -> list[Transition]:
         with self._session(write=False) as s:
             self._exists(s, job_id)
@@ -793,6 +807,19 @@ class Store:
             result = s.execute(update(JobRow).where(JobRow.id == job_id).values(last_heartbeat_at=now))
             if _rowcount(result) == 0:
                 raise NotFoundError(f"no job {job_id}.")
+
+    def heartbeats(self, beats: Mapping[int, float]) -> int:
+        """Record many jobs' last heartbeats (job id → time) in one statement: the reconciler
+        writes a cycle's beats together. Unknown ids are skipped; returns the rows updated."""
+        if not beats:
+            return 0
+        table = cast(Table, JobRow.__table__)
+        many = (
+            update(table).where(table.c.id == bindparam("b_id")).values(last_heartbeat_at=bindparam("b_at"))
+        )
+        params = [{"b_id": int(i), "b_at": float(at)} for i, at in beats.items()]
+        with self._session(write=True) as s:
+            return _rowcount(s.connection().execute(many, params))
 
     def record_checkpoint(self, job_id: int, step: int, now: float, *, attempt: int | None = None) -> None:
         """A checkpoint the job reported: listed by `jobs show`, and used by the cost ledger
