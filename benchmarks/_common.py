@@ -88,3 +88,9 @@ def synthetic_photos(
             (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1, y1), fill=color)
         img.save(root / f"class_{c:02d}" / f"{i:05d}.jpg", quality=90)
     return root
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank), e.g. pct(times, 0.99) for a p99."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import write_result
+from _common import pct, write_result
 
 NODES, PER_NODE = 8, 8
 TEAMS = [
@@ -74,11 +74,6 @@ class Clock:
                 self.calls[name] = self.calls.get(name, 0) + 1
 
         return timed
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import write_result
+from _common import pct, write_result
 from visionloop.sched.policy import PolicyConfig, fifo, schedule
 from visionloop.sched.sim import default_cluster
 from visionloop.sched.view import ActiveJob, ClusterView, Decision, Gpu, PendingJob, SpotPolicy
@@ -92,11 +92,6 @@ def time_calls(fn: Callable[[], Decision], repeat: int) -> tuple[list[float], li
         wall.append((time.perf_counter() - t0) * 1000)
         cpu.append((time.process_time() - c0) * 1000)
     return wall, cpu
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def main() -> None:
