@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -194,10 +193,3 @@ class Client:
         if since is not None:
             params["since"] = since
         return dict(self.json("GET", "/v1/cost", params=params))
-
-
-def read_admin_token(home: Path) -> str | None:
-    try:
-        return (home / ADMIN_TOKEN_FILE).read_text().strip()
-    except OSError:
-        return None

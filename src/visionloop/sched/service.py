@@ -40,17 +40,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from visionloop.core.errors import ExecutorError, NotFoundError, SpecError, VisionloopError
+from visionloop.core.errors import ExecutorError, NotFoundError, VisionloopError
 from visionloop.core.fsutil import atomic_write_text
 from visionloop.core.settings import Settings
 from visionloop.sched.config import DEFAULT_TEAM, ClusterConfig
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
+from visionloop.sched.placement import capacities
 from visionloop.sched.policy import PolicyConfig, schedule
 from visionloop.sched.prices import load_catalog
 from visionloop.sched.states import ACTIVE, JobState, TransitionError
-from visionloop.sched.store import Job, Store
+from visionloop.sched.store import Attempt, Job, Store
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
 from visionloop.specs import JobSpec, TrainSpec, format_validation_error, spec_to_yaml
 from visionloop.train.signals import EXIT_PREEMPTED
@@ -140,14 +139,13 @@ class ControlPlane:
     # ------------------------------------------------------------------ set-up
 
     def _sync_inventory(self) -> None:
-        gpus = self.executor.capacity()
-        self.store.sync_gpus(gpus)
+        self.store.sync_gpus(self.executor.capacity())
 
     def _sync_teams(self) -> None:
         teams = list(self.config.teams)
         if not teams and self.store.get_team(DEFAULT_TEAM) is None:
             # One machine, no config: a single team entitled to every GPU.
-            n = len(self.executor.capacity())
+            n = len(self.store.list_gpus())
             teams = [Team(DEFAULT_TEAM, nominal_gpus=n, borrow_limit=0)]
         for team in teams:
             self.store.upsert_team(team.name, team.nominal_gpus, team.borrow_limit, team.weight)
@@ -215,17 +213,15 @@ class ControlPlane:
         )
 
     def _check_fits(self, job: JobSpec) -> None:
-        gpus = [g for g in self.store.list_gpus() if job.spot != "never" or not g.spot]
+        # The same capacity the policy judges "never fits" by, so submit refuses exactly
+        # what the queue could never place.
+        total, biggest = capacities(self.store.list_gpus())[job.spot]
         need = job.resources.gpus
-        by_node: dict[str, int] = {}
-        for g in gpus:
-            by_node[g.node] = by_node.get(g.node, 0) + 1
-        biggest = max(by_node.values(), default=0)
         if need > biggest:
             where = "non-spot " if job.spot == "never" else ""
             raise SubmitError(
                 f"the job asks for {need} GPUs but the largest machine has {biggest} {where}GPUs "
-                f"({len(gpus)} in all). Ask for at most {biggest} (--gpus {biggest})"
+                f"({total} in all). Ask for at most {biggest} (--gpus {biggest})"
                 + (" or allow spot capacity (--spot allowed)." if job.spot == "never" else "."),
             )
 
@@ -468,7 +464,7 @@ class ControlPlane:
                 "attempt_dir": str(self.job_dir(job.id) / f"attempt-{attempt.number}")
             }
             try:
-                self._reconcile_attempt(job, attempt.number, handle, now, beats)
+                self._reconcile_attempt(job, attempt, handle, now, beats)
             except ExecutorError as e:
                 # The executor could not answer (the Ray dashboard is unreachable, say): this
                 # attempt keeps its state and GPUs until a later cycle gets an answer, and the
@@ -490,9 +486,10 @@ class ControlPlane:
         self._ckpt_steps = {k: v for k, v in self._ckpt_steps.items() if k in open_jobs}
 
     def _reconcile_attempt(
-        self, job: Job, number: int, handle: Handle, now: float, beats: dict[int, float]
+        self, job: Job, attempt: Attempt, handle: Handle, now: float, beats: dict[int, float]
     ) -> None:
         t = self.config.timings
+        number = attempt.number
         status = self.executor.poll(handle)
         if status.state == "running":
             self._scan_checkpoints(job)
@@ -511,7 +508,7 @@ class ControlPlane:
         if status.state == "lost":
             self._finish_lost(job, number, status.detail or "process vanished", now)
             return
-        self._finish_exited(job, number, status, handle, now)
+        self._finish_exited(job, attempt, status, handle, now)
 
     def _scan_checkpoints(self, job: Job) -> None:
         """Checkpoints the trainer wrote since the last look (its run dir is the record):
@@ -543,8 +540,9 @@ class ControlPlane:
             known.add(step)
 
     def _finish_exited(
-        self, job: Job, number: int, status: AttemptStatus, handle: Handle, now: float
+        self, job: Job, attempt: Attempt, status: AttemptStatus, handle: Handle, now: float
     ) -> None:
+        number = attempt.number
         code = status.exit_code if status.exit_code is not None else -1
         if job.state == JobState.CANCELLING:
             outcome, nxt, why = "cancelled", JobState.CANCELLED, f"cancelled (exit {code})"
@@ -560,7 +558,7 @@ class ControlPlane:
         if job.state == JobState.PREEMPTING:
             # A preemption never counts as a failure, even if the victim had to be SIGKILLed:
             # it resumes from its last checkpoint.
-            outcome = "interrupted" if self._on_down_gpu(job.id, number) else "preempted"
+            outcome = "interrupted" if self._on_down_gpu(attempt.gpu_ids) else "preempted"
             how = (
                 "checkpointed and exited 75"
                 if code == EXIT_PREEMPTED
@@ -592,14 +590,10 @@ class ControlPlane:
         why = f"exit {code} ({status.detail})" if status.detail else f"exit {code}"
         self._finish_failed(job, number, code, why, now, handle)
 
-    def _on_down_gpu(self, job_id: int, number: int) -> bool:
-        down = {g.id for g in self.store.list_gpus() if not g.up}
-        return any(
-            a.gpu_id in down
-            for att in self.store.active_attempts()
-            if (att.job_id, att.number) == (job_id, number)
-            for a in att.allocations
-        )
+    def _on_down_gpu(self, gpu_ids: tuple[str, ...]) -> bool:
+        """Whether the attempt held a GPU that is down now: its preemption was a spot
+        interruption (which `cost report` counts apart)."""
+        return any(not g.up for g in self.store.list_gpus() if g.id in gpu_ids)
 
     def _finish_failed(
         self, job: Job, number: int, code: int | None, why: str, now: float, handle: Handle | None = None
@@ -647,8 +641,4 @@ class ControlPlane:
             self.wake.clear()
 
 
-def dump_spec_yaml(doc: Mapping[str, Any]) -> str:
-    return yaml.safe_dump(dict(doc), sort_keys=False)
-
-
-__all__ = ["ControlPlane", "Principal", "SpecError", "SubmitError"]
+__all__ = ["ControlPlane", "Principal", "SubmitError"]
