@@ -13,10 +13,10 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import asdict, is_dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,22 +60,6 @@ class SpotBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target: str = Field(min_length=1, max_length=200, description="a GPU id or a node name")
     reason: str | None = Field(None, max_length=500)
-
-
-def _plain(obj: Any) -> Any:
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return {k: _plain(v) for k, v in asdict(obj).items()}
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple | set | frozenset):
-        return [_plain(v) for v in obj]
-    if hasattr(obj, "model_dump"):
-        return obj.model_dump(mode="json")
-    if isinstance(obj, JobState):
-        return str(obj)
-    if hasattr(obj, "__fspath__"):
-        return str(obj)
-    return obj
 
 
 def _principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
@@ -162,7 +146,7 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
             idempotency_key=body.idempotency_key,
         )
         plane.wake.set()
-        return _plain(job)  # type: ignore[no-any-return]
+        return jsonable_encoder(job)  # type: ignore[no-any-return]
 
     @app.get("/v1/jobs")
     def list_jobs(
@@ -179,17 +163,17 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
         jobs = plane.store.list_jobs(
             team=team, states=set(state) if state else None, limit=limit, offset=offset
         )
-        return [_plain(j) for j in jobs]
+        return [jsonable_encoder(j) for j in jobs]
 
     @app.get("/v1/jobs/{job_id}")
     def show_job(job_id: int, who: Who) -> dict[str, Any]:
         job = plane.visible_job(who, job_id)
         return {
-            "job": _plain(job),
-            "transitions": _plain(plane.store.transitions(job_id)),
-            "attempts": _plain(plane.store.attempts(job_id)),
-            "checkpoints": _plain(plane.store.checkpoints(job_id)),
-            "cost": _plain(cost_report(plane.store, plane.catalog, job_id=job_id)),
+            "job": jsonable_encoder(job),
+            "transitions": jsonable_encoder(plane.store.transitions(job_id)),
+            "attempts": jsonable_encoder(plane.store.attempts(job_id)),
+            "checkpoints": jsonable_encoder(plane.store.checkpoints(job_id)),
+            "cost": jsonable_encoder(cost_report(plane.store, plane.catalog, job_id=job_id)),
         }
 
     @app.get("/v1/jobs/{job_id}/logs")
@@ -223,11 +207,14 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
 
     @app.post("/v1/jobs/{job_id}/cancel")
     def cancel(job_id: int, who: Who) -> dict[str, Any]:
-        return _plain(plane.cancel(who, job_id))  # type: ignore[no-any-return]
+        return jsonable_encoder(plane.cancel(who, job_id))  # type: ignore[no-any-return]
 
     @app.get("/v1/cluster")
     def cluster(who: Who) -> dict[str, Any]:
-        return {"gpus": _plain(plane.store.list_gpus()), "teams": _plain(plane.store.list_teams())}
+        return {
+            "gpus": jsonable_encoder(plane.store.list_gpus()),
+            "teams": jsonable_encoder(plane.store.list_teams()),
+        }
 
     @app.get("/v1/cost")
     def cost(who: Who, team: str | None = None, since: float | None = None) -> dict[str, Any]:
@@ -235,7 +222,7 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
             if team is not None and team != who.team:
                 raise HTTPException(403, f"your token belongs to team {who.team!r}.")
             team = who.team
-        return _plain(cost_report(plane.store, plane.catalog, team=team, since=since))  # type: ignore[no-any-return]
+        return jsonable_encoder(cost_report(plane.store, plane.catalog, team=team, since=since))  # type: ignore[no-any-return]
 
     @app.put("/v1/admin/teams/{name}")
     def set_team(name: str, body: TeamBody, _: Admin) -> dict[str, Any]:
@@ -244,7 +231,7 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
         _name(name, "team name", None)
         plane.store.upsert_team(name, body.nominal_gpus, body.borrow_limit, body.weight)
         plane.wake.set()
-        return _plain(plane.store.get_team(name))  # type: ignore[no-any-return]
+        return jsonable_encoder(plane.store.get_team(name))  # type: ignore[no-any-return]
 
     @app.post("/v1/admin/tokens", status_code=201)
     def create_token(body: TokenBody, _: Admin) -> dict[str, Any]:
