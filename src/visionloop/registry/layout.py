@@ -1,0 +1,102 @@
+"""Where a registered model version and its exports live on disk, and how a model is named.
+
+The MLflow Model Registry holds names, versions, aliases and tags; the files of a version live
+under the visionloop home, one folder per version, so that export, bench and serve read them
+without going through MLflow's artifact store:
+
+    <home>/models/<name>/v<version>/
+        final.safetensors          the run's final weights
+        model_card.json            arch, classes, preprocessing, metrics (models/card.py)
+        spec.yaml                  the train spec, verbatim
+        exports/<format>-<precision>/
+            model.onnx
+            export.json            the export report: parity, accuracy gate, sha256, size
+
+A reference to a model, as every command takes it: `NAME` (the champion, else the newest
+version), `NAME@ALIAS` or `NAME/VERSION`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from visionloop.core.errors import VisionloopError
+
+WEIGHTS_FILE = "final.safetensors"
+CARD_FILE = "model_card.json"
+SPEC_FILE = "spec.yaml"
+EXPORTS_DIR = "exports"
+ONNX_FILE = "model.onnx"
+EXPORT_REPORT_FILE = "export.json"
+
+# MLflow allows more, but a name is also a folder name and a URL path segment.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+
+
+class ModelRefError(VisionloopError):
+    """A model reference is malformed."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str
+    alias: str | None = None
+    version: int | None = None
+
+    def __str__(self) -> str:
+        if self.alias is not None:
+            return f"{self.name}@{self.alias}"
+        if self.version is not None:
+            return f"{self.name}/{self.version}"
+        return self.name
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ModelRefError(
+            f"model name {name!r} is not usable: use 1-128 letters, digits, '_', '.', '-', "
+            "starting with a letter or digit (e.g. digits-cnn)."
+        )
+    return name
+
+
+def check_alias(alias: str) -> str:
+    if not _ALIAS.match(alias) or (alias.lower().startswith("v") and alias[1:].isdigit()):
+        raise ModelRefError(
+            f"alias {alias!r} is not usable: use 1-64 letters, digits, '_', '-', starting with a "
+            "letter, and not of the form v<number> (e.g. champion, challenger)."
+        )
+    return alias
+
+
+def parse_ref(text: str) -> ModelRef:
+    """`NAME`, `NAME@ALIAS` or `NAME/VERSION` → ModelRef; a clear error for anything else."""
+    text = text.strip()
+    if "@" in text:
+        name, _, alias = text.partition("@")
+        return ModelRef(check_name(name), alias=check_alias(alias))
+    if "/" in text:
+        name, _, version = text.partition("/")
+        if not version.isdigit() or int(version) < 1:
+            raise ModelRefError(
+                f"{text!r}: the version after '/' must be a positive whole number, e.g. {name}/3."
+            )
+        return ModelRef(check_name(name), version=int(version))
+    return ModelRef(check_name(text))
+
+
+def models_root(home: Path) -> Path:
+    return home / "models"
+
+
+def version_dir(home: Path, name: str, version: int) -> Path:
+    return models_root(home) / check_name(name) / f"v{version}"
+
+
+def export_dir(vdir: Path, fmt: str, precision: str) -> Path:
+    return vdir / EXPORTS_DIR / f"{fmt}-{precision}"
