@@ -8,6 +8,8 @@ without going through MLflow's artifact store:
         final.safetensors          the run's final weights
         model_card.json            arch, classes, preprocessing, metrics (models/card.py)
         spec.yaml                  the train spec, verbatim
+        spec.resolved.yaml         the effective spec (absolute dataset path)
+        lineage.json               run, dataset, metrics, weights sha256, who registered it
         exports/<format>-<precision>/
             model.onnx
             export.json            the export report: parity, accuracy gate, sha256, size
@@ -30,6 +32,10 @@ SPEC_FILE = "spec.yaml"
 EXPORTS_DIR = "exports"
 ONNX_FILE = "model.onnx"
 EXPORT_REPORT_FILE = "export.json"
+SPEC_RESOLVED_FILE = "spec.resolved.yaml"
+LINEAGE_FILE = "lineage.json"
+# Per model, beside the version folders: every alias change, for `models show` and rollback.
+ALIAS_HISTORY_FILE = "alias_history.json"
 
 # MLflow allows more, but a name is also a folder name and a URL path segment.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -92,6 +98,10 @@ def parse_ref(text: str) -> ModelRef:
 
 def models_root(home: Path) -> Path:
     return home / "models"
+
+
+def model_dir(home: Path, name: str) -> Path:
+    return models_root(home) / check_name(name)
 
 
 def version_dir(home: Path, name: str, version: int) -> Path:

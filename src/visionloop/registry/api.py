@@ -1,0 +1,458 @@
+"""The model registry as function calls: register a finished run, find versions, move aliases.
+
+Names, versions, aliases and tags live in the MLflow Model Registry (the tracking store from
+settings); each version's files live under `<home>/models/<name>/v<version>/` (see `layout`),
+so export, bench and serve read plain files. The `visionloop models` commands are thin
+renderings of these functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from visionloop.core.errors import NotFoundError, VisionloopError
+from visionloop.core.fsutil import atomic_write_json
+from visionloop.core.settings import Settings, load_settings
+from visionloop.models.card import ModelCard
+from visionloop.registry import files, history, runsource
+from visionloop.registry import store as rstore
+from visionloop.registry.layout import (
+    ALIAS_HISTORY_FILE,
+    CARD_FILE,
+    EXPORT_REPORT_FILE,
+    LINEAGE_FILE,
+    ONNX_FILE,
+    WEIGHTS_FILE,
+    ModelRef,
+    check_alias,
+    check_name,
+    export_dir,
+    model_dir,
+    parse_ref,
+    version_dir,
+)
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion
+
+CHAMPION = "champion"
+
+
+class RegistryError(VisionloopError):
+    """A registry change was refused (nothing to roll back to, a version that is not ready)."""
+
+
+@dataclass(frozen=True)
+class ModelVersionInfo:
+    name: str
+    version: int
+    dir: Path
+    aliases: tuple[str, ...]
+    run_id: str | None
+    created_at: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}/{self.version}"
+
+    def card(self) -> ModelCard:
+        return ModelCard.load(self.dir / CARD_FILE)
+
+    @property
+    def weights(self) -> Path:
+        return self.dir / WEIGHTS_FILE
+
+    def lineage(self) -> dict[str, Any]:
+        path = self.dir / LINEAGE_FILE
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return raw if isinstance(raw, dict) else {}
+
+    def export_report(self, fmt: str = "onnx", precision: str = "fp32") -> dict[str, Any] | None:
+        """The export's report (export.json) as written, passed or failed; None if never exported."""
+        path = export_dir(self.dir, fmt, precision) / EXPORT_REPORT_FILE
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return None
+        return raw if isinstance(raw, dict) else None
+
+    def export_path(self, fmt: str = "onnx", precision: str = "fp32") -> Path | None:
+        """The exported model file if the export exists and passed its gate; else None.
+
+        A failed export keeps its report (for `models show`) but must never be served.
+        """
+        report = self.export_report(fmt, precision)
+        model = export_dir(self.dir, fmt, precision) / ONNX_FILE
+        if report is None or report.get("passed") is not True or not model.is_file():
+            return None
+        # A truncated or replaced file is not the one the gate passed.
+        if report.get("size_bytes") != model.stat().st_size:
+            return None
+        return model
+
+    def exports(self) -> dict[str, dict[str, Any]]:
+        """`<format>-<precision>` → report, for every export attempted on this version."""
+        root = self.dir / "exports"
+        out: dict[str, dict[str, Any]] = {}
+        if root.is_dir():
+            for sub in sorted(root.iterdir()):
+                fmt, _, precision = sub.name.partition("-")
+                report = self.export_report(fmt, precision)
+                if report is not None:
+                    out[sub.name] = report
+        return out
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    versions: int
+    latest: int | None
+    aliases: dict[str, int]
+    updated_at: str
+
+
+def _iso(ms: int | None) -> str:
+    return datetime.fromtimestamp((ms or 0) / 1000, tz=UTC).isoformat(timespec="seconds")
+
+
+def _info(settings: Settings, mv: ModelVersion, alias_map: dict[str, int]) -> ModelVersionInfo:
+    version = int(mv.version)
+    return ModelVersionInfo(
+        name=str(mv.name),
+        version=version,
+        dir=version_dir(settings.home, str(mv.name), version),
+        aliases=tuple(sorted(a for a, v in alias_map.items() if v == version)),
+        run_id=mv.run_id or None,
+        created_at=_iso(mv.creation_timestamp),
+        tags=dict(mv.tags or {}),
+    )
+
+
+def _alias_map(c: MlflowClient, name: str, settings: Settings) -> dict[str, int]:
+    return {str(a): int(v) for a, v in (rstore.get_model(c, name, settings).aliases or {}).items()}
+
+
+def _usable(settings: Settings, mv: ModelVersion) -> bool:
+    return rstore.is_ready(mv) and version_dir(settings.home, str(mv.name), int(mv.version)).is_dir()
+
+
+# --------------------------------------------------------------------------- register
+
+
+def register(
+    run: str | Path, *, name: str | None = None, settings: Settings | None = None
+) -> ModelVersionInfo:
+    """Register the finished run `run` (a run directory, a run name under <home>/runs, or an
+    MLflow run) as a new version of `name` (default: the run directory's name)."""
+    settings = settings or load_settings()
+    src = runsource.load_run(run, settings)
+    name = check_name(name or src.run_dir.name)
+    root = model_dir(settings.home, name)
+    sha = files.sha256_file(src.weights)
+    with files.model_lock(root):
+        files.remove_stale_staging(root)
+        staging = files.make_staging(root)
+        try:
+            return _register_locked(settings, src, name, sha, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already when published
+
+
+def _register_locked(
+    settings: Settings, src: runsource.RunSource, name: str, sha: str, staging: Path
+) -> ModelVersionInfo:
+    files.copy_durable(src.weights, staging / WEIGHTS_FILE)
+    if files.sha256_file(staging / WEIGHTS_FILE) != sha:
+        raise RegistryError(
+            f"{src.weights} changed while it was being copied; is a trainer still writing it? "
+            "Register again when the run has finished."
+        )
+    files.copy_durable(src.run_dir / CARD_FILE, staging / CARD_FILE)
+    for spec in runsource.spec_files(src.run_dir):
+        files.copy_durable(spec, staging / spec.name)
+
+    c = rstore.client(settings)
+    run_id = _existing_run(c, src.mlflow_run_id)
+    card = src.card
+    tags = {
+        rstore.ARCH_TAG: card.arch,
+        rstore.WEIGHTS_SHA_TAG: sha,
+        rstore.DATASET_VERSION_TAG: card.dataset_version or "",
+        rstore.RUN_DIR_TAG: str(src.run_dir),
+    }
+    for k, v in (card.metrics or {}).items():
+        if v is not None:
+            tags[rstore.METRIC_TAG_PREFIX + k] = f"{v:.6g}"
+    try:
+        rstore.ensure_model(c, name)
+        # The run's logged model is the lineage MLflow's UI links to; without a tracked run the
+        # version points at the folder that holds its files.
+        source = f"runs:/{run_id}/model" if run_id else model_dir(settings.home, name).as_uri()
+        mv = c.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    except Exception as e:
+        raise rstore.wrap(f"register a version of {name!r}", settings, e) from e
+    version = int(mv.version)
+    final = version_dir(settings.home, name, version)
+    published = False
+    try:
+        lineage = {
+            "name": name,
+            "version": version,
+            "registered_at": history.now_iso(),
+            "registered_by": history.default_actor(),
+            "run_dir": str(src.run_dir),
+            "mlflow_run_id": run_id,
+            "run_status": src.status,
+            "dataset_path": src.dataset_path,
+            "dataset_version": card.dataset_version,
+            "arch": card.arch,
+            "weights_sha256": sha,
+            "metrics": card.metrics or {},
+        }
+        atomic_write_json(staging / LINEAGE_FILE, lineage)
+        if final.exists():
+            raise RegistryError(
+                f"{final} already exists but MLflow just gave out version {version}: this home's "
+                "models folder does not belong to this tracking store. Point VISIONLOOP_TRACKING_URI "
+                f"at the store it was made with, or move {final.parent} aside."
+            )
+        files.publish(staging, final)
+        published = True
+        c.set_model_version_tag(name, str(version), rstore.STATUS_TAG, rstore.READY)
+    except BaseException:
+        # No half version: the folder and the MLflow version go together or not at all.
+        if published:
+            shutil.rmtree(final, ignore_errors=True)
+        # If this fails too, the version stays without its ready tag, which readers skip.
+        with contextlib.suppress(Exception):
+            c.delete_model_version(name, str(version))
+        raise
+    return get_version(ModelRef(name, version=version), settings)
+
+
+def _existing_run(c: MlflowClient, run_id: str | None) -> str | None:
+    """The run id if this store knows the run (a run trained against another store, or with
+    tracking off, has none here)."""
+    if not run_id:
+        return None
+    try:
+        c.get_run(run_id)
+    except Exception:
+        return None
+    return run_id
+
+
+# --------------------------------------------------------------------------- read
+
+
+def get_version(ref: str | ModelRef, settings: Settings | None = None) -> ModelVersionInfo:
+    """The version `ref` names: NAME (the champion, else the newest), NAME@ALIAS or NAME/VERSION."""
+    settings = settings or load_settings()
+    ref = parse_ref(ref) if isinstance(ref, str) else ref
+    c = rstore.client(settings)
+    try:
+        alias_map = _alias_map(c, ref.name, settings)
+        if ref.alias is not None or (ref.version is None and CHAMPION in alias_map):
+            alias = ref.alias or CHAMPION
+            if alias not in alias_map:
+                known = ", ".join(f"{a} -> v{v}" for a, v in sorted(alias_map.items())) or "none"
+                raise NotFoundError(
+                    f"model {ref.name!r} has no alias {alias!r} (aliases: {known}). Set it with "
+                    f"`visionloop models alias {ref.name} VERSION {alias}`."
+                )
+            number = alias_map[alias]
+        elif ref.version is not None:
+            number = ref.version
+        else:
+            ready = [v for v in rstore.versions(c, ref.name) if _usable(settings, v)]
+            if not ready:
+                raise NotFoundError(f"model {ref.name!r} has no usable version yet; register a run first.")
+            return _info(settings, ready[-1], alias_map)
+        mv = _model_version(c, ref.name, number, settings)
+    except VisionloopError:
+        raise
+    except Exception as e:
+        raise rstore.wrap(f"look up {ref}", settings, e) from e
+    if not _usable(settings, mv):
+        raise NotFoundError(
+            f"{ref.name}/{number} is not usable: its registration did not complete, or its folder "
+            f"{version_dir(settings.home, ref.name, number)} is missing. Register the run again."
+        )
+    return _info(settings, mv, alias_map)
+
+
+def _model_version(c: MlflowClient, name: str, version: int, settings: Settings) -> ModelVersion:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return c.get_model_version(name, str(version))
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        have = ", ".join(str(v.version) for v in rstore.versions(c, name) if _usable(settings, v)) or "none"
+        raise NotFoundError(f"model {name!r} has no version {version} (versions: {have}).") from e
+
+
+def list_versions(name: str, settings: Settings | None = None) -> list[ModelVersionInfo]:
+    """Every usable version of `name`, oldest first."""
+    settings = settings or load_settings()
+    check_name(name)
+    c = rstore.client(settings)
+    try:
+        alias_map = _alias_map(c, name, settings)
+        return [_info(settings, v, alias_map) for v in rstore.versions(c, name) if _usable(settings, v)]
+    except VisionloopError:
+        raise
+    except Exception as e:
+        raise rstore.wrap(f"list versions of {name!r}", settings, e) from e
+
+
+def list_models(settings: Settings | None = None) -> list[ModelSummary]:
+    settings = settings or load_settings()
+    from visionloop.track import store as track_store
+
+    if not track_store.store_exists(settings):
+        return []
+    c = rstore.client(settings)
+    try:
+        models: list[Any] = []
+        token: str | None = None
+        while True:
+            page = c.search_registered_models(max_results=1000, page_token=token)
+            models.extend(page)
+            token = page.token
+            if not token:
+                break
+        out = []
+        for m in sorted(models, key=lambda m: str(m.name)):
+            ready = [v for v in rstore.versions(c, str(m.name)) if _usable(settings, v)]
+            out.append(
+                ModelSummary(
+                    name=str(m.name),
+                    versions=len(ready),
+                    latest=int(ready[-1].version) if ready else None,
+                    aliases={str(a): int(v) for a, v in (m.aliases or {}).items()},
+                    updated_at=_iso(m.last_updated_timestamp),
+                )
+            )
+        return out
+    except Exception as e:
+        raise rstore.wrap("list models", settings, e) from e
+
+
+def aliases(name: str, settings: Settings | None = None) -> dict[str, int]:
+    """alias → version for `name`: one small query, cheap enough to poll every second."""
+    settings = settings or load_settings()
+    c = rstore.client(settings)
+    try:
+        return _alias_map(c, check_name(name), settings)
+    except VisionloopError:
+        raise
+    except Exception as e:
+        raise rstore.wrap(f"read aliases of {name!r}", settings, e) from e
+
+
+def alias_history(name: str, settings: Settings | None = None) -> list[history.AliasEvent]:
+    settings = settings or load_settings()
+    return history.read_history(model_dir(settings.home, name) / ALIAS_HISTORY_FILE)
+
+
+# --------------------------------------------------------------------------- aliases
+
+
+def set_alias(
+    name: str, version: int, alias: str, *, actor: str | None = None, settings: Settings | None = None
+) -> ModelVersionInfo:
+    """Point `alias` at `version` of `name`, and record who did it and when."""
+    settings = settings or load_settings()
+    check_alias(alias)
+    target = get_version(ModelRef(check_name(name), version=version), settings)
+    root = model_dir(settings.home, name)
+    with files.model_lock(root):
+        c = rstore.client(settings)
+        try:
+            previous = _alias_map(c, name, settings).get(alias)
+            c.set_registered_model_alias(name, alias, str(version))
+        except VisionloopError:
+            raise
+        except Exception as e:
+            raise rstore.wrap(f"set alias {alias!r} of {name!r}", settings, e) from e
+        event = history.AliasEvent(
+            at=history.now_iso(),
+            actor=actor or history.default_actor(),
+            action="set",
+            alias=alias,
+            version=version,
+            previous=previous,
+        )
+        history.append_event(root / ALIAS_HISTORY_FILE, event)
+    return get_version(ModelRef(target.name, version=version), settings)
+
+
+def rollback(
+    name: str, *, alias: str = CHAMPION, actor: str | None = None, settings: Settings | None = None
+) -> ModelVersionInfo:
+    """Move `alias` (the champion) back to the version it pointed to before the current one."""
+    settings = settings or load_settings()
+    check_alias(alias)
+    root = model_dir(settings.home, check_name(name))
+    with files.model_lock(root):
+        c = rstore.client(settings)
+        try:
+            current = _alias_map(c, name, settings).get(alias)
+            usable = {int(v.version) for v in rstore.versions(c, name) if _usable(settings, v)}
+        except VisionloopError:
+            raise
+        except Exception as e:
+            raise rstore.wrap(f"read {name!r}", settings, e) from e
+        if current is None:
+            raise RegistryError(
+                f"model {name!r} has no {alias!r} alias, so there is nothing to roll back. Set one with "
+                f"`visionloop models alias {name} VERSION {alias}`."
+            )
+        stack = history.champion_stack(history.read_history(root / ALIAS_HISTORY_FILE), alias, current)
+        earlier = [v for v in stack[:-1] if v in usable and v != current]
+        if not earlier:
+            raise RegistryError(
+                f"{name}@{alias} is v{current} and has no previous {alias} to roll back to "
+                f"(`visionloop models show {name}` prints the alias history). To move it anyway, "
+                f"use `visionloop models alias {name} VERSION {alias}`."
+            )
+        target = earlier[-1]
+        try:
+            c.set_registered_model_alias(name, alias, str(target))
+        except Exception as e:
+            raise rstore.wrap(f"roll back {name}@{alias}", settings, e) from e
+        event = history.AliasEvent(
+            at=history.now_iso(),
+            actor=actor or history.default_actor(),
+            action="rollback",
+            alias=alias,
+            version=target,
+            previous=current,
+        )
+        history.append_event(root / ALIAS_HISTORY_FILE, event)
+    return get_version(ModelRef(name, version=target), settings)
+
+
+def record_export(info: ModelVersionInfo, key: str, fields: dict[str, str], settings: Settings) -> None:
+    """Tag the MLflow model version with an export's outcome (`visionloop.export.<key>.<field>`)."""
+    c = rstore.client(settings)
+    try:
+        for f, value in fields.items():
+            tag = f"{rstore.EXPORT_TAG_PREFIX}{key}.{f}"
+            c.set_model_version_tag(info.name, str(info.version), tag, value)
+    except Exception as e:
+        raise rstore.wrap(f"tag {info.ref} with its export", settings, e) from e
