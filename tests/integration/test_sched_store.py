@@ -679,3 +679,42 @@ def test_view_jobs_lists_queued_and_active_jobs_with_the_scheduler_columns(store
         16.0,
     )
     assert (r.attained_gpu_s, r.not_before, r.last_checkpoint_at) == (0.0, 0.0, None)
+
+
+def test_view_jobs_follows_every_change_made_through_the_store(store: Store) -> None:
+    """view_jobs is cached between full reads; each change through the store must still show
+    on the next call: submit, transition, attempt start and end, checkpoint."""
+    store.sync_gpus(GPUS, now=1.0)
+    a, b = submit(store, "a", now=10.0), submit(store, "b", now=11.0)
+    first = store.view_jobs()
+    assert [(r.id, r.state) for r in first] == [(a.id, "queued"), (b.id, "queued")]
+    assert store.view_jobs() == first  # nothing changed: the same rows
+
+    c = submit(store, "c", now=12.0)
+    store.start_attempt(a.id, "local", GPUS[:1], now=13.0)
+    store.record_checkpoint(a.id, 7, 14.0, attempt=1)
+    rows = {r.id: r for r in store.view_jobs()}
+    assert (rows[a.id].state, rows[a.id].last_checkpoint_at) == ("running", 14.0)
+    assert [r.id for r in store.view_jobs()] == [a.id, b.id, c.id]  # submission order kept
+
+    store.end_attempt(a.id, 1, "preempted", 75, 23.0, JobState.QUEUED, "preempted", not_before=30.0)
+    store.transition(b.id, JobState.CANCELLED, "cancelled", now=24.0)
+    rows = {r.id: r for r in store.view_jobs()}
+    assert set(rows) == {a.id, c.id}  # the cancelled job left the view
+    assert (rows[a.id].state, rows[a.id].attained_gpu_s, rows[a.id].not_before) == ("queued", 10.0, 30.0)
+    # The cache never drifts from what a full read gives.
+    assert store.view_jobs() == store._read_view()
+
+
+def test_view_jobs_sees_a_change_made_through_another_connection_at_the_next_full_read(
+    store: Store, db_url: str, tmp_path: Path
+) -> None:
+    a = submit(store, "a", now=10.0)
+    assert [r.id for r in store.view_jobs()] == [a.id]
+    with Store.open(db_url, runs_dir=tmp_path / "runs") as other:
+        b = submit(other, "b", now=11.0)  # another process's change: this store did not see it
+        other.transition(a.id, JobState.CANCELLED, "cancelled elsewhere", now=12.0)
+    # Until the next full read the cache answers (what makes a cycle cheap) ...
+    assert [(r.id, r.state) for r in store.view_jobs()] == [(a.id, "queued")]
+    store.VIEW_FULL_READ_S = 0.0  # ... and the periodic full read brings the other changes in.
+    assert [(r.id, r.state) for r in store.view_jobs()] == [(b.id, "queued")]

@@ -48,6 +48,7 @@ from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, Lau
 from visionloop.sched.placement import capacities
 from visionloop.sched.policy import PolicyConfig, schedule
 from visionloop.sched.prices import load_catalog
+from visionloop.sched.records import ViewJob
 from visionloop.sched.states import ACTIVE, JobState, TransitionError
 from visionloop.sched.store import Attempt, Job, Store
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
@@ -133,6 +134,8 @@ class ControlPlane:
         self._beats_written: dict[int, float] = {}  # job → the heartbeat last stored
         self._ckpt_steps: dict[int, set[int]] = {}  # job → checkpoint steps known stored
         self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
+        self._attempts_ended = 0
+        self._pending: dict[int, tuple[ViewJob, PendingJob]] = {}  # queued job → its view row, built
         self._sync_inventory()
         self._sync_teams()
 
@@ -321,8 +324,8 @@ class ControlPlane:
     def cycle(self) -> None:
         with self._lock:
             now = self.clock()
-            self._reconcile(now)
-            view = self._view(now)
+            attempts = self._reconcile(now)
+            view = self._view(now, attempts)
             decision = schedule(view, self.policy)
             for ev in decision.evictions:
                 job_id = int(ev.job_id)
@@ -333,7 +336,7 @@ class ControlPlane:
                 except TransitionError:
                     continue  # it finished meanwhile; the next cycle sees the freed GPUs
                 self._signal(job_id, terminate=True)
-            gpus = {g.id: g for g in self.store.list_gpus()}
+            gpus = {g.id: g for g in view.gpus}  # read this cycle, under the lock
             for p in decision.placements:
                 self._start(int(p.job_id), [gpus[i] for i in p.gpu_ids], now)
             self._store_waiting_reasons({int(k): v for k, v in decision.waiting.items()})
@@ -347,7 +350,9 @@ class ControlPlane:
             self.store.set_waiting_reasons(changed)
         self._reasons_sent = reasons
 
-    def _view(self, now: float) -> ClusterView:
+    def _view(self, now: float, attempts: list[Attempt] | None) -> ClusterView:
+        """The cluster as the policy sees it. `attempts`: the open attempts, if the caller
+        read them this cycle and none has ended since (else they are read again)."""
         teams = {
             t.name: Team(t.name, t.nominal_gpus, t.borrow_limit, t.weight) for t in self.store.list_teams()
         }
@@ -355,7 +360,7 @@ class ControlPlane:
         running: list[ActiveJob] = []
         rows = self.store.view_jobs()
         jobs = {j.id: j for j in rows if j.state != QUEUED}
-        for attempt in self.store.active_attempts():
+        for attempt in self.store.active_attempts() if attempts is None else attempts:
             job = jobs.get(attempt.job_id)
             if job is None:
                 continue
@@ -375,22 +380,33 @@ class ControlPlane:
                     submitted_at=job.submitted_at,
                 )
             )
-        queued = [
-            PendingJob(
-                str(j.id),
-                j.team,
-                j.priority_rank,
-                j.gpus,
-                j.submitted_at,
-                j.spot,
-                j.cpus,
-                j.memory_gb,
-                j.attained_gpu_s,
-                j.not_before or 0.0,
-            )
-            for j in rows
-            if j.state == QUEUED
-        ]
+        # A queued job's PendingJob is rebuilt only when its row changed: the store hands back
+        # the same row object until then (view_jobs' cache), so 10,000 queued jobs cost a
+        # dictionary lookup each rather than an object each.
+        previous, pending = self._pending, {}
+        queued: list[PendingJob] = []
+        for j in rows:
+            if j.state != QUEUED:
+                continue
+            known = previous.get(j.id)
+            if known is not None and known[0] is j:
+                p = known[1]
+            else:
+                p = PendingJob(
+                    str(j.id),
+                    j.team,
+                    j.priority_rank,
+                    j.gpus,
+                    j.submitted_at,
+                    j.spot,
+                    j.cpus,
+                    j.memory_gb,
+                    j.attained_gpu_s,
+                    j.not_before or 0.0,
+                )
+            pending[j.id] = (j, p)
+            queued.append(p)
+        self._pending = pending
         return ClusterView(now=now, gpus=gpus, teams=teams, running=running, queued=queued)
 
     # ------------------------------------------------------------------ launching
@@ -452,7 +468,15 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ reconcile
 
-    def _reconcile(self, now: float) -> None:
+    def _end_attempt(self, *args: Any, **kwargs: Any) -> Job:
+        """Store.end_attempt, counted: the cycle re-reads the open attempts only if one ended."""
+        self._attempts_ended += 1
+        return self.store.end_attempt(*args, **kwargs)
+
+    def _reconcile(self, now: float) -> list[Attempt] | None:
+        """Poll every open attempt and settle those that ended. Returns the open attempts if
+        none ended meanwhile (the view can use them as they are), else None."""
+        ended_before = self._attempts_ended
         attempts = self.store.active_attempts()
         # The attempts' jobs in one query (without their spec documents, which reconcile does
         # not read); a job in no active state (should not happen) is read on its own.
@@ -484,6 +508,7 @@ class ControlPlane:
         open_jobs = {a.job_id for a in attempts}
         self._beats_written = {k: v for k, v in (self._beats_written | changed).items() if k in open_jobs}
         self._ckpt_steps = {k: v for k, v in self._ckpt_steps.items() if k in open_jobs}
+        return attempts if self._attempts_ended == ended_before else None
 
     def _reconcile_attempt(
         self, job: Job, attempt: Attempt, handle: Handle, now: float, beats: dict[int, float]
@@ -548,12 +573,10 @@ class ControlPlane:
             outcome, nxt, why = "cancelled", JobState.CANCELLED, f"cancelled (exit {code})"
             if code == 0:
                 outcome, nxt, why = "succeeded", JobState.SUCCEEDED, "finished before the cancel took effect"
-            self.store.end_attempt(job.id, number, outcome, code, now, nxt, why)
+            self._end_attempt(job.id, number, outcome, code, now, nxt, why)
             return
         if code == 0:
-            self.store.end_attempt(
-                job.id, number, "succeeded", 0, now, JobState.SUCCEEDED, "finished (exit 0)"
-            )
+            self._end_attempt(job.id, number, "succeeded", 0, now, JobState.SUCCEEDED, "finished (exit 0)")
             return
         if job.state == JobState.PREEMPTING:
             # A preemption never counts as a failure, even if the victim had to be SIGKILLed:
@@ -564,7 +587,7 @@ class ControlPlane:
                 if code == EXIT_PREEMPTED
                 else f"exit {code} after the grace period"
             )
-            self.store.end_attempt(
+            self._end_attempt(
                 job.id,
                 number,
                 outcome,
@@ -576,7 +599,7 @@ class ControlPlane:
             )
             return
         if code == EXIT_PREEMPTED:
-            self.store.end_attempt(
+            self._end_attempt(
                 job.id,
                 number,
                 "preempted",
@@ -600,7 +623,7 @@ class ControlPlane:
     ) -> None:
         if job.restarts < job.max_restarts:
             delay = self.config.timings.retry_backoff_s * math.pow(2, job.restarts)
-            self.store.end_attempt(
+            self._end_attempt(
                 job.id,
                 number,
                 "failed",
@@ -616,15 +639,15 @@ class ControlPlane:
             tail = _tail(self.executor, handle, FAILURE_LOG_LINES)
             if tail:
                 reason += f". Last log lines:\n{tail}"
-            self.store.end_attempt(job.id, number, "failed", code, now, JobState.FAILED, reason)
+            self._end_attempt(job.id, number, "failed", code, now, JobState.FAILED, reason)
 
     def _finish_lost(self, job: Job, number: int, detail: str, now: float) -> None:
         if job.state == JobState.CANCELLING:
-            self.store.end_attempt(
+            self._end_attempt(
                 job.id, number, "cancelled", None, now, JobState.CANCELLED, f"cancelled ({detail})"
             )
             return
-        self.store.end_attempt(
+        self._end_attempt(
             job.id, number, "lost", None, now, JobState.QUEUED, f"process lost ({detail}); requeued to resume"
         )
 
