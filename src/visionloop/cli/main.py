@@ -13,6 +13,7 @@ import sys
 import typer
 
 from visionloop.cli import archs as archs_cli
+from visionloop.cli import bench as bench_cli
 from visionloop.cli import data as data_cli
 from visionloop.cli import demo as demo_cli
 from visionloop.cli import queue as queue_cli
@@ -43,6 +44,7 @@ for _name, _fn in (("up", queue_cli.up), ("down", queue_cli.down), ("submit", qu
 app.add_typer(queue_cli.jobs_app, name="jobs")
 app.add_typer(queue_cli.admin_app, name="admin")
 app.add_typer(queue_cli.cost_app, name="cost")
+app.command("bench", context_settings={"help_option_names": ["-h", "--help"]})(bench_cli.bench)
 
 
 @app.callback()

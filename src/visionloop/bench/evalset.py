@@ -1,0 +1,117 @@
+"""The images a benchmark measures accuracy on, and feeds as latency input.
+
+Accuracy comes from the model's own validation split, preprocessed with the model card's eval
+recipe (`card.eval_preprocess()`), exactly as serving will preprocess a request. The split is
+found through the train spec saved with the model (`data.dataset`); a dataset whose version
+differs from the card's `dataset_version` is refused, because accuracy on other images is not
+the model's accuracy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import yaml
+
+from visionloop.bench.result import BenchError
+
+if TYPE_CHECKING:
+    from visionloop.models.card import ModelCard
+
+# resolved first: its dataset path is absolute (train writes it into the run directory).
+_SPEC_FILES = ("spec.resolved.yaml", "spec.yaml")
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    images: np.ndarray  # float32 (N, C, H, W), preprocessed and normalised
+    labels: np.ndarray  # int64 (N,)
+    source: str  # e.g. "/data/digits-ds [val] 360 of 360 images"
+
+
+def dataset_from_spec(model_dir: Path) -> Path | None:
+    """The dataset folder named by the train spec saved beside the model, if any."""
+    for name in _SPEC_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            doc: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
+            raw = doc["data"]["dataset"]
+        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            continue
+        dataset = Path(str(raw)).expanduser()
+        if not dataset.is_absolute():
+            dataset = (model_dir / dataset).resolve()
+        return dataset
+    return None
+
+
+def spread_positions(total: int, limit: int | None) -> list[int]:
+    """`limit` positions spread evenly over `total` records (all of them if that is fewer):
+    a dataset written class by class still gets every class into the subset."""
+    if limit is None or total <= limit:
+        return list(range(total))
+    return sorted({int(i) for i in np.linspace(0, total - 1, num=limit)})
+
+
+def load_eval_set(card: ModelCard, dataset_dir: Path, *, max_images: int | None) -> EvalSet:
+    """The validation split (else the test split) of `dataset_dir`, preprocessed for `card`."""
+    import torch
+
+    from visionloop.data.manifest import read_manifest
+    from visionloop.tasks.classification.transforms import decode_rgb
+    from visionloop.train.setup import open_split
+
+    manifest = read_manifest(dataset_dir)
+    if card.dataset_version and manifest.version != card.dataset_version:
+        raise BenchError(
+            f"{dataset_dir} is dataset version {manifest.version[:12]}, but the model was trained on "
+            f"{card.dataset_version[:12]}; give the dataset it was trained on with --dataset DIR "
+            "(accuracy on other images is not this model's accuracy)."
+        )
+    if list(manifest.classes) != list(card.class_names):
+        raise BenchError(
+            f"{dataset_dir} has classes {manifest.classes[:5]}..., the model {card.class_names[:5]}...; "
+            "give the dataset the model was trained on with --dataset DIR."
+        )
+    for split in ("val", "test"):
+        reader = open_split(manifest, dataset_dir, split)
+        if reader is not None:
+            break
+    else:
+        raise BenchError(
+            f"{dataset_dir} has no val or test images to measure accuracy on; re-ingest it with "
+            "--val-fraction 0.1, or run with --no-accuracy."
+        )
+    transform = card.eval_preprocess().to_transform()
+    positions = spread_positions(len(reader), max_images)
+    images, labels = [], []
+    for record in reader.read_many(positions):
+        images.append(transform(decode_rgb(record["image"])))
+        labels.append(record["label"])
+    batch = torch.stack(images).numpy().astype(np.float32, copy=False)
+    return EvalSet(
+        images=np.ascontiguousarray(batch),
+        labels=np.asarray(labels, dtype=np.int64),
+        source=f"{dataset_dir} [{split}] {len(positions)} of {len(reader)} images",
+    )
+
+
+def synthetic_inputs(card: ModelCard, count: int = 32, seed: int = 0) -> np.ndarray:
+    """Normal noise of the model's input size: latency input when no dataset is at hand
+    (a CNN's cost does not depend on pixel values)."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((count, *card.input_size), dtype=np.float32)
+
+
+def top1_accuracy(predict: Any, evalset: EvalSet, batch_size: int = 64) -> float:
+    """Top-1 accuracy of `predict` (float32 batch → logits) over the evaluation images."""
+    correct = 0
+    for start in range(0, len(evalset.labels), batch_size):
+        logits = predict(evalset.images[start : start + batch_size])
+        correct += int((np.argmax(logits, axis=1) == evalset.labels[start : start + batch_size]).sum())
+    return correct / len(evalset.labels)

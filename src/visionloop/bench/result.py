@@ -1,0 +1,203 @@
+"""What a benchmark sweep measured, as data: the JSON file is `BenchResult.model_dump_json()`.
+
+One `ConfigResult` per (format, precision, device); a configuration that could not run is
+still there, with status "skipped" or "failed" and the reason, so the table and the file show
+what was *not* measured and why instead of silently leaving it out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from visionloop.bench.stats import LatencyStats
+from visionloop.core.errors import VisionloopError
+
+RESULT_FORMAT_VERSION = 1
+
+Format = Literal["pytorch", "onnx"]
+Precision = Literal["fp32", "fp16", "int8"]
+Device = Literal["cpu", "cuda"]
+Status = Literal["ok", "skipped", "failed"]
+
+FORMATS: tuple[str, ...] = get_args(Format)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+DEVICES: tuple[str, ...] = get_args(Device)
+
+
+class BenchError(VisionloopError):
+    """A benchmark cannot start: bad options, or nothing to measure."""
+
+    exit_code = 2
+
+
+class SweepSettings(BaseModel):
+    """What to sweep and how long to time each point. Build it with `sweep_settings()`,
+    which checks every option with a message a user can act on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    formats: tuple[Format, ...] = ("pytorch", "onnx")
+    precisions: tuple[Precision, ...] = ("fp32", "fp16", "int8")
+    devices: tuple[Device, ...] = ("cpu",)
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    # Exactly this many timed calls per batch size when set; otherwise as many as fit in
+    # duration_s (at least min_iterations): a fixed count keeps tests tiny, a duration keeps
+    # a big model at batch 32 from taking minutes.
+    iterations: int | None = None
+    duration_s: float = 2.0
+    min_iterations: int = 10
+    warmup: int = 3
+    max_eval_images: int | None = 2000
+    accuracy: bool = True
+    threads: int | None = None
+
+
+def _split(values: Sequence[str] | str) -> list[str]:
+    if isinstance(values, str):
+        values = [values]
+    return [v.strip().lower() for item in values for v in str(item).split(",") if v.strip()]
+
+
+def _choices(option: str, values: Sequence[str] | str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    picked = _split(values)
+    if not picked:
+        raise BenchError(f"{option} needs at least one value, e.g. {option} {','.join(allowed)}.")
+    bad = [v for v in picked if v not in allowed]
+    if bad:
+        raise BenchError(
+            f"{option}: unknown value(s) {', '.join(map(repr, bad))}; choose from {', '.join(allowed)} "
+            f"(e.g. {option} {','.join(allowed[:2])})."
+        )
+    return tuple(dict.fromkeys(picked))  # keep the user's order, drop repeats
+
+
+def sweep_settings(
+    *,
+    formats: Sequence[str] | str = FORMATS,
+    precisions: Sequence[str] | str = PRECISIONS,
+    devices: Sequence[str] | str = ("cpu",),
+    batch_sizes: Sequence[int | str] | str = (1, 8, 32),
+    iterations: int | None = None,
+    duration_s: float = 2.0,
+    warmup: int = 3,
+    max_eval_images: int | None = 2000,
+    accuracy: bool = True,
+    threads: int | None = None,
+) -> SweepSettings:
+    """Checked sweep settings; lists may also be given as "a,b,c" strings (the CLI's form)."""
+    sizes: list[int] = []
+    for raw in _split(batch_sizes if isinstance(batch_sizes, str) else [str(b) for b in batch_sizes]):
+        try:
+            size = int(raw)
+        except ValueError:
+            raise BenchError(
+                f"--batch-sizes: {raw!r} is not a whole number; e.g. --batch-sizes 1,8,32."
+            ) from None
+        if size < 1:
+            raise BenchError(
+                f"--batch-sizes: {size} is not a batch size; use whole numbers >= 1, e.g. 1,8,32."
+            )
+        sizes.append(size)
+    if not sizes:
+        raise BenchError("--batch-sizes needs at least one value, e.g. --batch-sizes 1,8,32.")
+    if iterations is not None and iterations < 1:
+        raise BenchError(f"--iterations must be >= 1 (got {iterations}); e.g. --iterations 20.")
+    if not duration_s > 0:
+        raise BenchError(f"--duration must be > 0 seconds (got {duration_s}); e.g. --duration 2.")
+    if warmup < 0:
+        raise BenchError(f"--warmup must be >= 0 calls (got {warmup}); e.g. --warmup 3.")
+    if max_eval_images is not None and max_eval_images < 1:
+        raise BenchError(f"--eval-images must be >= 1 (got {max_eval_images}); e.g. --eval-images 2000.")
+    if threads is not None and threads < 1:
+        raise BenchError(f"--threads must be >= 1 (got {threads}); e.g. --threads 2.")
+    return SweepSettings(
+        formats=_choices("--formats", formats, FORMATS),
+        precisions=_choices("--precisions", precisions, PRECISIONS),
+        devices=_choices("--device", devices, DEVICES),
+        batch_sizes=tuple(sorted(set(sizes))),
+        iterations=iterations,
+        duration_s=duration_s,
+        warmup=warmup,
+        max_eval_images=max_eval_images,
+        accuracy=accuracy,
+        threads=threads,
+    )
+
+
+class BatchPoint(LatencyStats):
+    """Latency and throughput at one batch size, and the memory it took."""
+
+    peak_memory_bytes: int | None = Field(
+        None,
+        description="CPU: resident-set high-water mark above the RSS before the model loaded; "
+        "CUDA: device memory high-water mark",
+    )
+
+
+class ConfigResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Format
+    precision: Precision
+    device: Device
+    status: Status
+    reason: str | None = None
+    model_path: str | None = None
+    size_bytes: int | None = None
+    accuracy: float | None = Field(None, description="top-1 on the evaluation images, 0..1")
+    eval_images: int | None = None
+    provider: str | None = Field(None, description="what ran it: torch, or the ONNX Runtime provider")
+    memory_kind: Literal["rss", "cuda"] | None = None
+    points: list[BatchPoint] = Field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.format} {self.precision} {self.device}"
+
+    @property
+    def status_text(self) -> str:
+        return self.status if self.status == "ok" or not self.reason else f"{self.status}: {self.reason}"
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        peaks = [p.peak_memory_bytes for p in self.points if p.peak_memory_bytes is not None]
+        return max(peaks) if peaks else None
+
+
+class BenchResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = RESULT_FORMAT_VERSION
+    model: str = Field(description="what was benchmarked: NAME/VERSION, or a path")
+    name: str | None = None
+    version: int | None = None
+    arch: str
+    input_size: tuple[int, int, int]
+    created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    machine: dict[str, str | int | float | None] = Field(default_factory=dict)
+    settings: SweepSettings
+    eval_source: str | None = Field(None, description="dataset split the accuracy was measured on")
+    eval_images: int = 0
+    configs: list[ConfigResult] = Field(default_factory=list)
+
+    def ok_configs(self) -> Iterator[ConfigResult]:
+        return (c for c in self.configs if c.status == "ok")
+
+    def save(self, path: Path) -> Path:
+        from visionloop.core.fsutil import atomic_write_text
+
+        atomic_write_text(path, self.model_dump_json(indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> BenchResult:
+        try:
+            return cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError, ValidationError) as e:
+            raise BenchError(f"{path} is not a benchmark result ({e}); rerun `visionloop bench`.") from e

@@ -1,0 +1,162 @@
+"""The things a sweep times: eager PyTorch and ONNX Runtime sessions, on CPU or CUDA.
+
+A runner takes a float32 batch as numpy (N, C, H, W) and does two jobs:
+- `prepare(batch)` puts the batch where the model reads it (device memory on CUDA) and returns
+  a zero-argument call that runs the model once and *returns only when the result is done*.
+  That call is what gets timed: CUDA kernels are asynchronous, so eager CUDA ends with
+  `torch.cuda.synchronize()`; ONNX Runtime with io binding ends with `synchronize_outputs()`;
+  ONNX Runtime's plain `run` and CPU PyTorch are synchronous on return.
+- `predict(batch)` returns float32 logits on the host, for accuracy.
+
+Latency is therefore the compute of one batch already in device memory, as timm's benchmark
+measures it; copying a request to the device is the server's cost, not the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from visionloop.bench.memory import DeviceFreeMeter, PeakMeter, RssMeter, TorchCudaMeter
+
+if TYPE_CHECKING:
+    from visionloop.models.card import ModelCard
+
+
+class SkippedError(Exception):
+    """This configuration cannot run here (no GPU, no CUDA provider, unsupported precision):
+    a "skipped" row with this message, not a failure."""
+
+
+class Runner(Protocol):
+    provider: str
+    meter: PeakMeter
+
+    def prepare(self, batch: np.ndarray) -> Callable[[], object]: ...
+
+    def predict(self, batch: np.ndarray) -> np.ndarray: ...
+
+
+def cuda_available() -> tuple[bool, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    return True, ""
+
+
+def _meter(device: str, *, torch_allocator: bool) -> PeakMeter:
+    if device == "cpu":
+        return RssMeter()
+    return TorchCudaMeter() if torch_allocator else DeviceFreeMeter()
+
+
+class TorchRunner:
+    """Eager PyTorch from the card and final weights, in eval mode under inference_mode."""
+
+    def __init__(self, card: ModelCard, weights: Path, *, precision: str, device: str) -> None:
+        import torch
+
+        if precision == "int8":
+            raise SkippedError("int8 is an ONNX Runtime quantized export; eager pytorch runs fp32 or fp16")
+        if device == "cpu" and precision == "fp16":
+            raise SkippedError("eager fp16 on CPU is emulated and slower than fp32; use onnx fp16 or cuda")
+        self.meter = _meter(device, torch_allocator=True)
+        self.device = torch.device(device)
+        self.dtype = torch.float16 if precision == "fp16" else torch.float32
+        model = card.create_model(weights).eval().to(self.device, self.dtype)
+        self.model = model
+        self.provider = "torch-cuda" if device == "cuda" else "torch-cpu"
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)  # kernels are async: wait before reading the clock
+
+    def prepare(self, batch: np.ndarray) -> Callable[[], object]:
+        import torch
+
+        x = torch.from_numpy(batch).to(self.device, self.dtype)
+        self._sync()
+
+        def call() -> object:
+            with torch.inference_mode():
+                out = self.model(x)
+            self._sync()
+            return out
+
+        return call
+
+    def predict(self, batch: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(torch.from_numpy(batch).to(self.device, self.dtype))
+        return out.float().cpu().numpy()  # type: ignore[no-any-return]
+
+
+_ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class OrtRunner:
+    """An ONNX Runtime session on one provider; fails rather than silently falling back to CPU."""
+
+    def __init__(self, path: Path, *, device: str, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        wanted = _ORT_PROVIDER[device]
+        if wanted not in ort.get_available_providers():
+            raise SkippedError(
+                f"this ONNX Runtime has no {wanted} (has {', '.join(ort.get_available_providers())}); "
+                "install onnxruntime-gpu for cuda"
+            )
+        self.meter = _meter(device, torch_allocator=False)
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3  # ORT warns about unused initialisers etc. on every load
+        if threads is not None:
+            opts.intra_op_num_threads = threads
+        providers = [wanted] if device == "cpu" else [wanted, "CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        got = self.session.get_providers()
+        if not got or got[0] != wanted:
+            raise RuntimeError(
+                f"ONNX Runtime did not enable {wanted} (got {got}); check the CUDA/cuDNN install"
+            )
+        self.provider = wanted
+        self.device = device
+        inp = self.session.get_inputs()[0]
+        self.input_name: str = inp.name
+        self.output_name: str = self.session.get_outputs()[0].name
+        # An fp16 export may keep fp16 inputs (onnxconverter-common without keep_io_types).
+        self.input_dtype: Any = np.float16 if inp.type == "tensor(float16)" else np.float32
+
+    def prepare(self, batch: np.ndarray) -> Callable[[], object]:
+        x = np.ascontiguousarray(batch, dtype=self.input_dtype)
+        if self.device == "cpu":
+            feed = {self.input_name: x}
+            return lambda: self.session.run([self.output_name], feed)
+        import onnxruntime as ort
+
+        # io binding: the input lives in device memory and the output stays there, so a call
+        # times the model, not two PCIe copies; synchronize_outputs waits for the stream.
+        value = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+        binding = self.session.io_binding()
+        binding.bind_ortvalue_input(self.input_name, value)
+        binding.bind_output(self.output_name, "cuda", 0)
+
+        def call() -> object:
+            self.session.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+            return value  # keeps the device input alive as long as the call
+
+        return call
+
+    def predict(self, batch: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(batch, dtype=self.input_dtype)
+        out = self.session.run([self.output_name], {self.input_name: x})[0]
+        return np.asarray(out, dtype=np.float32)
