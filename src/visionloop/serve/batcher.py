@@ -1,0 +1,219 @@
+"""Dynamic batching: one asyncio task per model version gathers queued requests into batches
+of at most `max_batch_size` rows, waiting at most `max_delay_s` for a batch to fill, and runs
+each batch in the version's own inference thread.
+
+While a batch computes, the next one gathers; under load the queue is never empty, so
+batches fill at once and the delay costs nothing. The queue is bounded: a full queue refuses
+a request at once (`QueueFullError`, answered 503 + Retry-After) instead of letting latency
+grow without limit. A request whose caller gave up (timeout) is skipped, not computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from visionloop.serve.runtime import OnnxModel
+
+log = logging.getLogger(__name__)
+
+Arrays = dict[str, npt.NDArray[Any]]
+_STOP: Any = object()
+
+
+class QueueFullError(Exception):
+    """The version's queue is at capacity."""
+
+
+class BatcherClosedError(Exception):
+    """The version was unloaded before the request ran."""
+
+
+class InferenceError(Exception):
+    """ONNX Runtime failed on a batch (a server-side problem: inputs are checked before)."""
+
+
+@dataclass(frozen=True)
+class Result:
+    outputs: Arrays
+    queue_s: float
+    compute_s: float
+    batch_rows: int
+
+
+@dataclass(eq=False)
+class Job:
+    feeds: Arrays
+    rows: int
+    key: tuple[tuple[int, ...], ...]  # non-batch shapes: only equal shapes share a batch
+    future: asyncio.Future[Result]
+    enqueued: float = field(default_factory=time.perf_counter)
+    queue_s: float = 0.0
+
+
+# Called in the event loop after each batch: (jobs, outputs of the whole batch, rows, seconds).
+BatchObserver = Callable[[list[Job], Arrays, int, float], None]
+
+
+class Batcher:
+    def __init__(
+        self,
+        model: OnnxModel,
+        *,
+        max_batch_size: int,
+        max_delay_s: float,
+        capacity: int,
+        observer: BatchObserver | None = None,
+        name: str = "batcher",
+    ) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_delay_s = max_delay_s
+        self.observer = observer
+        self._queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=capacity)
+        # One thread per version: batches of one version run one after another, and ORT's own
+        # intra-op threads parallelise inside a batch.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._task: asyncio.Task[None] | None = None
+        self._running: list[Job] = []
+        self.closed = False
+        self.in_flight = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, feeds: Arrays, rows: int) -> asyncio.Future[Result]:
+        """Queue one request (all inputs batch-first, `rows` rows); never waits."""
+        if self.closed:
+            raise BatcherClosedError("this version is being unloaded")
+        key = tuple(a.shape[1:] for a in feeds.values())
+        job = Job(feeds, rows, key, asyncio.get_running_loop().create_future())
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            raise QueueFullError from None
+        self.in_flight += 1
+        job.future.add_done_callback(self._done)
+        return job.future
+
+    def _done(self, _: asyncio.Future[Result]) -> None:
+        self.in_flight -= 1
+
+    async def close(self, timeout: float) -> None:
+        """Stop taking requests, finish those queued (up to `timeout` s), release the session."""
+        self.closed = True
+        if self._task is not None:
+            # Not put_nowait: a full queue must drain to make room, it must not lose the stop.
+            await self._queue.put(_STOP)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            except TimeoutError:
+                log.warning(
+                    "%d requests still queued after %.0f s of draining; failing them", self.depth, timeout
+                )
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        self._pool.shutdown(wait=False)
+
+    async def _gather(self, first: Job) -> tuple[list[Job], Job | None, bool]:
+        """A batch starting with `first`: (jobs, a job left for the next batch, stop seen)."""
+        loop = asyncio.get_running_loop()
+        batch, rows = [first], first.rows
+        deadline = loop.time() + self.max_delay_s
+        while rows < self.max_batch_size:
+            try:
+                nxt = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    nxt = await asyncio.wait_for(self._queue.get(), remaining)
+                except TimeoutError:
+                    break
+            if nxt is _STOP:
+                return batch, None, True
+            if nxt.future.done():  # its caller timed out meanwhile
+                continue
+            if nxt.key != first.key or rows + nxt.rows > self.max_batch_size:
+                return batch, nxt, False
+            batch.append(nxt)
+            rows += nxt.rows
+        return batch, None, False
+
+    async def _run(self) -> None:
+        carry: Job | None = None
+        try:
+            while True:
+                job = carry if carry is not None else await self._queue.get()
+                carry = None
+                if job is _STOP:
+                    return
+                if job.future.done():
+                    continue
+                batch, carry, stop = await self._gather(job)
+                await self._execute(batch)
+                if stop:
+                    if carry is not None:
+                        await self._execute([carry])
+                    return
+        finally:
+            # Cancelled while draining: nothing may wait forever on a future nobody resolves.
+            pending = [*self._running, *([carry] if carry is not None else [])]
+            while not self._queue.empty():
+                j = self._queue.get_nowait()
+                if j is not _STOP:
+                    pending.append(j)
+            for j in pending:
+                if not j.future.done():
+                    j.future.set_exception(BatcherClosedError("the version was unloaded"))
+
+    async def _execute(self, batch: list[Job]) -> None:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        rows = 0
+        for j in batch:
+            j.queue_s = start - j.enqueued
+            rows += j.rows
+        first = batch[0].feeds
+        if len(batch) == 1:
+            feeds = first
+        else:
+            feeds = {name: np.concatenate([j.feeds[name] for j in batch]) for name in first}
+        self._running = batch
+        try:
+            outputs = await loop.run_in_executor(self._pool, self.model.run, feeds)
+        except Exception as e:  # ORT's exception types are not public; report, never crash the loop
+            log.exception("inference failed on a batch of %d rows", rows)
+            for j in batch:
+                if not j.future.done():
+                    j.future.set_exception(InferenceError(str(e)))
+            return
+        finally:
+            self._running = []
+        compute_s = time.perf_counter() - start
+        offset = 0
+        for j in batch:
+            if not j.future.done():
+                sliced = {k: v[offset : offset + j.rows] for k, v in outputs.items()}
+                j.future.set_result(Result(sliced, j.queue_s, compute_s, rows))
+            offset += j.rows
+        if self.observer is not None:
+            try:
+                self.observer(batch, outputs, rows, compute_s)
+            except Exception:  # metrics or logging must never break answering
+                log.exception("batch observer failed")

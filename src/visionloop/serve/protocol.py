@@ -1,0 +1,296 @@
+"""The Open Inference Protocol (KServe v2) inference request and response, with Triton's
+binary tensor data extension, as `tritonclient.http` speaks it.
+
+A request body is JSON, or — when the `Inference-Header-Content-Length: N` header is present —
+N bytes of JSON followed by the raw bytes of every input whose `parameters.binary_data_size`
+is set, in input order. Outputs come back as JSON `data` or, when asked (`binary_data` on an
+output or `binary_data_output` on the request), as raw bytes after the JSON header. The
+classification extension (`parameters.classification: K` on an output) returns the top K as
+"score:index:label" strings.
+
+Every check here turns a client's mistake into a `ProtocolError` (4xx) naming the problem; a
+request that passes has tensors of exactly the model's shape and datatype.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from visionloop.serve.runtime import DATATYPES, TensorSpec
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+class ProtocolError(Exception):
+    """A client error: answered with `status` and the body {"error": message}."""
+
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary: bool
+    classification: int  # 0 = the tensor itself
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    id: str | None
+    feeds: dict[str, npt.NDArray[Any]]
+    rows: int
+    outputs: list[RequestedOutput]
+
+
+def _obj(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _params(d: dict[str, Any], what: str) -> dict[str, Any]:
+    p = d.get("parameters")
+    return {} if p is None else _obj(p, f"{what}.parameters")
+
+
+def parse_header_length(value: str | None, body_len: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ProtocolError(
+            f"Inference-Header-Content-Length must be a whole number, got {value!r}"
+        ) from None
+    if not 0 < n <= body_len:
+        raise ProtocolError(
+            f"Inference-Header-Content-Length is {n}, but the body has {body_len} bytes; it must give the "
+            "length of the JSON header at the start of the body"
+        )
+    return n
+
+
+def parse_infer_request(
+    body: bytes,
+    header_length: int | None,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    max_rows: int,
+) -> InferRequest:
+    header = body if header_length is None else body[:header_length]
+    try:
+        doc = orjson.loads(header)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"the request body is not valid JSON: {e}") from None
+    doc = _obj(doc, "the inference request")
+    rid = doc.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise ProtocolError(f"id must be a string, got {rid!r}")
+    req_params = _params(doc, "the request")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ProtocolError(
+            'the request needs "inputs": a list of tensors, e.g. {"inputs": [{"name": "'
+            f'{inputs[0].name}", "shape": {_example_shape(inputs[0])}, "datatype": "{inputs[0].datatype}", '
+            '"data": [...]}]}'
+        )
+    by_name = {t.name: t for t in inputs}
+    feeds: dict[str, npt.NDArray[Any]] = {}
+    rows: int | None = None
+    offset = header_length or 0
+    for i, raw in enumerate(raw_inputs):
+        t = _obj(raw, f"inputs[{i}]")
+        name = t.get("name")
+        spec = by_name.get(name) if isinstance(name, str) else None
+        if spec is None or not isinstance(name, str):
+            raise ProtocolError(
+                f"inputs[{i}]: the model has no input {name!r}; its inputs are {sorted(by_name)}"
+            )
+        if name in feeds:
+            raise ProtocolError(f"input {name!r} is given twice")
+        shape = _check_shape(t.get("shape"), spec, max_rows)
+        datatype = t.get("datatype")
+        if datatype != spec.datatype:
+            raise ProtocolError(f"input {name!r} must have datatype {spec.datatype}, got {datatype!r}")
+        count = math.prod(shape)
+        size = _params(t, f"input {name!r}").get("binary_data_size")
+        if size is not None:
+            if header_length is None:
+                raise ProtocolError(
+                    f"input {name!r} has binary_data_size but the request has no "
+                    "Inference-Header-Content-Length header"
+                )
+            if not isinstance(size, int) or isinstance(size, bool) or size != count * spec.dtype.itemsize:
+                raise ProtocolError(
+                    f"input {name!r}: binary_data_size {size!r} does not match shape {shape} of "
+                    f"{spec.datatype} ({count * spec.dtype.itemsize} bytes)"
+                )
+            if offset + size > len(body):
+                raise ProtocolError(
+                    f"input {name!r}: the body ends {offset + size - len(body)} bytes before its "
+                    "binary data does"
+                )
+            arr = np.frombuffer(body, dtype=spec.dtype, count=count, offset=offset).reshape(shape)
+            offset += size
+        else:
+            arr = _from_json(t.get("data"), spec, shape)
+        feeds[name] = arr
+        if rows is not None and shape[0] != rows:
+            raise ProtocolError(
+                f"all inputs must have the same batch size; {name!r} has {shape[0]}, not {rows}"
+            )
+        rows = shape[0]
+    if offset != len(body) and header_length is not None:
+        raise ProtocolError(
+            f"the body has {len(body) - offset} bytes after the last binary input; the JSON header's "
+            "binary_data_size values must add up to the bytes after it"
+        )
+    missing = sorted(set(by_name) - set(feeds))
+    if missing:
+        raise ProtocolError(f"inputs {missing} are missing; the model needs {sorted(by_name)}")
+    assert rows is not None
+    return InferRequest(rid, feeds, rows, _requested_outputs(doc, req_params, outputs))
+
+
+def _example_shape(spec: TensorSpec) -> list[int]:
+    return [1, *(d if d > 0 else 1 for d in spec.shape[1:])]
+
+
+def _check_shape(shape: Any, spec: TensorSpec, max_rows: int) -> tuple[int, ...]:
+    if (
+        not isinstance(shape, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+        or len(shape) != len(spec.shape)
+    ):
+        raise ProtocolError(
+            f"input {spec.name!r}: shape must be a list of {len(spec.shape)} whole numbers like "
+            f"{_example_shape(spec)} (batch first), got {shape!r}"
+        )
+    if not 1 <= shape[0] <= max_rows:
+        raise ProtocolError(
+            f"input {spec.name!r}: the batch dimension must be 1 to {max_rows}, got {shape[0]}"
+        )
+    for got, want in zip(shape[1:], spec.shape[1:], strict=True):
+        if (want >= 0 and got != want) or got < 1 or got > 65536:
+            raise ProtocolError(
+                f"input {spec.name!r}: shape {shape} does not fit the model's {list(spec.shape)} "
+                "(-1 is the batch dimension)"
+            )
+    return tuple(shape)
+
+
+def _from_json(data: Any, spec: TensorSpec, shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    if not isinstance(data, list):
+        raise ProtocolError(f'input {spec.name!r} needs "data" (a list of numbers) or binary data')
+    try:
+        arr = np.asarray(data, dtype=spec.dtype)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ProtocolError(
+            f"input {spec.name!r}: data is not a list of {spec.datatype} numbers ({e})"
+        ) from None
+    if arr.size != math.prod(shape):
+        raise ProtocolError(
+            f"input {spec.name!r}: data has {arr.size} values, shape {list(shape)} needs {math.prod(shape)}"
+        )
+    return arr.reshape(shape)
+
+
+def _requested_outputs(
+    doc: dict[str, Any], req_params: dict[str, Any], outputs: list[TensorSpec]
+) -> list[RequestedOutput]:
+    binary_default = req_params.get("binary_data_output") is True
+    raw = doc.get("outputs")
+    if raw is None:
+        return [RequestedOutput(t.name, binary_default, 0) for t in outputs]
+    if not isinstance(raw, list):
+        raise ProtocolError('"outputs" must be a list of {"name": ...} objects')
+    known = {t.name for t in outputs}
+    result = []
+    for i, r in enumerate(raw):
+        o = _obj(r, f"outputs[{i}]")
+        name = o.get("name")
+        if name not in known:
+            raise ProtocolError(
+                f"outputs[{i}]: the model has no output {name!r}; its outputs are {sorted(known)}"
+            )
+        p = _params(o, f"output {name!r}")
+        binary = p.get("binary_data", binary_default)
+        k = p.get("classification", 0)
+        if not isinstance(binary, bool):
+            raise ProtocolError(f"output {name!r}: binary_data must be true or false")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ProtocolError(f"output {name!r}: classification must be a whole number >= 0, got {k!r}")
+        result.append(RequestedOutput(name, binary, k))
+    return result
+
+
+def _classification(scores: npt.NDArray[Any], k: int, labels: list[str] | None) -> npt.NDArray[np.object_]:
+    """Triton's classification extension: per row, the top k as b"score:index[:label]"."""
+    flat = scores.reshape(scores.shape[0], -1).astype(np.float32)
+    k = min(k, flat.shape[1])
+    top = np.argsort(-flat, axis=1, kind="stable")[:, :k]
+    out = np.empty((flat.shape[0], k), dtype=object)
+    for r in range(flat.shape[0]):
+        for c, idx in enumerate(top[r]):
+            label = f":{labels[idx]}" if labels and idx < len(labels) else ""
+            out[r, c] = f"{flat[r, idx]:f}:{idx}{label}".encode()
+    return out
+
+
+def _bytes_tensor(arr: npt.NDArray[np.object_]) -> bytes:
+    return b"".join(struct.pack("<I", len(b)) + b for b in arr.ravel())
+
+
+_DATATYPE_OF = {v: k for k, v in DATATYPES.items()}
+
+
+def encode_infer_response(
+    model_name: str,
+    model_version: int,
+    request_id: str | None,
+    results: dict[str, npt.NDArray[Any]],
+    requested: list[RequestedOutput],
+    labels: list[str] | None = None,
+) -> tuple[bytes, int | None]:
+    """The response body and, when binary outputs follow the JSON, the JSON header length."""
+    outs: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for r in requested:
+        arr = results[r.name]
+        if r.classification:
+            cls = _classification(arr, r.classification, labels)
+            shape, datatype = list(cls.shape), "BYTES"
+            if r.binary:
+                blob = _bytes_tensor(cls)
+            else:
+                data: Any = [b.decode() for b in cls.ravel()]
+        else:
+            shape, datatype = list(arr.shape), _DATATYPE_OF[arr.dtype]
+            if r.binary:
+                blob = np.ascontiguousarray(arr).tobytes()
+            else:
+                data = arr.ravel()
+        o: dict[str, Any] = {"name": r.name, "datatype": datatype, "shape": shape}
+        if r.binary:
+            o["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            o["data"] = data
+        outs.append(o)
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": str(model_version), "outputs": outs}
+    if request_id is not None:
+        doc["id"] = request_id
+    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return header, None
+    return b"".join([header, *blobs]), len(header)

@@ -1,0 +1,138 @@
+"""Where the server's models come from: a `ModelSource` resolves references to ONNX files
+plus model cards, and reports a model's aliases (polled to follow promotions).
+
+`RegistrySource` is the real one (visionloop.registry: versions, aliases, exports).
+`StaticSource` holds versions given directly (an exported ONNX file and its card); it serves a
+model that was never registered, and lets tests move aliases without a registry.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from visionloop.core.errors import NotFoundError, VisionloopError
+from visionloop.core.settings import Settings
+from visionloop.models.card import ModelCard
+from visionloop.registry.layout import ModelRef
+
+
+class ExportMissingError(VisionloopError):
+    """The export a server needs has not been made (or failed its gate)."""
+
+
+@dataclass(frozen=True)
+class ResolvedVersion:
+    """One version of one model, ready to load: its ONNX file and its card."""
+
+    name: str
+    version: int
+    path: Path
+    card: ModelCard
+
+
+class ModelSource(Protocol):
+    def resolve(self, ref: ModelRef) -> ResolvedVersion:
+        """NAME → the champion (else the newest), NAME@ALIAS, NAME/VERSION."""
+        ...
+
+    def version(self, name: str, version: int) -> ResolvedVersion: ...
+
+    def aliases(self, name: str) -> dict[str, int]:
+        """alias → version; called about once a second per served model."""
+        ...
+
+
+class StaticSource:
+    """Versions registered in memory: `add(name, version, onnx_path, card)`; aliases set with
+    `set_alias` take effect at the server's next poll, as a registry promotion would."""
+
+    def __init__(self, champion_alias: str = "champion") -> None:
+        self._versions: dict[str, dict[int, ResolvedVersion]] = {}
+        self._aliases: dict[str, dict[str, int]] = {}
+        self._champion = champion_alias
+        self._lock = threading.Lock()
+
+    def add(self, name: str, version: int, path: Path, card: ModelCard) -> ResolvedVersion:
+        rv = ResolvedVersion(name, version, Path(path), card)
+        with self._lock:
+            self._versions.setdefault(name, {})[version] = rv
+            self._aliases.setdefault(name, {})
+        return rv
+
+    def set_alias(self, name: str, alias: str, version: int) -> None:
+        with self._lock:
+            if version not in self._versions.get(name, {}):
+                raise NotFoundError(f"{name} has no version {version}")
+            self._aliases[name][alias] = version
+
+    def delete_alias(self, name: str, alias: str) -> None:
+        with self._lock:
+            self._aliases.get(name, {}).pop(alias, None)
+
+    def aliases(self, name: str) -> dict[str, int]:
+        with self._lock:
+            return dict(self._aliases.get(name, {}))
+
+    def version(self, name: str, version: int) -> ResolvedVersion:
+        with self._lock:
+            versions = self._versions.get(name)
+            if not versions:
+                raise NotFoundError(f"no model named {name!r}; known: {sorted(self._versions)}")
+            if version not in versions:
+                raise NotFoundError(f"{name} has no version {version}; it has {sorted(versions)}")
+            return versions[version]
+
+    def resolve(self, ref: ModelRef) -> ResolvedVersion:
+        if ref.version is not None:
+            return self.version(ref.name, ref.version)
+        aliases = self.aliases(ref.name)
+        if ref.alias is not None:
+            if ref.alias not in aliases:
+                raise NotFoundError(f"{ref.name} has no alias {ref.alias!r}; it has {sorted(aliases)}")
+            return self.version(ref.name, aliases[ref.alias])
+        if self._champion in aliases:
+            return self.version(ref.name, aliases[self._champion])
+        with self._lock:
+            versions = self._versions.get(ref.name)
+        if not versions:
+            raise NotFoundError(f"no model named {ref.name!r}; known: {sorted(self._versions)}")
+        return self.version(ref.name, max(versions))
+
+
+class RegistrySource:
+    """Models from the visionloop registry, serving the export of one format and precision."""
+
+    def __init__(
+        self, settings: Settings | None = None, *, fmt: str = "onnx", precision: str = "fp32"
+    ) -> None:
+        self.settings = settings
+        self.fmt = fmt
+        self.precision = precision
+
+    def _resolved(self, info: object) -> ResolvedVersion:
+        from visionloop.registry import ModelVersionInfo
+
+        assert isinstance(info, ModelVersionInfo)
+        path = info.export_path(self.fmt, self.precision)
+        if path is None:
+            raise ExportMissingError(
+                f"{info.name}/{info.version} has no passing {self.fmt} {self.precision} export; run "
+                f"`visionloop export {info.name}/{info.version} --precision {self.precision}` first."
+            )
+        return ResolvedVersion(info.name, info.version, Path(path), info.card())
+
+    def resolve(self, ref: ModelRef) -> ResolvedVersion:
+        from visionloop.registry import get_version
+
+        return self._resolved(get_version(ref, settings=self.settings))
+
+    def version(self, name: str, version: int) -> ResolvedVersion:
+        return self.resolve(ModelRef(name, version=version))
+
+    def aliases(self, name: str) -> dict[str, int]:
+        from visionloop.registry import aliases
+
+        return dict(aliases(name, settings=self.settings))
