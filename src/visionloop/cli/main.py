@@ -18,6 +18,7 @@ from visionloop.cli import data as data_cli
 from visionloop.cli import demo as demo_cli
 from visionloop.cli import queue as queue_cli
 from visionloop.cli import runs as runs_cli
+from visionloop.cli import serve as serve_cli
 from visionloop.cli import train as train_cli
 from visionloop.cli.console import err
 from visionloop.core.errors import VisionloopError
@@ -45,6 +46,7 @@ app.add_typer(queue_cli.jobs_app, name="jobs")
 app.add_typer(queue_cli.admin_app, name="admin")
 app.add_typer(queue_cli.cost_app, name="cost")
 app.command("bench", context_settings={"help_option_names": ["-h", "--help"]})(bench_cli.bench)
+app.command("serve", context_settings={"help_option_names": ["-h", "--help"]})(serve_cli.serve)
 
 
 @app.callback()

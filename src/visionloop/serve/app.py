@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ class Server:
         )
         self.repo = Repository(source, config, self.metrics, self.predlog)
         self.ready = False
+        self.startup_error: BaseException | None = None
         self._shadows: set[asyncio.Task[None]] = set()
         # Retry-After for a full queue: about the time the queue takes to drain, at least 1 s.
         self.retry_after = "1"
@@ -222,7 +223,13 @@ class Server:
         self.metrics.latency.labels(*labels).observe(time.perf_counter() - started)
 
     async def startup(self) -> asyncio.Task[None]:
-        await self.repo.start()
+        try:
+            await self.repo.start()
+        except BaseException as e:
+            # Kept for `serve_forever`, which raises it as the CLI's one-line error.
+            self.startup_error = e
+            await self.repo.close()
+            raise
         self.ready = True
         return asyncio.get_running_loop().create_task(self.repo.watch())
 
@@ -235,13 +242,20 @@ class Server:
             await asyncio.to_thread(self.predlog.close)
 
 
-def create_app(config: ServeConfig, source: ModelSource, predictions: Path | None = None) -> FastAPI:
+def create_app(
+    config: ServeConfig,
+    source: ModelSource,
+    predictions: Path | None = None,
+    on_ready: Callable[[Server], None] | None = None,
+) -> FastAPI:
     """The server's ASGI app. Models load in its lifespan: the app answers once they are in."""
     server = Server(config, source, predictions)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = await server.startup()
+        if on_ready is not None:
+            on_ready(server)
         try:
             yield
         finally:

@@ -11,13 +11,14 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
 from visionloop.core.errors import VisionloopError
 from visionloop.core.settings import Settings
-from visionloop.serve.app import create_app
+from visionloop.serve.app import Server, create_app
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.source import ModelSource
 
@@ -45,11 +46,21 @@ def _uvicorn_config(app: object, config: ServeConfig) -> uvicorn.Config:
     )
 
 
-def serve_forever(config: ServeConfig, source: ModelSource, settings: Settings) -> None:
+def serve_forever(
+    config: ServeConfig,
+    source: ModelSource,
+    settings: Settings,
+    on_ready: Callable[[Server], None] | None = None,
+) -> None:
     """Serve until SIGINT/SIGTERM; raises if a model cannot be loaded at start-up."""
-    app = create_app(config, source, predictions_path(settings, config.host, config.port))
+    app = create_app(config, source, predictions_path(settings, config.host, config.port), on_ready)
     server = uvicorn.Server(_uvicorn_config(app, config))
     server.run()
+    error = app.state.server.startup_error
+    if isinstance(error, VisionloopError):
+        raise error
+    if error is not None:
+        raise VisionloopError(f"the server could not load its models: {type(error).__name__}: {error}")
     if not server.started:
         raise VisionloopError(
             f"the server did not start on {config.host}:{config.port}; see the log above "
