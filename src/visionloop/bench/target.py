@@ -93,6 +93,12 @@ def target_from_dir(model_dir: Path, *, dataset: Path | None = None) -> BenchTar
     )
 
 
+def _lineage_dataset(info: Any) -> Path | None:
+    """The dataset folder the registry recorded for the version's training run."""
+    raw = info.lineage().get("dataset_path") if hasattr(info, "lineage") else None
+    return Path(raw) if isinstance(raw, str) and raw else None
+
+
 def target_from_version(info: Any, *, dataset: Path | None = None) -> BenchTarget:
     """A registered version (`visionloop.registry.ModelVersionInfo`). Exports come from
     `info.export_path`, which only returns an export that passed its gate; for the others the
@@ -119,7 +125,7 @@ def target_from_version(info: Any, *, dataset: Path | None = None) -> BenchTarge
         card=info.card(),
         weights=weights if weights.is_file() else None,
         onnx=exports,
-        dataset=dataset or dataset_from_spec(Path(info.dir)),
+        dataset=dataset or _lineage_dataset(info) or dataset_from_spec(Path(info.dir)),
         name=info.name,
         version=info.version,
     )
