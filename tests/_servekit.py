@@ -97,7 +97,7 @@ def _export(card: ModelCard, weights: Path, out: Path, perturb: float) -> None:
         )
 
 
-def _slow_model(out: Path, card: ModelCard, depth: int = 160, width: int = 1024) -> None:
+def _slow_model(out: Path, card: ModelCard, depth: int = 800, width: int = 1024) -> None:
     """A real ONNX model with the digits signature whose batch-1 inference takes tens of ms:
     `depth` (MatMul, Tanh) layers sharing one weight matrix (a small file, a lot of compute)."""
     import onnx
