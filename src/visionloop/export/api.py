@@ -1,0 +1,260 @@
+"""`export_model`: a registered version → ONNX (fp32, fp16 or int8), checked against eager
+PyTorch and gated on validation accuracy, stored with the version in the registry."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from visionloop.core.fsutil import atomic_write_bytes, atomic_write_text
+from visionloop.core.settings import Settings, load_settings
+from visionloop.data.shards import ShardReader
+from visionloop.export import convert
+from visionloop.export.data import ModelDataset, open_model_dataset
+from visionloop.export.report import (
+    DEFAULT_PARITY,
+    PRECISIONS,
+    ExportError,
+    ExportGateError,
+    ExportReport,
+    Format,
+    Precision,
+)
+from visionloop.registry import ModelRef, ModelVersionInfo, get_version, record_export
+from visionloop.registry.files import model_lock
+from visionloop.registry.history import now_iso
+from visionloop.registry.layout import EXPORT_REPORT_FILE, ONNX_FILE, export_dir
+
+CARD_METADATA_KEY = "visionloop.model_card"
+DEFAULT_CALIBRATION_SIZE = 256
+
+
+def export_model(
+    ref: str | ModelRef | ModelVersionInfo,
+    *,
+    fmt: Format = "onnx",
+    precision: Precision = "fp32",
+    threshold_points: float = 1.0,
+    max_abs_diff: float | None = None,
+    min_top1_agreement: float | None = None,
+    calibration_size: int = DEFAULT_CALIBRATION_SIZE,
+    calibration_images: torch.Tensor | None = None,
+    dataset: Path | None = None,
+    max_samples: int | None = None,
+    exporter: convert.Exporter = "torchscript",
+    settings: Settings | None = None,
+) -> ExportReport:
+    """Export `ref` and gate it. Returns the report of a passed export; raises ExportGateError
+    (after writing the failed report) when parity or accuracy is off.
+
+    Parity: max |logit - eager PyTorch logit| and top-1 agreement on the validation images,
+    thresholds per precision (`report.DEFAULT_PARITY`) unless given. Gate: validation accuracy
+    may fall at most `threshold_points` (percentage points) below eager fp32 PyTorch's.
+    int8 is calibrated on `calibration_size` training images, or on `calibration_images`
+    (preprocessed, (N, C, H, W)) when given.
+    """
+    started = time.monotonic()
+    settings = settings or load_settings()
+    if fmt != "onnx":
+        raise ExportError(f"unknown export format {fmt!r}; the format supported is onnx.")
+    if precision not in PRECISIONS:
+        raise ExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
+    if threshold_points < 0:
+        raise ExportError(f"the allowed accuracy drop must be >= 0 points, got {threshold_points}.")
+    if calibration_size < 1:
+        raise ExportError(f"--calibration-size must be at least 1, got {calibration_size}.")
+    info = ref if isinstance(ref, ModelVersionInfo) else get_version(ref, settings)
+    card = info.card()
+    ds = open_model_dataset(info, dataset)
+    split, reader = ds.eval_split()
+    positions = list(range(len(reader) if max_samples is None else min(max_samples, len(reader))))
+    model = card.create_model(info.weights).eval()
+    parity = DEFAULT_PARITY[precision]
+    diff_limit = max_abs_diff if max_abs_diff is not None else parity.max_abs_diff
+    agree_limit = min_top1_agreement if min_top1_agreement is not None else parity.min_top1_agreement
+    out_dir = export_dir(info.dir, fmt, precision)
+
+    with tempfile.TemporaryDirectory(prefix="visionloop-export-") as tmp:
+        work = Path(tmp)
+        convert.export_fp32(model, card.input_size, work / "fp32.onnx", exporter=exporter)
+        built = work / "fp32.onnx"
+        calibration_source: str | None = None
+        n_calibration: int | None = None
+        if precision == "fp16":
+            built = work / "fp16.onnx"
+            convert.to_fp16(work / "fp32.onnx", built)
+        elif precision == "int8":
+            if calibration_images is None:
+                calibration_images = ds.calibration_images(calibration_size)
+                calibration_source = f"{len(calibration_images)} training images of {ds.path}"
+            else:
+                calibration_source = "images given by the caller"
+            n_calibration = len(calibration_images)
+            built = work / "int8.onnx"
+            convert.to_int8(work / "fp32.onnx", built, calibration_images, work)
+        data = convert.set_metadata(built, _metadata(info, precision), doc=f"{info.ref} ({precision})")
+
+    m = _measure(model, data, ds, reader, positions)
+    parity_ok = m.agreement >= agree_limit and (diff_limit is None or m.max_abs_diff <= diff_limit)
+    drop = (m.reference_accuracy - m.accuracy) * 100.0
+    gate_ok = drop <= threshold_points
+    report = ExportReport(
+        model=info.ref,
+        format=fmt,
+        precision=precision,
+        path=str(out_dir / ONNX_FILE),
+        sha256=hashlib.sha256(data).hexdigest(),
+        size_bytes=len(data),
+        opset=convert.OPSET if exporter == "torchscript" else max(convert.OPSET, 18),
+        exporter=exporter,
+        samples=m.samples,
+        max_abs_diff=m.max_abs_diff,
+        top1_agreement=m.agreement,
+        max_abs_diff_threshold=diff_limit,
+        top1_agreement_threshold=agree_limit,
+        parity_passed=parity_ok,
+        accuracy=m.accuracy,
+        reference_accuracy=m.reference_accuracy,
+        drop_points=drop,
+        threshold_points=threshold_points,
+        gate_passed=gate_ok,
+        calibration_images=n_calibration,
+        calibration_source=calibration_source,
+        dataset_path=str(ds.path),
+        dataset_version=ds.manifest.version,
+        split=split,
+        passed=parity_ok and gate_ok,
+        reason=None if parity_ok and gate_ok else _reason(parity_ok, gate_ok),
+        created_at=now_iso(),
+        duration_s=round(time.monotonic() - started, 3),
+    )
+    _store(out_dir, data, report)
+    record_export(
+        info,
+        f"{fmt}-{precision}",
+        {
+            "precision": precision,
+            "passed": str(report.passed).lower(),
+            "accuracy": f"{report.accuracy:.6g}",
+            "drop_points": f"{report.drop_points:.4g}",
+            "sha256": report.sha256 or "",
+        },
+        settings,
+    )
+    if not report.passed:
+        raise ExportGateError(_failure_message(report, out_dir), report)
+    return report
+
+
+def _metadata(info: ModelVersionInfo, precision: str) -> dict[str, str]:
+    card = info.card()
+    return {
+        CARD_METADATA_KEY: card.model_dump_json(),
+        "visionloop.model": info.ref,
+        "visionloop.precision": precision,
+        "visionloop.input": convert.INPUT_NAME,
+        "visionloop.output": convert.OUTPUT_NAME,
+        "visionloop.class_names": json.dumps(card.class_names),
+        "visionloop.weights_sha256": info.tags.get("visionloop.weights_sha256", ""),
+    }
+
+
+class _Measured:
+    def __init__(self) -> None:
+        self.samples = 0
+        self.correct = 0
+        self.reference_correct = 0
+        self.agree = 0
+        self.max_abs_diff = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.samples, 1)
+
+    @property
+    def reference_accuracy(self) -> float:
+        return self.reference_correct / max(self.samples, 1)
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / max(self.samples, 1)
+
+
+def _measure(
+    model: torch.nn.Module, onnx_bytes: bytes, ds: ModelDataset, reader: ShardReader, positions: list[int]
+) -> _Measured:
+    """Run the same validation batches through eager PyTorch (fp32, the reference) and the
+    exported model in ONNX Runtime."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(onnx_bytes, providers=["CPUExecutionProvider"])
+    m = _Measured()
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = ds.batches(reader, positions)
+    with torch.no_grad():
+        for images, labels in batches:
+            reference = model(images)
+            got = torch.from_numpy(
+                session.run([convert.OUTPUT_NAME], {convert.INPUT_NAME: images.numpy()})[0]
+            )
+            got = got.float()
+            ref_top1, got_top1 = reference.argmax(1), got.argmax(1)
+            m.samples += len(labels)
+            m.correct += int((got_top1 == labels).sum())
+            m.reference_correct += int((ref_top1 == labels).sum())
+            m.agree += int((got_top1 == ref_top1).sum())
+            m.max_abs_diff = max(m.max_abs_diff, float((got - reference).abs().max()))
+    if m.samples == 0:
+        raise ExportError(f"{ds.path}: the validation split is empty; nothing to check the export on.")
+    return m
+
+
+def _reason(parity_ok: bool, gate_ok: bool) -> str:
+    reasons = []
+    if not parity_ok:
+        reasons.append("parity with eager PyTorch is off")
+    if not gate_ok:
+        reasons.append("accuracy dropped more than allowed")
+    return "; ".join(reasons)
+
+
+def _store(out_dir: Path, data: bytes, report: ExportReport) -> None:
+    """The model file, then its report (a reader trusts the model only through a passed report
+    whose size matches). A failed export keeps only its report, so it can never be served."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with model_lock(out_dir):
+        if report.passed:
+            atomic_write_bytes(out_dir / ONNX_FILE, data)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                (out_dir / ONNX_FILE).unlink()
+        atomic_write_text(out_dir / EXPORT_REPORT_FILE, report.model_dump_json(indent=2) + "\n")
+
+
+def _failure_message(r: ExportReport, out_dir: Path) -> str:
+    lines = [f"{r.model} {r.format}-{r.precision} export refused: {r.reason}."]
+    if not r.gate_passed:
+        lines.append(
+            f"  accuracy {r.accuracy:.2%} against {r.reference_accuracy:.2%} for fp32 PyTorch on "
+            f"{r.samples} {r.split} images: a drop of {r.drop_points:.2f} points, "
+            f"more than the {r.threshold_points:g} allowed (--max-drop)."
+        )
+    if not r.parity_passed:
+        limit = "not checked" if r.max_abs_diff_threshold is None else f"limit {r.max_abs_diff_threshold:g}"
+        lines.append(
+            f"  max |logit diff| {r.max_abs_diff:.4g} ({limit}), top-1 agreement {r.top1_agreement:.2%} "
+            f"(limit {r.top1_agreement_threshold:.2%})."
+        )
+    hint = {
+        "int8": "calibrate on more images (--calibration-size) or export fp16 instead",
+        "fp16": "export fp32 instead, or allow more (--max-drop)",
+        "fp32": "the exporter changed the model's behaviour; try --exporter dynamo",
+    }[r.precision]
+    lines.append(f"  Report: {out_dir / EXPORT_REPORT_FILE}. What to do: {hint}.")
+    return "\n".join(lines)

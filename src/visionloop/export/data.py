@@ -1,0 +1,86 @@
+"""Images for parity, the accuracy gate and int8 calibration, from the model's own dataset.
+
+The dataset is the one the version was trained on (its lineage records the path; the card
+records the version, which must still match), preprocessed with the card's eval recipe —
+exactly what a served image meets.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from visionloop.core.errors import DataError
+from visionloop.data.manifest import DatasetManifest, read_manifest
+from visionloop.data.shards import ShardReader
+from visionloop.models.card import ModelCard
+from visionloop.registry import ModelVersionInfo
+from visionloop.tasks.classification.transforms import decode_rgb
+
+
+@dataclass(frozen=True)
+class ModelDataset:
+    path: Path
+    manifest: DatasetManifest
+    card: ModelCard
+
+    def reader(self, split: str) -> ShardReader | None:
+        info = self.manifest.splits.get(split)  # type: ignore[call-overload]
+        if info is None or info.count == 0:
+            return None
+        return ShardReader(self.path / info.shard_dir)
+
+    def eval_split(self) -> tuple[str, ShardReader]:
+        for split in ("val", "test"):
+            reader = self.reader(split)
+            if reader is not None:
+                return split, reader
+        raise DataError(
+            f"{self.path} has no val or test images to check an export on. Re-ingest it with a "
+            "validation split (`visionloop data ingest SOURCE --out DIR --val-fraction 0.1`)."
+        )
+
+    def batches(
+        self, reader: ShardReader, positions: list[int], batch_size: int = 64
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(images (B, C, H, W) float32 preprocessed, labels (B,)) in `positions` order."""
+        transform = self.card.eval_preprocess().to_transform()
+        for start in range(0, len(positions), batch_size):
+            records = reader.read_many(positions[start : start + batch_size])
+            images = torch.stack([transform(decode_rgb(r["image"])) for r in records])
+            labels = torch.tensor([r["label"] for r in records], dtype=torch.int64)
+            yield images, labels
+
+    def calibration_images(self, count: int, seed: int = 0) -> torch.Tensor:
+        """`count` training images (a seeded random sample), preprocessed for the model."""
+        reader = self.reader("train")
+        if reader is None:
+            raise DataError(f"{self.path} has no training images to calibrate int8 on.")
+        positions = sorted(random.Random(seed).sample(range(len(reader)), min(count, len(reader))))
+        return torch.cat([x for x, _ in self.batches(reader, positions)])
+
+
+def open_model_dataset(info: ModelVersionInfo, dataset: Path | None = None) -> ModelDataset:
+    """The dataset `info` was trained on (or `dataset`, which must be the same version)."""
+    card = info.card()
+    recorded = info.lineage().get("dataset_path")
+    path = Path(dataset) if dataset is not None else Path(recorded) if recorded else None
+    if path is None:
+        raise DataError(
+            f"{info.ref} does not record where its dataset is; pass it with --dataset DIR "
+            f"(dataset version {card.dataset_version})."
+        )
+    manifest = read_manifest(path)
+    if card.dataset_version is not None and manifest.version != card.dataset_version:
+        raise DataError(
+            f"{path} is dataset version {manifest.version[:12]}, but {info.ref} was trained on "
+            f"{card.dataset_version[:12]}: its validation images would not measure the same thing. "
+            "Pass the original dataset with --dataset DIR."
+        )
+    if list(manifest.classes) != list(card.class_names):
+        raise DataError(f"{path} has classes {manifest.classes}, the model {card.class_names}.")
+    return ModelDataset(path=path, manifest=manifest, card=card)
