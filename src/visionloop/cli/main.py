@@ -16,6 +16,8 @@ from visionloop.cli import archs as archs_cli
 from visionloop.cli import bench as bench_cli
 from visionloop.cli import data as data_cli
 from visionloop.cli import demo as demo_cli
+from visionloop.cli import export as export_cli
+from visionloop.cli import models as models_cli
 from visionloop.cli import queue as queue_cli
 from visionloop.cli import runs as runs_cli
 from visionloop.cli import serve as serve_cli
@@ -45,6 +47,8 @@ for _name, _fn in (("up", queue_cli.up), ("down", queue_cli.down), ("submit", qu
 app.add_typer(queue_cli.jobs_app, name="jobs")
 app.add_typer(queue_cli.admin_app, name="admin")
 app.add_typer(queue_cli.cost_app, name="cost")
+app.add_typer(models_cli.app, name="models")
+app.command("export", context_settings={"help_option_names": ["-h", "--help"]})(export_cli.export)
 app.command("bench", context_settings={"help_option_names": ["-h", "--help"]})(bench_cli.bench)
 app.command("serve", context_settings={"help_option_names": ["-h", "--help"]})(serve_cli.serve)
 

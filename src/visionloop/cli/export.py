@@ -1,0 +1,72 @@
+"""`visionloop export MODEL`: ONNX export with a parity check and an accuracy gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import typer
+
+from visionloop.cli.console import err, out
+
+if TYPE_CHECKING:
+    from visionloop.export.convert import Exporter
+
+
+def export(
+    model: str = typer.Argument(
+        ..., help="NAME (the champion, else the newest), NAME@ALIAS or NAME/VERSION."
+    ),
+    fmt: str = typer.Option("onnx", "--format", "-f", help="Export format: onnx."),
+    precision: str = typer.Option("fp32", "--precision", "-p", help="fp32, fp16 or int8."),
+    max_drop: float = typer.Option(
+        1.0, "--max-drop", help="Refuse the export if validation accuracy falls more than this many points."
+    ),
+    max_abs_diff: float | None = typer.Option(
+        None,
+        "--max-abs-diff",
+        help="Largest allowed |logit difference| from PyTorch (default per precision).",
+    ),
+    min_agreement: float | None = typer.Option(
+        None,
+        "--min-agreement",
+        help="Smallest allowed top-1 agreement with PyTorch, 0-1 (default per precision).",
+    ),
+    calibration_size: int = typer.Option(
+        256, "--calibration-size", help="int8: training images to calibrate on."
+    ),
+    dataset: Path | None = typer.Option(
+        None, "--dataset", help="The model's dataset, if it moved since training (must be the same version)."
+    ),
+    exporter: str = typer.Option("torchscript", "--exporter", help="torchscript (default) or dynamo."),
+    as_json: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
+) -> None:
+    """Export a registered model to ONNX, check it against PyTorch on the validation images, and
+    store it with the model version. A failed check keeps its report and exits 1."""
+    from visionloop.export import PRECISIONS, ExportError, export_model
+
+    if fmt != "onnx":
+        raise ExportError(f"--format {fmt!r} is not supported; use --format onnx.")
+    if precision not in PRECISIONS:
+        raise ExportError(f"--precision {precision!r} is not supported; use one of {', '.join(PRECISIONS)}.")
+    if exporter not in ("torchscript", "dynamo"):
+        raise ExportError(f"--exporter {exporter!r} is not supported; use torchscript or dynamo.")
+    if not as_json:
+        err.print(f"exporting {model} to {fmt}-{precision} and checking it on the validation images ...")
+    report = export_model(
+        model,
+        fmt="onnx",
+        precision=precision,
+        threshold_points=max_drop,
+        max_abs_diff=max_abs_diff,
+        min_top1_agreement=min_agreement,
+        calibration_size=calibration_size,
+        dataset=dataset,
+        exporter=cast("Exporter", exporter),
+    )
+    if as_json:
+        typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
+        return
+    out.print(report.summary())
+    out.print(f"  file     {report.path} ({(report.size_bytes or 0) / 1e6:.2f} MB, sha256 {report.sha256})")

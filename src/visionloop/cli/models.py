@@ -1,0 +1,234 @@
+"""`visionloop models ...`: register runs, list and show versions, move aliases, roll back."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from visionloop.cli.console import out
+
+if TYPE_CHECKING:
+    from visionloop.registry import ModelVersionInfo
+
+app = typer.Typer(
+    help=(
+        "The model registry: register finished runs as model versions, point aliases "
+        "(champion, challenger) at them, roll back. Models are referenced as NAME (the champion, "
+        "else the newest version), NAME@ALIAS or NAME/VERSION."
+    ),
+    no_args_is_help=True,
+)
+
+_PIPE_WIDTH = 240
+
+
+def _print(renderable: Any) -> None:
+    # Piped output gets wide lines rather than Rich's 80 columns, so paths are not cut.
+    if out.is_terminal or "COLUMNS" in os.environ:
+        out.print(renderable)
+    else:
+        Console(highlight=False, width=_PIPE_WIDTH).print(renderable)
+
+
+def _echo_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+
+
+def _version_json(info: ModelVersionInfo) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "version": info.version,
+        "dir": str(info.dir),
+        "aliases": list(info.aliases),
+        "run_id": info.run_id,
+        "created_at": info.created_at,
+        "tags": info.tags,
+    }
+
+
+def _accuracy(info: ModelVersionInfo) -> str:
+    value = info.tags.get("visionloop.metric.accuracy")
+    return f"{float(value):.2%}" if value else "-"
+
+
+@app.command("register")
+def register_cmd(
+    run: str = typer.Argument(
+        ..., help="A run directory, a run name under $VISIONLOOP_HOME/runs, or an MLflow run id or name."
+    ),
+    name: str | None = typer.Option(
+        None, "--name", "-n", help="Model name (default: the run folder's name)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Register a finished run's final model as a new version."""
+    from visionloop.registry import register
+
+    info = register(run, name=name)
+    if as_json:
+        _echo_json(_version_json(info))
+        return
+    out.print(f"registered [bold]{info.name}/{info.version}[/] from {info.lineage().get('run_dir')}")
+    out.print(f"  files        {info.dir}")
+    out.print(f"  accuracy     {_accuracy(info)}")
+    out.print(f"  MLflow run   {info.run_id or '-'}")
+    out.print(f"  next         visionloop models alias {info.name} {info.version} champion")
+
+
+@app.command("list")
+def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List registered models."""
+    from visionloop.registry import list_models
+
+    models = list_models()
+    if as_json:
+        _echo_json([m.__dict__ for m in models])
+        return
+    if not models:
+        out.print(
+            "no registered models yet. Register a run with `visionloop models register RUN --name NAME`."
+        )
+        return
+    table = Table("name", "versions", "latest", "aliases", "updated")
+    for m in models:
+        aliases = ", ".join(f"{a} -> v{v}" for a, v in sorted(m.aliases.items())) or "-"
+        table.add_row(m.name, str(m.versions), f"v{m.latest}" if m.latest else "-", aliases, m.updated_at)
+    _print(table)
+
+
+@app.command("show")
+def show_cmd(
+    ref: str = typer.Argument(..., help="NAME, NAME@ALIAS or NAME/VERSION."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show a model's versions and alias history, and one version in detail: card, metrics,
+    lineage (run, dataset) and exports with their gate results."""
+    from visionloop.registry import alias_history, get_version, list_versions, parse_ref
+
+    parsed = parse_ref(ref)
+    info = get_version(parsed)
+    versions = list_versions(parsed.name)
+    events = alias_history(parsed.name)
+    card = info.card()
+    lineage = info.lineage()
+    exports = info.exports()
+    if as_json:
+        _echo_json(
+            {
+                **_version_json(info),
+                "card": card.model_dump(mode="json"),
+                "lineage": lineage,
+                "exports": exports,
+                "versions": [_version_json(v) for v in versions],
+                "alias_history": [e.model_dump() for e in events],
+            }
+        )
+        return
+    table = Table("version", "aliases", "created", "accuracy", "arch", "dataset", "run", title=parsed.name)
+    for v in versions:
+        mark = "[bold]" if v.version == info.version else ""
+        table.add_row(
+            f"{mark}v{v.version}",
+            ", ".join(v.aliases) or "-",
+            v.created_at,
+            _accuracy(v),
+            v.tags.get("visionloop.arch", "-"),
+            (v.tags.get("visionloop.dataset_version") or "-")[:12],
+            (v.run_id or "-")[:12],
+        )
+    _print(table)
+    out.print(f"\n[bold]{info.name}/{info.version}[/]  {', '.join(info.aliases) or ''}")
+    c, h, w = card.input_size
+    out.print(f"  arch           {card.arch} {card.model_kwargs or ''}".rstrip())
+    out.print(
+        f"  classes        {card.num_classes}: {', '.join(card.class_names[:10])}"
+        + (" ..." if card.num_classes > 10 else "")
+    )
+    out.print(f"  input          {c}x{h}x{w}, mean {list(card.mean)}, std {list(card.std)}")
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in (card.metrics or {}).items() if v is not None)
+    out.print(f"  metrics        {metrics or '-'}")
+    out.print(f"  run            {lineage.get('run_dir', '-')} (MLflow {info.run_id or '-'})")
+    out.print(f"  dataset        {lineage.get('dataset_path', '-')} (version {card.dataset_version or '-'})")
+    out.print(f"  weights        sha256 {info.tags.get('visionloop.weights_sha256', '-')}")
+    out.print(
+        f"  registered     {lineage.get('registered_at', info.created_at)} "
+        f"by {lineage.get('registered_by', '-')}"
+    )
+    out.print(f"  files          {info.dir}")
+    if exports:
+        table = Table(
+            "export",
+            "passed",
+            "accuracy",
+            "fp32",
+            "drop (pts)",
+            "max |diff|",
+            "top-1 agree",
+            "size",
+            title="exports",
+        )
+        for key, r in exports.items():
+            table.add_row(
+                key,
+                "[green]yes[/]" if r.get("passed") else "[red]no[/]",
+                _pct(r.get("accuracy")),
+                _pct(r.get("reference_accuracy")),
+                _num(r.get("drop_points"), ".2f"),
+                _num(r.get("max_abs_diff"), ".3g"),
+                _pct(r.get("top1_agreement")),
+                _size(r.get("size_bytes")),
+            )
+        _print(table)
+    else:
+        out.print(f"  exports        none (visionloop export {info.name}/{info.version} --precision fp32)")
+    if events:
+        table = Table("when", "who", "action", "alias", "version", "was", title="alias history")
+        for e in events:
+            was = f"v{e.previous}" if e.previous is not None else "-"
+            table.add_row(e.at, e.actor, e.action, e.alias, f"v{e.version}", was)
+        _print(table)
+
+
+def _pct(value: Any) -> str:
+    return f"{value:.2%}" if isinstance(value, int | float) else "-"
+
+
+def _num(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) else "-"
+
+
+def _size(value: Any) -> str:
+    return f"{value / 1e6:.2f} MB" if isinstance(value, int | float) else "-"
+
+
+@app.command("alias")
+def alias_cmd(
+    name: str = typer.Argument(..., help="Model name."),
+    version: int = typer.Argument(..., help="Version number to point the alias at."),
+    alias: str = typer.Argument(..., help="Alias: champion, challenger, or any name."),
+    actor: str | None = typer.Option(None, "--actor", help="Who is doing this (default: your login)."),
+) -> None:
+    """Point ALIAS at VERSION (recorded in the alias history with who and when)."""
+    from visionloop.registry import set_alias
+
+    info = set_alias(name, version, alias, actor=actor)
+    out.print(f"{info.name}@{alias} -> v{info.version}")
+
+
+@app.command("rollback")
+def rollback_cmd(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Option("champion", "--alias", help="The alias to move back."),
+    actor: str | None = typer.Option(None, "--actor", help="Who is doing this (default: your login)."),
+) -> None:
+    """Move the champion back to the previous champion."""
+    from visionloop.registry import aliases, rollback
+
+    before = aliases(name).get(alias)
+    info = rollback(name, alias=alias, actor=actor)
+    out.print(f"{info.name}@{alias}: v{before} -> v{info.version}")
