@@ -4,8 +4,8 @@ model, a deliberately slow ONNX model, and small readers for the server's metric
     from _servekit import serve_kit   # a session fixture: import it into the module
 
 `kit.v1` is the trained small_cnn (`_modelkit`'s model, trained by the real trainer) exported
-by torch.onnx with a dynamic batch axis; `kit.v2` is the same network with its classifier
-perturbed, so the two versions disagree on some images (canary, shadow and promotion tests
+by torch.onnx with a dynamic batch axis; `kit.v2` is the same network with two classes' classifier
+rows swapped, so the two versions disagree on some images (canary, shadow and promotion tests
 can tell which version answered). `kit.source()` is a StaticSource holding both, v1 champion.
 """
 
@@ -74,15 +74,17 @@ def ort_logits(path: Path, x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _export(card: ModelCard, weights: Path, out: Path, perturb: float) -> None:
+def _export(card: ModelCard, weights: Path, out: Path, swap: bool) -> None:
     import torch
 
     model = card.create_model(weights).eval()
-    if perturb:
-        g = torch.Generator().manual_seed(1)
+    if swap:
+        # The classifier's rows for classes 0 and 1 swapped: the two versions disagree exactly
+        # on the images v1 calls 0 or 1, and agree on the rest.
         with torch.no_grad():
             fc = model.fc  # type: ignore[union-attr]
-            fc.weight.add_(torch.randn(fc.weight.shape, generator=g) * perturb * fc.weight.std())
+            fc.weight[[0, 1]] = fc.weight[[1, 0]].clone()
+            fc.bias[[0, 1]] = fc.bias[[1, 0]].clone()
     x = torch.zeros(1, *card.input_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -148,8 +150,8 @@ def build_serve_kit(factory: pytest.TempPathFactory, dataset: Path) -> ServeKit:
     with open(root / ".build-lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         if not (root / "done").is_file():
-            _export(card, base.run_dir / "final.safetensors", kit.v1, 0.0)
-            _export(card, base.run_dir / "final.safetensors", kit.v2, 1.5)
+            _export(card, base.run_dir / "final.safetensors", kit.v1, swap=False)
+            _export(card, base.run_dir / "final.safetensors", kit.v2, swap=True)
             _slow_model(kit.slow, card)
             (root / "done").write_text("ok")
     return kit
