@@ -239,12 +239,12 @@ def _store(out_dir: Path, data: bytes, report: ExportReport) -> None:
 
 def _failure_message(r: ExportReport, out_dir: Path) -> str:
     lines = [f"{r.model} {r.format}-{r.precision} export refused: {r.reason}."]
-    if not r.gate_passed:
-        lines.append(
-            f"  accuracy {r.accuracy:.2%} against {r.reference_accuracy:.2%} for fp32 PyTorch on "
-            f"{r.samples} {r.split} images: a drop of {r.drop_points:.2f} points, "
-            f"more than the {r.threshold_points:g} allowed (--max-drop)."
-        )
+    within = "more than" if not r.gate_passed else "within"
+    lines.append(
+        f"  accuracy {r.accuracy:.2%} against {r.reference_accuracy:.2%} for fp32 PyTorch on "
+        f"{r.samples} {r.split} images: a drop of {r.drop_points:.2f} points, "
+        f"{within} the {r.threshold_points:g} allowed (--max-drop)."
+    )
     if not r.parity_passed:
         limit = "not checked" if r.max_abs_diff_threshold is None else f"limit {r.max_abs_diff_threshold:g}"
         lines.append(
