@@ -219,13 +219,15 @@ def test_a_corrupt_export_is_a_failed_row_and_the_sweep_goes_on(
     path.write_bytes(
         b"not an onnx graph".ljust(path.stat().st_size, b"\0")
     )  # same size: the gate still holds
-    target = target_from_dir(vdir)
-    settings = sweep_settings(
-        formats="onnx,pytorch", precisions="fp32", batch_sizes="2", iterations=2, accuracy=False
-    )
+    # ... and the dataset it was trained on has since been deleted
+    target = target_from_dir(vdir, dataset=tmp_path / "deleted-dataset")
+    settings = sweep_settings(formats="onnx,pytorch", precisions="fp32", batch_sizes="2", iterations=2)
     result = run_sweep(target, settings)
     onnx_row, torch_row = result.configs
     assert onnx_row.status == "failed"
     assert (onnx_row.reason or "").startswith("could not load: ")
     assert torch_row.status == "ok" and [p.batch_size for p in torch_row.points] == [2]
-    assert torch_row.accuracy is None and result.eval_source is None
+    assert torch_row.accuracy is None and result.eval_images == 0
+    assert result.eval_source == (
+        f"none: the training dataset {tmp_path / 'deleted-dataset'} is gone; give one with --dataset DIR"
+    )

@@ -53,7 +53,8 @@ class SweepSettings(BaseModel):
     duration_s: float = 2.0
     min_iterations: int = 10
     warmup: int = 3
-    max_eval_images: int | None = 2000
+    # Preprocessed images are held in memory as float32: 1000 at 3x224x224 is ~600 MB.
+    max_eval_images: int | None = 1000
     accuracy: bool = True
     threads: int | None = None
 
@@ -86,7 +87,7 @@ def sweep_settings(
     iterations: int | None = None,
     duration_s: float = 2.0,
     warmup: int = 3,
-    max_eval_images: int | None = 2000,
+    max_eval_images: int | None = 1000,
     accuracy: bool = True,
     threads: int | None = None,
 ) -> SweepSettings:
@@ -113,7 +114,7 @@ def sweep_settings(
     if warmup < 0:
         raise BenchError(f"--warmup must be >= 0 calls (got {warmup}); e.g. --warmup 3.")
     if max_eval_images is not None and max_eval_images < 1:
-        raise BenchError(f"--eval-images must be >= 1 (got {max_eval_images}); e.g. --eval-images 2000.")
+        raise BenchError(f"--eval-images must be >= 1 (got {max_eval_images}); e.g. --eval-images 1000.")
     if threads is not None and threads < 1:
         raise BenchError(f"--threads must be >= 1 (got {threads}); e.g. --threads 2.")
     return SweepSettings(

@@ -202,7 +202,11 @@ def run_sweep(
     settings = settings or SweepSettings()
     evalset: EvalSet | None = None
     eval_source: str | None = None
-    if settings.accuracy and target.dataset is not None:
+    if settings.accuracy and target.dataset is not None and not target.dataset.exists():
+        # The dataset recorded at training time has moved or gone: latency is still worth
+        # measuring, and the row says how to get accuracy back.
+        eval_source = f"none: the training dataset {target.dataset} is gone; give one with --dataset DIR"
+    elif settings.accuracy and target.dataset is not None:
         if progress:
             progress(f"loading evaluation images from {target.dataset}")
         evalset = load_eval_set(target.card, target.dataset, max_images=settings.max_eval_images)
