@@ -2,49 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
-import torch
 
-from _modelkit import ModelKit, registered_model  # noqa: F401  (a session fixture)
+from _modelkit import ModelKit, onnx_model  # noqa: F401  (a session fixture)
 from _trainkit import cli
 from visionloop.bench import BenchResult
-from visionloop.registry.layout import ONNX_FILE, export_dir
 from visionloop.serve.config import load_serve_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 TINY = ("--batch-sizes", "1,4", "--iterations", "5", "--warmup", "1", "--precisions", "fp32")
 
 
-def _export_fp32(version_dir: Path) -> None:
-    """The fp32 ONNX export laid out as the registry expects, gate passed."""
-    from visionloop.models.card import ModelCard
-
-    card = ModelCard.load(version_dir)
-    model = card.create_model(version_dir / "final.safetensors").eval()
-    out = export_dir(version_dir, "onnx", "fp32")
-    out.mkdir(parents=True)
-    path = out / ONNX_FILE
-    torch.onnx.export(
-        model,
-        (torch.zeros(2, *card.input_size),),
-        str(path),
-        input_names=["input"],
-        output_names=["logits"],
-        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-        dynamo=False,
-    )
-    (out / "export.json").write_text(json.dumps({"passed": True, "size_bytes": path.stat().st_size}))
-
-
 @pytest.fixture(scope="module")
-def kit(registered_model: ModelKit, tmp_path_factory: pytest.TempPathFactory) -> ModelKit:  # noqa: F811
-    kit = registered_model.copy_home(tmp_path_factory.mktemp("bench-cli") / "home")
-    _export_fp32(kit.info().dir)
-    return kit
+def kit(onnx_model: ModelKit, tmp_path_factory: pytest.TempPathFactory) -> ModelKit:  # noqa: F811
+    """The registered digits model with its fp32 ONNX export (the real exporter's)."""
+    return onnx_model.copy_home(tmp_path_factory.mktemp("bench-cli") / "home")
 
 
 def test_budget_writes_a_serving_config_that_serve_loads(kit: ModelKit, tmp_path: Path) -> None:

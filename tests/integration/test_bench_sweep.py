@@ -1,8 +1,9 @@
 """A real sweep on a real trained, registered model: eager PyTorch and ONNX Runtime on CPU,
 the table, the JSON file and the plot; CUDA rows and unusable exports become rows that say why.
 
-The ONNX export is made here with torch.onnx.export and laid out as the registry expects
-(exports/onnx-fp32/model.onnx + export.json): bench only reads that layout.
+The fp32 ONNX export is the real exporter's (`_modelkit.onnx_model`); the int8 one that
+failed its gate, and a corrupt one, are made here with torch.onnx.export and laid out as the
+registry expects (exports/onnx-<precision>/model.onnx + export.json).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from PIL import Image
 from rich.console import Console
 
-from _modelkit import ModelKit, registered_model  # noqa: F401  (a session fixture)
+from _modelkit import ModelKit, onnx_model, registered_model  # noqa: F401  (session fixtures)
 from visionloop.bench import (
     BenchResult,
     result_table,
@@ -62,12 +63,12 @@ def export_onnx(version_dir: Path, precision: str = "fp32", *, passed: bool = Tr
 
 @pytest.fixture(scope="module")
 def swept(
-    registered_model: ModelKit,  # noqa: F811
+    onnx_model: ModelKit,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[ModelKit, BenchResult]:
-    kit = registered_model.copy_home(tmp_path_factory.mktemp("bench") / "home")
+    kit = onnx_model.copy_home(tmp_path_factory.mktemp("bench") / "home")
     vdir = kit.info().dir
-    export_onnx(vdir, "fp32")
+    assert kit.info().export_path("onnx", "fp32") is not None  # the exporter's, gate passed
     export_onnx(vdir, "int8", passed=False)  # exists, but failed its accuracy gate
     settings = sweep_settings(
         formats="pytorch,onnx",

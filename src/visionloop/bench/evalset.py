@@ -59,27 +59,29 @@ def spread_positions(total: int, limit: int | None) -> list[int]:
 
 
 def load_eval_set(card: ModelCard, dataset_dir: Path, *, max_images: int | None) -> EvalSet:
-    """The validation split (else the test split) of `dataset_dir`, preprocessed for `card`."""
+    """The validation split (else the test split) of `dataset_dir`, preprocessed for `card`
+    by the export gate's own reader (`visionloop.export.data`), so the accuracy bench reports
+    and the accuracy an export was gated on are measured the same way."""
     import torch
 
     from visionloop.data.manifest import read_manifest
-    from visionloop.tasks.classification.transforms import decode_rgb
-    from visionloop.train.setup import open_split
+    from visionloop.export.data import ModelDataset
 
     manifest = read_manifest(dataset_dir)
     if card.dataset_version and manifest.version != card.dataset_version:
         raise BenchError(
             f"{dataset_dir} is dataset version {manifest.version[:12]}, but the model was trained on "
             f"{card.dataset_version[:12]}; give the dataset it was trained on with --dataset DIR "
-            "(accuracy on other images is not this model's accuracy)."
+            "(accuracy on other images is not this model's accuracy), or run with --no-accuracy."
         )
     if list(manifest.classes) != list(card.class_names):
         raise BenchError(
             f"{dataset_dir} has classes {manifest.classes[:5]}..., the model {card.class_names[:5]}...; "
-            "give the dataset the model was trained on with --dataset DIR."
+            "give the dataset the model was trained on with --dataset DIR, or run with --no-accuracy."
         )
+    data = ModelDataset(path=dataset_dir, manifest=manifest, card=card)
     for split in ("val", "test"):
-        reader = open_split(manifest, dataset_dir, split)
+        reader = data.reader(split)
         if reader is not None:
             break
     else:
@@ -87,16 +89,12 @@ def load_eval_set(card: ModelCard, dataset_dir: Path, *, max_images: int | None)
             f"{dataset_dir} has no val or test images to measure accuracy on; re-ingest it with "
             "--val-fraction 0.1, or run with --no-accuracy."
         )
-    transform = card.eval_preprocess().to_transform()
     positions = spread_positions(len(reader), max_images)
-    images, labels = [], []
-    for record in reader.read_many(positions):
-        images.append(transform(decode_rgb(record["image"])))
-        labels.append(record["label"])
-    batch = torch.stack(images).numpy().astype(np.float32, copy=False)
+    batches = list(data.batches(reader, positions))
+    images = torch.cat([x for x, _ in batches]).numpy().astype(np.float32, copy=False)
     return EvalSet(
-        images=np.ascontiguousarray(batch),
-        labels=np.asarray(labels, dtype=np.int64),
+        images=np.ascontiguousarray(images),
+        labels=torch.cat([y for _, y in batches]).numpy().astype(np.int64, copy=False),
         source=f"{dataset_dir} [{split}] {len(positions)} of {len(reader)} images",
     )
 
