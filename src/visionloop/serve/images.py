@@ -37,11 +37,9 @@ def image_bytes(body: bytes, content_type: str) -> bytes:
     parts: list[Message] = [p for p in msg.iter_parts() if isinstance(p, Message)]
     for part in parts:
         payload = part.get_payload(decode=True)
-        if (
-            isinstance(payload, bytes)
-            and payload
-            and (part.get_filename() or part.get_param("name", header="content-disposition"))
-        ):
+        field = part.get_param("name", header="content-disposition")
+        # A file field (curl -F file=@x.jpg), or a plain field named file or image.
+        if isinstance(payload, bytes) and payload and (part.get_filename() or field in ("file", "image")):
             return payload
     raise ProtocolError(
         'the multipart form has no file part; send the image as a file field, e.g. -F "file=@cat.jpg"'
