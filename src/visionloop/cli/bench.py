@@ -88,12 +88,13 @@ def bench(
         help="CPU threads for PyTorch and ONNX Runtime (default: theirs, usually all cores).",
     ),
 ) -> None:
-    """Measure latency (p50/p90/p99), throughput, peak memory, accuracy and size of a model
-    for every format, precision, device and batch size.
+    """Latency, throughput, memory, accuracy and size per format, precision, device, batch size.
 
-    Writes bench.json and a throughput-vs-p99 plot. With --latency-budget, also writes
-    serving.yaml for `visionloop serve`: the fastest ONNX configuration whose p99 meets the
-    budget, with the queue delay that still fits.
+    Writes bench.json and a plot of throughput against p99 latency.
+
+    --latency-budget MS also writes serving.yaml for `visionloop serve`.
+
+    It holds the fastest ONNX configuration whose p99 meets the budget, and the queue delay that fits.
 
     Exit codes: 0 done; 2 bad options; 3 nothing meets the budget.
     """
