@@ -76,12 +76,50 @@ class RayCluster:
     temp_dir: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    retired: set[int] = field(default_factory=set)  # pids of nodes a test stopped on purpose
 
     def node_count(self) -> int:
         from ray.util.state import list_nodes
 
         nodes = list_nodes(address=self.address, timeout=10, raise_on_missing_output=False)
         return sum(1 for n in nodes if str(n.state) == "ALIVE" and n.resources_total.get("GPU"))
+
+    def add_worker(self, labels: str, num_gpus: int = 2) -> subprocess.Popen[bytes]:
+        """Start one more worker node (fake GPUs, `labels` as in WORKER_LABELS) and wait until
+        Ray lists it: a node joining the cluster while the control plane runs."""
+        before = self.node_count()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        args = [
+            f"--address={self.gcs_address}",
+            f"--labels={labels}",
+            "--include-log-monitor=False",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=1",
+            f"--num-gpus={num_gpus}",
+            f"--object-store-memory={100 * 1024 * 1024}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+            *_node_ports(_free_range(40)),
+        ]
+        self.logs.append(self.temp_dir / f"worker-{len(self.procs)}.out")
+        proc = _ray_start(args, self.logs[-1], env)
+        self.procs.append(proc)
+        _wait(f"waiting for node {len(self.procs)} to join", lambda: self.node_count() == before + 1, self)
+        return proc
+
+    def remove_worker(self, proc: subprocess.Popen[bytes]) -> None:
+        """Stop a node added by add_worker, as a machine leaving would: `ray start --block`
+        takes SIGTERM as its cue to stop the node's processes."""
+        self.retired.add(proc.pid)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            for pid in psutil.pids():
+                with contextlib.suppress(OSError):
+                    if os.getsid(pid) == proc.pid:
+                        os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:
         """Kill this cluster's processes only: everything in the sessions its `ray start`s
@@ -149,7 +187,7 @@ def _wait(what: str, ok: Callable[[], bool], cluster: RayCluster, timeout: float
     last: BaseException | None = None
     while time.monotonic() < deadline:
         for p, log in zip(cluster.procs, cluster.logs, strict=True):
-            if p.poll() is not None:
+            if p.poll() is not None and p.pid not in cluster.retired:
                 raise ClusterError(f"`ray start` exited with {p.returncode} while {what}:\n{_tail(log)}")
         try:
             if ok():

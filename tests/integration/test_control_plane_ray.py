@@ -34,7 +34,7 @@ from visionloop.sched.config import DEFAULT_RAY_ADDRESS, parse_cluster_config
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.ray import RayExecutor
 from visionloop.sched.service import ControlPlane, Principal
-from visionloop.sched.store import Store
+from visionloop.sched.store import GONE_REASON, Store
 from visionloop.sched.view import Gpu
 
 pytest_plugins = ["_raysession"]  # the session's Ray cluster: `ray_cluster`
@@ -249,3 +249,43 @@ def test_on_ray_a_higher_priority_job_preempts_through_a_checkpoint_and_the_vict
         assert "resuming from step-" in second_log, second_log
         for show in (low_show, high_show):
             assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()
+
+
+def test_the_inventory_follows_ray_nodes_that_join_and_leave(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """The scheduler re-reads the cluster's capacity every `inventory_sync_s`: a node that
+    joins brings its GPUs (type and price class from its labels), one that leaves has its
+    GPUs marked down with the reason, and the rest of the inventory is untouched."""
+    cfg = cluster_config(
+        executor={"kind": "ray", "address": ray_cluster.address, "prefix": f"vlinv{os.getpid()}"},
+        teams=TEAMS,
+        scheduler={"cycle_s": 0.2, "inventory_sync_s": 0.5},
+    )
+    with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, cfg) as cp:
+        store = cp.plane.store
+        original = {g.id: (g.type, g.price_class, g.up) for g in store.list_gpus()}
+        assert len(original) == 4
+
+        def wait_for(what: str, ok: Any, timeout: float = 90.0) -> list[Any]:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                gpus = store.list_gpus()
+                if ok(gpus):
+                    return gpus
+                time.sleep(0.2)
+            raise AssertionError(f"{what} within {timeout:.0f} s; inventory: {store.list_gpus()}")
+
+        worker = ray_cluster.add_worker(
+            "visionloop.io/gpu-type=H100-80GB,visionloop.io/price-class=owned", num_gpus=2
+        )
+        try:
+            gpus = wait_for("the new node's GPUs appear", lambda gs: len(gs) == 6)
+            new = [g for g in gpus if g.id not in original]
+            assert sorted((g.type, g.price_class, g.up) for g in new) == [("H100-80GB", "owned", True)] * 2
+            assert len({g.node for g in new}) == 1
+            assert {g.id: (g.type, g.price_class, g.up) for g in gpus if g.id in original} == original
+        finally:
+            ray_cluster.remove_worker(worker)
+        gone = {g.id for g in new}
+        gpus = wait_for("its GPUs are marked down", lambda gs: all(not g.up for g in gs if g.id in gone))
+        assert {g.id: g.down_reason for g in gpus if g.id in gone} == dict.fromkeys(gone, GONE_REASON)
+        assert {g.id: (g.type, g.price_class, g.up) for g in gpus if g.id in original} == original

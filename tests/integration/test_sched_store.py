@@ -27,7 +27,7 @@ from visionloop.core.errors import ConfigError, NotFoundError, StoreError
 from visionloop.core.settings import load_settings
 from visionloop.sched import db
 from visionloop.sched.states import JobState, TransitionError, allowed
-from visionloop.sched.store import ConflictError, Job, Store, default_url
+from visionloop.sched.store import GONE_REASON, ConflictError, Job, Store, default_url
 from visionloop.sched.view import Gpu
 from visionloop.specs import JobSpec
 
@@ -718,3 +718,27 @@ def test_view_jobs_sees_a_change_made_through_another_connection_at_the_next_ful
     assert [(r.id, r.state) for r in store.view_jobs()] == [(a.id, "queued")]
     store.VIEW_FULL_READ_S = 0.0  # ... and the periodic full read brings the other changes in.
     assert [(r.id, r.state) for r in store.view_jobs()] == [(b.id, "queued")]
+
+
+def test_a_resync_marks_missing_gpus_down_and_brings_them_back_when_listed_again(store: Store) -> None:
+    store.sync_gpus(GPUS, now=1.0)
+    store.set_gpus_up(GPUS[0].id, up=False, reason="spot interruption", now=2.0)
+    # Node n1 leaves (both its GPUs unlisted) and n0/0, down for a spot interruption, stays listed.
+    after = {g.id: g for g in store.sync_gpus(GPUS[:2], now=3.0, missing="down")}
+    assert set(after) == {g.id for g in GPUS}  # nothing deleted: attempts may still hold them
+    assert [(after[g.id].up, after[g.id].down_reason) for g in GPUS] == [
+        (False, "spot interruption"),
+        (True, None),
+        (False, GONE_REASON),
+        (False, GONE_REASON),
+    ]
+    # n1 comes back; n0/0 stays down (a resync does not undo an interruption).
+    back = {g.id: g for g in store.sync_gpus(GPUS, now=4.0, missing="down")}
+    assert [(back[g.id].up, back[g.id].down_reason) for g in GPUS] == [
+        (False, "spot interruption"),
+        (True, None),
+        (True, None),
+        (True, None),
+    ]
+    # The start-up sync removes what is gone.
+    assert [g.id for g in store.sync_gpus(GPUS[:3], now=5.0)] == [g.id for g in GPUS[:3]]

@@ -22,6 +22,7 @@ priority classes.
     min_runtime_s = 600      # a job younger than this is never preempted
     heartbeat_timeout_s = 60 # a running job silent for this long is declared lost
     retry_backoff_s = 30     # first retry delay after a failure; doubles per restart
+    inventory_sync_s = 30    # re-read the executor's GPUs this often (Ray nodes come and go); 0: never
     order = "las"            # or "fifo"
 
     [priorities]             # class name = rank (higher runs first)
@@ -82,6 +83,7 @@ class SchedulerTimings:
     min_runtime_s: float = 600.0
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0
+    inventory_sync_s: float = 30.0
     order: Literal["las", "fifo"] = "las"
 
 
@@ -146,6 +148,7 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         "min_runtime_s",
         "heartbeat_timeout_s",
         "retry_backoff_s",
+        "inventory_sync_s",
         "order",
     }
     if unknown:
@@ -159,6 +162,7 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         min_runtime_s=_number(section, "min_runtime_s", d.min_runtime_s, path),
         heartbeat_timeout_s=_number(section, "heartbeat_timeout_s", d.heartbeat_timeout_s, path, minimum=1),
         retry_backoff_s=_number(section, "retry_backoff_s", d.retry_backoff_s, path),
+        inventory_sync_s=_number(section, "inventory_sync_s", d.inventory_sync_s, path),
         order=order,
     )
 

@@ -135,6 +135,7 @@ class ControlPlane:
         self._ckpt_steps: dict[int, set[int]] = {}  # job → checkpoint steps known stored
         self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
         self._attempts_ended = 0
+        self._inventory_at = 0.0
         self._pending: dict[int, tuple[ViewJob, PendingJob]] = {}  # queued job → its view row, built
         self._sync_inventory()
         self._sync_teams()
@@ -143,6 +144,29 @@ class ControlPlane:
 
     def _sync_inventory(self) -> None:
         self.store.sync_gpus(self.executor.capacity())
+        self._inventory_at = self.clock()
+
+    def _resync_inventory(self, now: float) -> None:
+        """Every `inventory_sync_s`, read the executor's GPUs again: a Ray node that joined
+        adds its GPUs, one that left has its GPUs marked down (not deleted: attempts on them
+        are still being settled, and a failure there counts as an interruption, not a
+        failure). An executor that cannot answer keeps the inventory as it is."""
+        every = self.config.timings.inventory_sync_s
+        if every <= 0 or now - self._inventory_at < every:
+            return
+        self._inventory_at = now
+        try:
+            found = self.executor.capacity()
+        except ExecutorError as e:
+            log.warning("could not re-read the executor's GPUs (%s); keeping the inventory as it is", e)
+            return
+        before = {g.id: g.up for g in self.store.list_gpus()}
+        after = {g.id: g.up for g in self.store.sync_gpus(found, now=now, missing="down")}
+        added = sorted(after.keys() - before.keys())
+        gone = sorted(k for k, up in after.items() if before.get(k) and not up)
+        back = sorted(k for k, up in after.items() if up and before.get(k) is False)
+        if added or gone or back:
+            log.info("inventory changed: new GPUs %s, gone %s, back %s", added, gone, back)
 
     def _sync_teams(self) -> None:
         teams = list(self.config.teams)
@@ -324,6 +348,7 @@ class ControlPlane:
     def cycle(self) -> None:
         with self._lock:
             now = self.clock()
+            self._resync_inventory(now)
             attempts = self._reconcile(now)
             view = self._view(now, attempts)
             decision = schedule(view, self.policy)

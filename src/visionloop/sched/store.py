@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from sqlalchemy import CursorResult, Table, bindparam, insert, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -172,6 +172,9 @@ def _rowcount(result: Any) -> int:
 
 
 # --------------------------------------------------------------------------- the store
+
+# Why a GPU is down when the executor stopped listing it (its node left the cluster).
+GONE_REASON = "no longer reported by the executor (its node left?)"
 
 
 class Store:
@@ -927,12 +930,23 @@ class Store:
     # ------------------------------------------------------------------ inventory
 
     def sync_gpus(
-        self, gpus: Iterable[GpuLike], *, now: float | None = None, remove_missing: bool = True
+        self,
+        gpus: Iterable[GpuLike],
+        *,
+        now: float | None = None,
+        remove_missing: bool = True,
+        missing: Literal["remove", "down", "keep"] | None = None,
     ) -> list[GpuRecord]:
         """Make the inventory match discovery (or the configured list): new GPUs are added
         (up, unless they say otherwise), changed ones updated, and a known GPU keeps its
-        up/down state, so a spot interruption survives a control-plane restart. GPUs no longer
-        listed are removed (`remove_missing`); their allocations stay in the ledger."""
+        up/down state, so a spot interruption survives a control-plane restart.
+
+        GPUs no longer listed (`missing`, default "remove" or, with remove_missing=False,
+        "keep"): "remove" deletes them (their allocations stay in the ledger); "down" marks
+        them down with GONE_REASON — what a periodic re-sync does, since a Ray node that left
+        may hold attempts still being settled — and a GPU down for that reason alone comes
+        back up when it is listed again (one down for a spot interruption stays down)."""
+        missing = missing or ("remove" if remove_missing else "keep")
         now = time.time() if now is None else now
         wanted = {g.id: g for g in gpus}
         for g in wanted.values():
@@ -957,11 +971,17 @@ class Store:
                             updated_at=now,
                         )
                     )
-                elif (row.node, row.type, row.price_class) != (g.node, g.type, g.price_class):
+                    continue
+                if (row.node, row.type, row.price_class) != (g.node, g.type, g.price_class):
                     row.node, row.type, row.price_class, row.updated_at = g.node, g.type, g.price_class, now
-            if remove_missing:
-                for gid in existing.keys() - wanted.keys():
-                    s.delete(existing[gid])
+                if not row.up and row.down_reason == GONE_REASON:
+                    row.up, row.down_reason, row.updated_at = True, None, now
+            for gid in existing.keys() - wanted.keys():
+                row = existing[gid]
+                if missing == "remove":
+                    s.delete(row)
+                elif missing == "down" and row.up:
+                    row.up, row.down_reason, row.updated_at = False, GONE_REASON, now
             s.flush()
             rows = s.scalars(select(GpuRow)).all()
             return sorted((_gpu(r) for r in rows), key=lambda g: (_natural(g.node), _natural(g.id)))
