@@ -91,6 +91,9 @@ class OnnxModel:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if intra_op_threads:
             opts.intra_op_num_threads = intra_op_threads
+        # ORT's pool threads spin after each run by default; on a CPU shared with the event
+        # loop that parses the next requests, the spinning takes the cores the loop needs.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = ["CPUExecutionProvider"]
         if device == "cuda":
             if cuda_available():
