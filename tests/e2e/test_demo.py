@@ -41,3 +41,28 @@ def test_demo_ingests_trains_to_95_percent_and_records_everything(vl_home: Path)
     text = json.dumps(info)
     assert "val/accuracy" in text and "train/loss" in text and "final.safetensors" in text
     assert "confusion_matrix.png" in text
+
+    # ... and past training: registered as the champion, exported to int8 through the gate,
+    # benchmarked, served, and asked about a digit with tritonclient.
+    from visionloop.bench.result import BenchResult
+    from visionloop.export import ExportReport
+    from visionloop.registry import get_version
+    from visionloop.registry.store import DATASET_VERSION_TAG
+
+    model = get_version("digits@champion")
+    assert model.version == 1 and model.card().arch == "small_cnn"
+    assert model.tags[DATASET_VERSION_TAG] == manifest["version"]
+    for precision in ("fp32", "int8"):
+        onnx = model.export_path("onnx", precision)
+        assert onnx is not None and onnx.is_file(), precision
+        report = ExportReport.model_validate_json((onnx.parent / "export.json").read_text())
+        assert report.passed and report.drop_points <= report.threshold_points == 1.0
+        assert report.reference_accuracy == pytest.approx(float(acc.group(1)) / 100, abs=0.006)
+    bench_dir = Path(re.search(r"^\s+benchmark\s+(\S+)$", p.stdout, re.M).group(1))  # type: ignore[union-attr]
+    result = BenchResult.model_validate_json((bench_dir / "bench.json").read_text())
+    ran = {(c.format, c.precision) for c in result.configs if c.status == "ok"}
+    assert ran == {("pytorch", "fp32"), ("onnx", "fp32"), ("onnx", "int8")}
+    answer = re.search(r"served answer\s+(\d) for a (\d) \(p=([\d.]+)\), via tritonclient", p.stdout)
+    assert answer is not None, p.stdout
+    assert answer.group(1) == answer.group(2) == "7"
+    assert "server stopped" in p.stdout

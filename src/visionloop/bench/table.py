@@ -28,8 +28,12 @@ def _status(row: ConfigResult) -> str:
 def result_table(result: BenchResult) -> Table:
     title = f"{result.model} ({result.arch}, input {'x'.join(map(str, result.input_size))})"
     table = Table(title=escape(title), title_justify="left")
-    for name in ("format", "precision", "device", "status", "size", "accuracy"):
-        table.add_column(name, overflow="fold")
+    # The configuration never wraps (a narrow terminal squeezes the status text instead).
+    for name in ("format", "precision", "device"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("status", overflow="fold", ratio=1)
+    for name in ("size", "accuracy"):
+        table.add_column(name, no_wrap=True)
     for name in ("batch", "p50 ms", "p90 ms", "p99 ms", "throughput img/s", "peak mem"):
         table.add_column(name, justify="right", no_wrap=True)
     for row in result.configs:

@@ -4,8 +4,9 @@
    ships them);
 2. ingest them with the real ingest code (validation, split, shards, manifest);
 3. train a small CNN with checkpointing and MLflow tracking;
-4. print the validation accuracy, where the run and its checkpoints are, and how to open the
-   MLflow UI on it.
+4-7. register it, export it to ONNX int8 through the accuracy gate, benchmark it, serve it and
+   ask the server about one digit with tritonclient (cli/demo_deploy.py);
+then print the validation accuracy, where everything is, and what to type next.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import typer
 from visionloop.cli.console import err, out
 
 TARGET_ACCURACY = 0.95
+STEPS = 7
 DEMO_SPEC = """\
 # The demo's train spec: a small CNN on 32x32 digits, a few minutes on 2 CPU cores.
 data:
@@ -69,11 +71,13 @@ def demo(
         None, "--home", help="Put everything under this folder instead of $VISIONLOOP_HOME."
     ),
 ) -> None:
-    """Run the spine end to end on scikit-learn's digits: ImageFolder → ingest → train → evaluate.
+    """The whole loop on scikit-learn's digits: ingest → train → register → export int8 → bench → serve.
 
     Everything lands under $VISIONLOOP_HOME (default ~/.visionloop).
 
-    Images go to demo/, the dataset to datasets/digits, the run to runs/demo-<time>, MLflow to mlflow.db.
+    Images go to demo/, the dataset to datasets/digits, the run to runs/demo-<time>, MLflow to
+    mlflow.db, the model to models/digits/v<N> (with its ONNX exports), the benchmark to bench/.
+    The server runs on a free loopback port only while the demo sends it one image.
     """
     import os
 
@@ -91,7 +95,7 @@ def demo(
     images_dir = settings.home / "demo" / "digits-images"
     dataset_dir = settings.datasets_dir / "digits"
 
-    err.rule("[bold]1/3  write scikit-learn's digits as PNG files")
+    err.rule(f"[bold]1/{STEPS}  write scikit-learn's digits as PNG files")
     if images_dir.exists():
         import shutil
 
@@ -99,12 +103,12 @@ def demo(
     n = write_digits_imagefolder(images_dir)
     out.print(f"wrote {n:,} PNG files in 10 class folders under {images_dir}", soft_wrap=True)
 
-    err.rule("[bold]2/3  ingest: validate, split, shard")
+    err.rule(f"[bold]2/{STEPS}  ingest: validate, split, shard")
     report = ingest_with_progress(
         images_dir, dataset_dir, IngestOptions(val_fraction=0.2, seed=0, overwrite=True)
     )
 
-    err.rule("[bold]3/3  train a small CNN (checkpointed, tracked in MLflow)")
+    err.rule(f"[bold]3/{STEPS}  train a small CNN (checkpointed, tracked in MLflow)")
     spec_path = settings.home / "demo" / "digits.yaml"
     spec_text = DEMO_SPEC.format(dataset=dataset_dir, workers=workers, epochs=epochs)
     spec_path.write_text(spec_text)
@@ -129,6 +133,11 @@ def demo(
 
     acc = result.final_metrics.get("accuracy", 0.0)
     ok = acc >= TARGET_ACCURACY
+    deployed = None
+    if ok:  # a model that missed its target is not worth deploying; the summary says why
+        from visionloop.cli.demo_deploy import deploy
+
+        deployed = deploy(settings, result.run_dir, images_dir, first_step=4, steps=STEPS)
     err.rule("[bold]summary")
     out.print(
         f"validation accuracy  [bold {'green' if ok else 'red'}]{acc:.2%}[/] "
@@ -142,12 +151,26 @@ def demo(
         ("model card", str(result.model_card)),
         ("MLflow run", str(result.run_id)),
         ("open the UI", str(result.ui_command)),
-        ("took", f"{time.monotonic() - started:.0f} s"),
     ]
+    if deployed is not None:
+        rows += [
+            ("model", f"{deployed.model} (champion) in the MLflow Model Registry"),
+            (
+                "int8 export",
+                f"accuracy {deployed.int8_accuracy:.2%} (fp32 {deployed.reference_accuracy:.2%}); gate ok",
+            ),
+            ("benchmark", str(deployed.bench_dir)),
+            (
+                "served answer",
+                f"{deployed.answer} for a {deployed.truth} (p={deployed.confidence:.2f}), via tritonclient",
+            ),
+        ]
+    rows.append(("took", f"{time.monotonic() - started:.0f} s"))
     for key, value in rows:
-        out.print(f"  {key:<13}{value}", soft_wrap=True)
+        out.print(f"  {key:<15}{value}", soft_wrap=True)
     out.print(
-        "Next: `visionloop runs show " + str(result.run_id)[:8] + "`, or train on your own images with "
+        "Next: `visionloop runs show " + str(result.run_id)[:8] + "`, `visionloop models show digits`, "
+        "`visionloop serve digits --precision int8`, or train on your own images with "
         "`visionloop data ingest DIR --out DATASET` and a spec like " + str(spec_path),
         soft_wrap=True,
     )
