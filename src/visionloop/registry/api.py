@@ -389,15 +389,7 @@ def set_alias(
             raise
         except Exception as e:
             raise rstore.wrap(f"set alias {alias!r} of {name!r}", settings, e) from e
-        event = history.AliasEvent(
-            at=history.now_iso(),
-            actor=actor or history.default_actor(),
-            action="set",
-            alias=alias,
-            version=version,
-            previous=previous,
-        )
-        history.append_event(root / ALIAS_HISTORY_FILE, event)
+        _record_alias(root, "set", alias, version, previous, actor)
     return get_version(ModelRef(target.name, version=version), settings)
 
 
@@ -435,16 +427,23 @@ def rollback(
             c.set_registered_model_alias(name, alias, str(target))
         except Exception as e:
             raise rstore.wrap(f"roll back {name}@{alias}", settings, e) from e
-        event = history.AliasEvent(
-            at=history.now_iso(),
-            actor=actor or history.default_actor(),
-            action="rollback",
-            alias=alias,
-            version=target,
-            previous=current,
-        )
-        history.append_event(root / ALIAS_HISTORY_FILE, event)
+        _record_alias(root, "rollback", alias, target, current, actor)
     return get_version(ModelRef(name, version=target), settings)
+
+
+def _record_alias(
+    root: Path, action: str, alias: str, version: int, previous: int | None, actor: str | None
+) -> None:
+    """Append one alias change, with who and when, to the model's alias history."""
+    event = history.AliasEvent(
+        at=history.now_iso(),
+        actor=actor or history.default_actor(),
+        action=action,
+        alias=alias,
+        version=version,
+        previous=previous,
+    )
+    history.append_event(root / ALIAS_HISTORY_FILE, event)
 
 
 def record_export(info: ModelVersionInfo, key: str, fields: dict[str, str], settings: Settings) -> None:
