@@ -74,17 +74,21 @@ class Batcher:
         capacity: int,
         observer: BatchObserver | None = None,
         name: str = "batcher",
+        concurrency: int = 2,
     ) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
         self.observer = observer
         self._queue: asyncio.Queue[Job] = asyncio.Queue(maxsize=capacity)
-        # One thread per version: batches of one version run one after another, and ORT's own
-        # intra-op threads parallelise inside a batch.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # `concurrency` batches may run at once (each in its own thread, ORT's intra-op threads
+        # inside it): while one batch is gathered, split and answered, another computes, so the
+        # cores never wait for the event loop. ORT sessions are safe to run concurrently.
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=name)
+        self._slots = asyncio.Semaphore(concurrency)
+        self._executing: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
-        self._running: list[Job] = []
+        self._running: set[Job] = set()
         self.closed = False
         self.in_flight = 0
 
@@ -162,17 +166,24 @@ class Batcher:
                 job = carry if carry is not None else await self._queue.get()
                 carry = None
                 if job is _STOP:
-                    return
+                    break
                 if job.future.done():
                     continue
+                await self._slots.acquire()  # a free inference thread, before the batch forms
                 batch, carry, stop = await self._gather(job)
-                await self._execute(batch)
+                self._launch(batch)
                 if stop:
                     if carry is not None:
-                        await self._execute([carry])
-                    return
+                        await self._slots.acquire()
+                        self._launch([carry])
+                        carry = None
+                    break
+            if self._executing:
+                await asyncio.gather(*self._executing, return_exceptions=True)
         finally:
             # Cancelled while draining: nothing may wait forever on a future nobody resolves.
+            for t in self._executing:
+                t.cancel()
             pending = [*self._running, *([carry] if carry is not None else [])]
             while not self._queue.empty():
                 j = self._queue.get_nowait()
@@ -181,6 +192,11 @@ class Batcher:
             for j in pending:
                 if not j.future.done():
                     j.future.set_exception(BatcherClosedError("the version was unloaded"))
+
+    def _launch(self, batch: list[Job]) -> None:
+        task = asyncio.get_running_loop().create_task(self._execute(batch))
+        self._executing.add(task)
+        task.add_done_callback(self._executing.discard)
 
     async def _execute(self, batch: list[Job]) -> None:
         loop = asyncio.get_running_loop()
@@ -194,7 +210,7 @@ class Batcher:
             feeds = first
         else:
             feeds = {name: np.concatenate([j.feeds[name] for j in batch]) for name in first}
-        self._running = batch
+        self._running.update(batch)
         try:
             outputs = await loop.run_in_executor(self._pool, self.model.run, feeds)
         except Exception as e:  # ORT's exception types are not public; report, never crash the loop
@@ -204,7 +220,8 @@ class Batcher:
                     j.future.set_exception(InferenceError(str(e)))
             return
         finally:
-            self._running = []
+            self._running.difference_update(batch)
+            self._slots.release()
         compute_s = time.perf_counter() - start
         offset = 0
         for j in batch:

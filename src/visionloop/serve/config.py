@@ -44,6 +44,9 @@ class ServeConfig(BaseModel):
     max_queue_delay_ms: float = Field(
         2.0, ge=0.0, le=10_000.0, examples=[2.0], description="how long a batch waits to fill up"
     )
+    batch_concurrency: int = Field(
+        2, ge=1, le=64, examples=[2], description="batches of one version computing at once"
+    )
     queue_capacity: int = Field(256, ge=1, le=1_000_000, examples=[256], description="per model version")
     request_timeout_ms: float = Field(5000.0, gt=0.0, examples=[5000.0])
 

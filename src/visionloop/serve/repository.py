@@ -156,6 +156,7 @@ class Repository:
             max_delay_s=cfg.max_queue_delay_ms / 1000.0,
             capacity=cfg.queue_capacity,
             name=f"ort-{rv.name}-v{rv.version}",
+            concurrency=cfg.batch_concurrency,
         )
         served = ServedVersion(rv, model, batcher)
         batcher.observer = self._observer(served)
