@@ -44,7 +44,7 @@ HEADER = "Inference-Header-Content-Length"
 # ---------------------------------------------------------------- model
 
 
-def build_model(root: Path, size: int) -> tuple[Path, Path]:
+def build_model(root: Path, size: int, arch: str = "resnet18") -> tuple[Path, Path]:
     import warnings
 
     import torch
@@ -52,7 +52,7 @@ def build_model(root: Path, size: int) -> tuple[Path, Path]:
     from visionloop.models.card import ModelCard
 
     card = ModelCard(
-        arch="resnet18",
+        arch=arch,
         num_classes=10,
         class_names=[f"c{i}" for i in range(10)],
         input_size=(3, size, size),
@@ -116,6 +116,7 @@ def child_server(kind: str, onnx_path: Path, card_path: Path, port_file: Path, b
             queue_capacity=1024,
             request_timeout_ms=60_000,
             prediction_log=False,
+            **json.loads(os.environ.get("VL_SERVE_OVERRIDES", "{}")),  # try: {"batch_concurrency": 1}
         )
         server = BackgroundServer(cfg, src).start()
         port_file.write_text(str(server.port))
@@ -287,6 +288,7 @@ async def open_loop(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--arch", default="resnet18", help="any registry model, e.g. resnet50")
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
@@ -301,7 +303,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        onnx_path, card_path = build_model(tmp, a.size)
+        onnx_path, card_path = build_model(tmp, a.size, a.arch)
         base = in_process(onnx_path, a.size, a.batch, a.seconds)
         print(f"in-process ONNX Runtime, batch {a.batch}: {base:.1f} images/s")
         body, headers = request_body(a.size)
@@ -329,9 +331,9 @@ def main() -> None:
     half = results["half_rate"]
     print(f"p99 at half saturation: {half['p99_ms']:.1f} ms (p50 {half['p50_ms']:.1f} ms)")
     path = write_result(
-        "serve",
+        "serve" if a.arch == "resnet18" else f"serve_{a.arch}",
         {
-            "model": f"resnet18 3x{a.size}x{a.size} fp32 onnx",
+            "model": f"{a.arch} 3x{a.size}x{a.size} fp32 onnx",
             "batch": a.batch,
             "clients": a.clients,
             "seconds": a.seconds,

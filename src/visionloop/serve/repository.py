@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -144,8 +145,10 @@ class Repository:
     async def _load(self, rv: ResolvedVersion) -> ServedVersion:
         cfg = self.config
 
+        threads = cpu_threads_per_batch(cfg) if cfg.device == "cpu" else cfg.intra_op_threads
+
         def build() -> OnnxModel:
-            m = OnnxModel(rv.path, device=cfg.device, intra_op_threads=cfg.intra_op_threads)
+            m = OnnxModel(rv.path, device=cfg.device, intra_op_threads=threads)
             m.warm_up()
             return m
 
@@ -309,3 +312,14 @@ class Repository:
                 self._retire(sv)
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
+
+
+def cpu_threads_per_batch(cfg: ServeConfig) -> int:
+    """ONNX Runtime's intra-op threads for one CPU session: as configured, or (0, auto) the
+    cores shared out between the batches that compute at once. ORT's own default gives every
+    session all the cores, so `batch_concurrency` batches oversubscribe them: on 2 cores that
+    cost the server 15-20% of its throughput (BENCHMARKS.md, inference server)."""
+    if cfg.intra_op_threads:
+        return cfg.intra_op_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // cfg.batch_concurrency)
