@@ -136,7 +136,10 @@ class ControlPlane:
         self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
         self._attempts_ended = 0
         self._inventory_at = 0.0
-        self._pending: dict[int, tuple[ViewJob, PendingJob]] = {}  # queued job → its view row, built
+        self._pending: dict[int, tuple[ViewJob, PendingJob]] = {}
+        self._rows: tuple[ViewJob, ...] | None = None  # the queue view last built from
+        self._active_rows: dict[int, ViewJob] = {}
+        self._queued: list[PendingJob] = []  # queued job → its view row, built
         self._sync_inventory()
         self._sync_teams()
 
@@ -384,7 +387,11 @@ class ControlPlane:
         gpus = self.store.list_gpus()
         running: list[ActiveJob] = []
         rows = self.store.view_jobs()
-        jobs = {j.id: j for j in rows if j.state != QUEUED}
+        if rows is not self._rows:  # the queue changed since the last cycle
+            self._rows = rows
+            self._active_rows = {j.id: j for j in rows if j.state != QUEUED}
+            self._queued = self._pending_jobs(rows)
+        jobs = self._active_rows
         for attempt in self.store.active_attempts() if attempts is None else attempts:
             job = jobs.get(attempt.job_id)
             if job is None:
@@ -405,9 +412,13 @@ class ControlPlane:
                     submitted_at=job.submitted_at,
                 )
             )
-        # A queued job's PendingJob is rebuilt only when its row changed: the store hands back
-        # the same row object until then (view_jobs' cache), so 10,000 queued jobs cost a
-        # dictionary lookup each rather than an object each.
+        queued = self._queued  # shared between cycles while unchanged: the policy only reads it
+        return ClusterView(now=now, gpus=gpus, teams=teams, running=running, queued=queued)
+
+    def _pending_jobs(self, rows: tuple[ViewJob, ...]) -> list[PendingJob]:
+        """The queued rows as the policy's PendingJobs. One is rebuilt only when its row
+        changed: the store hands back the same row object until then (view_jobs' cache), so
+        10,000 queued jobs cost a dictionary lookup each rather than an object each."""
         previous, pending = self._pending, {}
         queued: list[PendingJob] = []
         for j in rows:
@@ -432,7 +443,7 @@ class ControlPlane:
             pending[j.id] = (j, p)
             queued.append(p)
         self._pending = pending
-        return ClusterView(now=now, gpus=gpus, teams=teams, running=running, queued=queued)
+        return queued
 
     # ------------------------------------------------------------------ launching
 
