@@ -42,8 +42,12 @@ def export(
     exporter: str = typer.Option("torchscript", "--exporter", help="torchscript (default) or dynamo."),
     as_json: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
 ) -> None:
-    """Export a registered model to ONNX, check it against PyTorch on the validation images, and
-    store it with the model version. A failed check keeps its report and exits 1."""
+    """Export a registered model to ONNX (fp32, fp16 or int8) behind a parity check and an accuracy gate.
+
+    The export is compared with eager PyTorch on the model's validation images and stored with
+    the model version. One that fails the check keeps its report (export.json), is never
+    served, and the command exits 1 printing both accuracies.
+    """
     from visionloop.export import PRECISIONS, ExportError, export_model
 
     if fmt != "onnx":

@@ -28,9 +28,10 @@ from visionloop.core.errors import VisionloopError
 app = typer.Typer(
     name="visionloop",
     help=(
-        "visionloop: labelled images in; a trained, tracked, resumable model out.\n\n"
+        "visionloop: labelled images in; a trained, tracked, optimized and served model out.\n\n"
         "Start with `visionloop demo`. Share GPUs between jobs with `visionloop up`, `submit` and "
-        "`jobs`. State lives under $VISIONLOOP_HOME (default ~/.visionloop)."
+        "`jobs`; take a run to an endpoint with `models register`, `export`, `bench` and `serve`. "
+        "State lives under $VISIONLOOP_HOME (default ~/.visionloop)."
     ),
     no_args_is_help=True,
     add_completion=False,
