@@ -703,7 +703,7 @@ def test_view_jobs_follows_every_change_made_through_the_store(store: Store) -> 
     assert set(rows) == {a.id, c.id}  # the cancelled job left the view
     assert (rows[a.id].state, rows[a.id].attained_gpu_s, rows[a.id].not_before) == ("queued", 10.0, 30.0)
     # The cache never drifts from what a full read gives.
-    assert store.view_jobs() == store._read_view()
+    assert store.view_jobs() == tuple(store._read_view())
 
 
 def test_view_jobs_sees_a_change_made_through_another_connection_at_the_next_full_read(
