@@ -21,14 +21,9 @@ RESULTS = Path(__file__).parent / "results"
 def machine() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from visionloop.bench.sweep import cpu_name
+
+    cpu = cpu_name()
     info: dict[str, Any] = {
         "cpu": cpu,
         "cores": len(os.sched_getaffinity(0)),
