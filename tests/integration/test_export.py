@@ -110,6 +110,21 @@ def test_fp16_and_int8_of_the_trained_model_pass_the_gate(onnx_model: ModelKit, 
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
     assert info.export_path("onnx", "fp32") is not None  # earlier exports stay
 
+    # A refused re-export never destroys the export that passed: it stays, served and tagged.
+    with pytest.raises(ExportGateError) as caught:
+        export_model(
+            kit.ref, precision="int8", calibration_images=torch.zeros(64, 3, 16, 16), settings=kit.settings
+        )
+    assert "earlier int8 export, which passed, is kept and still served" in str(caught.value)
+    kept = kit.info().export_path("onnx", "int8")
+    assert kept is not None and sha256_file(kept) == int8.sha256
+    folder = kept.parent
+    refused = json.loads((folder / "export.failed.json").read_text())
+    assert refused["passed"] is False and refused["accuracy"] == caught.value.report.accuracy
+    assert json.loads((folder / "export.json").read_text())["sha256"] == int8.sha256
+    tags = rstore.client(kit.settings).get_model_version("digits", str(kit.version)).tags
+    assert tags["visionloop.export.onnx-int8.passed"] == "true"
+
 
 def test_int8_with_broken_calibration_is_refused_and_never_served(
     registered_model: ModelKit,  # noqa: F811

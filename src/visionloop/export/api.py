@@ -30,7 +30,7 @@ from visionloop.export.report import (
 from visionloop.registry import ModelRef, ModelVersionInfo, get_version, record_export
 from visionloop.registry.files import model_lock
 from visionloop.registry.history import now_iso
-from visionloop.registry.layout import EXPORT_REPORT_FILE, ONNX_FILE, export_dir
+from visionloop.registry.layout import EXPORT_REPORT_FILE, FAILED_EXPORT_REPORT_FILE, ONNX_FILE, export_dir
 
 CARD_METADATA_KEY = "visionloop.model_card"
 DEFAULT_CALIBRATION_SIZE = 256
@@ -135,7 +135,10 @@ def export_model(
         created_at=now_iso(),
         duration_s=round(time.monotonic() - started, 3),
     )
-    _store(out_dir, data, report)
+    kept = _store(out_dir, data, report)
+    if kept:
+        # A refused re-export: the earlier passing export stays, served and tagged as it was.
+        raise ExportGateError(_failure_message(report, out_dir, kept=True), report)
     record_export(
         info,
         f"{fmt}-{precision}",
@@ -224,21 +227,45 @@ def _reason(parity_ok: bool, gate_ok: bool) -> str:
     return "; ".join(reasons)
 
 
-def _store(out_dir: Path, data: bytes, report: ExportReport) -> None:
+def _store(out_dir: Path, data: bytes, report: ExportReport) -> bool:
     """The model file, then its report (a reader trusts the model only through a passed report
-    whose size matches). A failed export keeps only its report, so it can never be served."""
+    whose size matches). A failed export keeps only its report, so it can never be served —
+    except that a refused re-export never destroys an earlier export that passed: that one
+    stays, and the refusal goes to FAILED_EXPORT_REPORT_FILE beside it. Returns whether an
+    earlier passing export was kept that way."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    text = report.model_dump_json(indent=2) + "\n"
     with model_lock(out_dir):
+        if not report.passed and _passing_export(out_dir):
+            atomic_write_text(out_dir / FAILED_EXPORT_REPORT_FILE, text)
+            return True
         if report.passed:
             atomic_write_bytes(out_dir / ONNX_FILE, data)
         else:
             with contextlib.suppress(FileNotFoundError):
                 (out_dir / ONNX_FILE).unlink()
-        atomic_write_text(out_dir / EXPORT_REPORT_FILE, report.model_dump_json(indent=2) + "\n")
+        atomic_write_text(out_dir / EXPORT_REPORT_FILE, text)
+        with contextlib.suppress(FileNotFoundError):
+            (out_dir / FAILED_EXPORT_REPORT_FILE).unlink()  # superseded by this attempt
+        return False
 
 
-def _failure_message(r: ExportReport, out_dir: Path) -> str:
+def _passing_export(out_dir: Path) -> bool:
+    """An export in `out_dir` that passed its gate and whose file is the one it measured."""
+    try:
+        earlier = ExportReport.model_validate_json((out_dir / EXPORT_REPORT_FILE).read_text())
+        return earlier.passed and (out_dir / ONNX_FILE).stat().st_size == earlier.size_bytes
+    except (OSError, ValueError):
+        return False
+
+
+def _failure_message(r: ExportReport, out_dir: Path, *, kept: bool = False) -> str:
     lines = [f"{r.model} {r.format}-{r.precision} export refused: {r.reason}."]
+    if kept:
+        lines.append(
+            f"  The earlier {r.precision} export, which passed, is kept and still served "
+            f"({out_dir / ONNX_FILE})."
+        )
     within = "more than" if not r.gate_passed else "within"
     lines.append(
         f"  accuracy {r.accuracy:.2%} against {r.reference_accuracy:.2%} for fp32 PyTorch on "
@@ -256,5 +283,6 @@ def _failure_message(r: ExportReport, out_dir: Path) -> str:
         "fp16": "export fp32 instead, or allow more (--max-drop)",
         "fp32": "the exporter changed the model's behaviour; try --exporter dynamo",
     }[r.precision]
-    lines.append(f"  Report: {out_dir / EXPORT_REPORT_FILE}. What to do: {hint}.")
+    report_file = FAILED_EXPORT_REPORT_FILE if kept else EXPORT_REPORT_FILE
+    lines.append(f"  Report: {out_dir / report_file}. What to do: {hint}.")
     return "\n".join(lines)

@@ -32,6 +32,8 @@ SPEC_FILE = "spec.yaml"
 EXPORTS_DIR = "exports"
 ONNX_FILE = "model.onnx"
 EXPORT_REPORT_FILE = "export.json"
+# The report of a refused re-export, beside an earlier export that passed and is kept.
+FAILED_EXPORT_REPORT_FILE = "export.failed.json"
 SPEC_RESOLVED_FILE = "spec.resolved.yaml"
 LINEAGE_FILE = "lineage.json"
 # Per model, beside the version folders: every alias change, for `models show` and rollback.
