@@ -23,6 +23,7 @@ from visionloop.cli.console import err, out
 if TYPE_CHECKING:
     from visionloop.core.settings import Settings
     from visionloop.export.report import ExportReport, Precision
+    from visionloop.models.card import ModelCard
     from visionloop.registry import ModelVersionInfo
 
 MODEL_NAME = "digits"
@@ -62,7 +63,7 @@ def deploy(settings: Settings, run_dir: Path, images_dir: Path, first_step: int,
 
     n += 1
     err.rule(f"[bold]{n}/{steps}  serve the int8 champion and ask it about one held-out digit")
-    answer, truth, confidence = _serve_and_ask(settings, images_dir)
+    answer, truth, confidence = _serve_and_ask(settings, images_dir, info.card())
     return DeployOutcome(ref, int8.accuracy, int8.reference_accuracy, bench_dir, answer, truth, confidence)
 
 
@@ -106,12 +107,11 @@ def _bench(ref: str, settings: Settings) -> Path:
     return out_dir
 
 
-def _serve_and_ask(settings: Settings, images_dir: Path) -> tuple[int, int, float]:
+def _serve_and_ask(settings: Settings, images_dir: Path, card: ModelCard) -> tuple[int, int, float]:
     import numpy as np
     import tritonclient.http as httpclient
     from PIL import Image
 
-    from visionloop.registry import get_version
     from visionloop.serve.config import ServeConfig
     from visionloop.serve.server import BackgroundServer, predictions_path
     from visionloop.serve.source import RegistrySource
@@ -126,7 +126,6 @@ def _serve_and_ask(settings: Settings, images_dir: Path) -> tuple[int, int, floa
         out.print(f"server listening on {server.url} (KServe v2 / Triton HTTP protocol)")
         client = httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
         meta = client.get_model_metadata(MODEL_NAME)
-        card = get_version(f"{MODEL_NAME}@champion", settings).card()
         tensor = card.eval_preprocess().to_transform()(Image.open(image_path))
         batch = tensor.unsqueeze(0).numpy().astype(np.float32)
         inp = httpclient.InferInput(meta["inputs"][0]["name"], list(batch.shape), "FP32")

@@ -28,6 +28,7 @@ from visionloop.export.report import (
     Precision,
 )
 from visionloop.registry import ModelRef, ModelVersionInfo, get_version, record_export
+from visionloop.registry.api import passing_export
 from visionloop.registry.files import model_lock
 from visionloop.registry.history import now_iso
 from visionloop.registry.layout import EXPORT_REPORT_FILE, FAILED_EXPORT_REPORT_FILE, ONNX_FILE, export_dir
@@ -236,7 +237,7 @@ def _store(out_dir: Path, data: bytes, report: ExportReport) -> bool:
     out_dir.mkdir(parents=True, exist_ok=True)
     text = report.model_dump_json(indent=2) + "\n"
     with model_lock(out_dir):
-        if not report.passed and _passing_export(out_dir):
+        if not report.passed and passing_export(out_dir) is not None:
             atomic_write_text(out_dir / FAILED_EXPORT_REPORT_FILE, text)
             return True
         if report.passed:
@@ -247,15 +248,6 @@ def _store(out_dir: Path, data: bytes, report: ExportReport) -> bool:
         atomic_write_text(out_dir / EXPORT_REPORT_FILE, text)
         with contextlib.suppress(FileNotFoundError):
             (out_dir / FAILED_EXPORT_REPORT_FILE).unlink()  # superseded by this attempt
-        return False
-
-
-def _passing_export(out_dir: Path) -> bool:
-    """An export in `out_dir` that passed its gate and whose file is the one it measured."""
-    try:
-        earlier = ExportReport.model_validate_json((out_dir / EXPORT_REPORT_FILE).read_text())
-        return earlier.passed and (out_dir / ONNX_FILE).stat().st_size == earlier.size_bytes
-    except (OSError, ValueError):
         return False
 
 

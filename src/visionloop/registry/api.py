@@ -92,14 +92,7 @@ class ModelVersionInfo:
 
         A failed export keeps its report (for `models show`) but must never be served.
         """
-        report = self.export_report(fmt, precision)
-        model = export_dir(self.dir, fmt, precision) / ONNX_FILE
-        if report is None or report.get("passed") is not True or not model.is_file():
-            return None
-        # A truncated or replaced file is not the one the gate passed.
-        if report.get("size_bytes") != model.stat().st_size:
-            return None
-        return model
+        return passing_export(export_dir(self.dir, fmt, precision))
 
     def exports(self) -> dict[str, dict[str, Any]]:
         """`<format>-<precision>` → report, for every export attempted on this version."""
@@ -112,6 +105,21 @@ class ModelVersionInfo:
                 if report is not None:
                     out[sub.name] = report
         return out
+
+
+def passing_export(folder: Path) -> Path | None:
+    """The model file of the export in `folder` if its report says it passed its gate and the
+    file is the one the gate measured; else None."""
+    try:
+        report = json.loads((folder / EXPORT_REPORT_FILE).read_text(encoding="utf-8"))
+        model = folder / ONNX_FILE
+        # A truncated or replaced file is not the one the gate passed.
+        ok = isinstance(report, dict) and report.get("passed") is True
+        if ok and report.get("size_bytes") == model.stat().st_size:
+            return model
+    except (OSError, json.JSONDecodeError):
+        pass
+    return None
 
 
 @dataclass(frozen=True)

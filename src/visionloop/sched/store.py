@@ -935,19 +935,17 @@ class Store:
         gpus: Iterable[GpuLike],
         *,
         now: float | None = None,
-        remove_missing: bool = True,
-        missing: Literal["remove", "down", "keep"] | None = None,
+        missing: Literal["remove", "down"] = "remove",
     ) -> list[GpuRecord]:
         """Make the inventory match discovery (or the configured list): new GPUs are added
         (up, unless they say otherwise), changed ones updated, and a known GPU keeps its
         up/down state, so a spot interruption survives a control-plane restart.
 
-        GPUs no longer listed (`missing`, default "remove" or, with remove_missing=False,
-        "keep"): "remove" deletes them (their allocations stay in the ledger); "down" marks
-        them down with GONE_REASON — what a periodic re-sync does, since a Ray node that left
-        may hold attempts still being settled — and a GPU down for that reason alone comes
-        back up when it is listed again (one down for a spot interruption stays down)."""
-        missing = missing or ("remove" if remove_missing else "keep")
+        GPUs no longer listed: "remove" deletes them (their allocations stay in the ledger),
+        as the start-up sync does; "down" marks them down with GONE_REASON — what a periodic
+        re-sync does, since a Ray node that left may hold attempts still being settled — and a
+        GPU down for that reason alone comes back up when it is listed again (one down for a
+        spot interruption stays down)."""
         now = time.time() if now is None else now
         wanted = {g.id: g for g in gpus}
         for g in wanted.values():
