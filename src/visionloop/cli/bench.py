@@ -4,34 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from visionloop.cli.console import err, out
+from visionloop.cli.console import err, out, print_wide
 from visionloop.core.errors import VisionloopError
-
-_PIPE_WIDTH = 200
 
 
 class BudgetNotMetError(VisionloopError):
     """No measured configuration meets the latency budget."""
 
     exit_code = 3
-
-
-def _print(renderable: Any) -> None:
-    # Piped output (a file, a test) gets wide lines instead of Rich's 80 columns, so the
-    # table is not folded into unreadable slivers. COLUMNS, when set, still wins.
-    if out.is_terminal or "COLUMNS" in os.environ:
-        out.print(renderable)
-    else:
-        Console(highlight=False, soft_wrap=False, width=_PIPE_WIDTH).print(renderable)
 
 
 @contextlib.contextmanager
@@ -148,7 +135,7 @@ def bench(
         )
     with _status() as progress:
         result = run_sweep(target, settings, progress=progress)
-    _print(result_table(result))
+    print_wide(result_table(result))
     if result.eval_source:
         out.print(f"accuracy measured on {escape(result.eval_source)}")
     where = (out_dir or default_out_dir(vl.home, result)).expanduser().resolve()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from visionloop.cli.console import err, out
+from visionloop.cli.console import err, out, print_wide
 
 if TYPE_CHECKING:
     from visionloop.core.settings import Settings
@@ -100,8 +100,7 @@ def _bench(ref: str, settings: Settings) -> Path:
     result = run_sweep(target, sweep)
     out_dir = default_out_dir(settings.home, result)
     written = write_result(result, out_dir)
-    # Piped output (a log, CI) is 80 columns by default: too narrow for the table's 12 columns.
-    out.print(result_table(result), width=None if out.is_terminal else max(out.width, 140))
+    print_wide(result_table(result))
     out.print(f"results: {written['result']}", soft_wrap=True)
     out.print(f"  $ visionloop bench {ref} --latency-budget 10", soft_wrap=True)
     return out_dir
