@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _modelkit import ModelKit, onnx_model, registered_model  # noqa: F401  (session fixtures)
+from _trainkit import cli
 from visionloop.core.errors import DataError
 from visionloop.export import CARD_METADATA_KEY, ExportError, ExportGateError, convert, export_model
 from visionloop.export.data import open_model_dataset
@@ -124,6 +125,20 @@ def test_fp16_and_int8_of_the_trained_model_pass_the_gate(onnx_model: ModelKit, 
     assert json.loads((folder / "export.json").read_text())["sha256"] == int8.sha256
     tags = rstore.client(kit.settings).get_model_version("digits", str(kit.version)).tags
     assert tags["visionloop.export.onnx-int8.passed"] == "true"
+    # `models show` names both: the kept export that passed, and the refusal beside it.
+    info = kit.info()
+    assert info.exports()["onnx-int8"]["sha256"] == int8.sha256
+    assert info.exports(refused_reexports=True) == {"onnx-int8": refused}
+    r = cli("models", "show", kit.ref, env=kit.env())
+    assert r.returncode == 0, r.stderr
+    (kept_row,) = [
+        line for line in r.stdout.splitlines() if line.strip("│ ").startswith("onnx-int8") and "yes" in line
+    ]
+    (refused_row,) = [line for line in r.stdout.splitlines() if "re-export refused" in line]
+    assert f"{int8.accuracy:.2%}" in kept_row
+    assert "onnx-int8" in refused_row and f"{refused['accuracy']:.2%}" in refused_row
+    r = cli("models", "show", kit.ref, "--json", env=kit.env())
+    assert json.loads(r.stdout)["refused_reexports"]["onnx-int8"]["passed"] is False
 
 
 def test_int8_with_broken_calibration_is_refused_and_never_served(

@@ -11,7 +11,7 @@ from rich.console import Console
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False)
 
-_PIPE_WIDTH = 200
+_PIPE_WIDTH = 240
 
 
 def print_wide(renderable: Any) -> None:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from visionloop.cli.console import out
+from visionloop.cli.console import out, print_wide
 
 if TYPE_CHECKING:
     from visionloop.registry import ModelVersionInfo
@@ -23,16 +21,6 @@ app = typer.Typer(
     ),
     no_args_is_help=True,
 )
-
-_PIPE_WIDTH = 240
-
-
-def _print(renderable: Any) -> None:
-    # Piped output gets wide lines rather than Rich's 80 columns, so paths are not cut.
-    if out.is_terminal or "COLUMNS" in os.environ:
-        out.print(renderable)
-    else:
-        Console(highlight=False, width=_PIPE_WIDTH).print(renderable)
 
 
 def _echo_json(obj: Any) -> None:
@@ -98,7 +86,7 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) 
     for m in models:
         aliases = ", ".join(f"{a} -> v{v}" for a, v in sorted(m.aliases.items())) or "-"
         table.add_row(m.name, str(m.versions), f"v{m.latest}" if m.latest else "-", aliases, m.updated_at)
-    _print(table)
+    print_wide(table)
 
 
 @app.command("show")
@@ -117,6 +105,7 @@ def show_cmd(
     card = info.card()
     lineage = info.lineage()
     exports = info.exports()
+    refused = info.exports(refused_reexports=True)
     if as_json:
         _echo_json(
             {
@@ -124,6 +113,7 @@ def show_cmd(
                 "card": card.model_dump(mode="json"),
                 "lineage": lineage,
                 "exports": exports,
+                "refused_reexports": refused,
                 "versions": [_version_json(v) for v in versions],
                 "alias_history": [e.model_dump() for e in events],
             }
@@ -141,7 +131,7 @@ def show_cmd(
             (v.tags.get("visionloop.dataset_version") or "-")[:12],
             (v.run_id or "-")[:12],
         )
-    _print(table)
+    print_wide(table)
     out.print(f"\n[bold]{info.name}/{info.version}[/]  {', '.join(info.aliases) or ''}")
     c, h, w = card.input_size
     out.print(f"  arch           {card.arch} {card.model_kwargs or ''}".rstrip())
@@ -172,10 +162,15 @@ def show_cmd(
             "size",
             title="exports",
         )
-        for key, r in exports.items():
+        # A refused re-export sits beside the earlier export that passed and is still served.
+        rows = [(key, r, "[green]yes[/]" if r.get("passed") else "[red]no[/]") for key, r in exports.items()]
+        rows += [
+            (key, r, f"[red]re-export refused[/] {r.get('created_at', '')}") for key, r in refused.items()
+        ]
+        for key, r, passed in rows:
             table.add_row(
                 key,
-                "[green]yes[/]" if r.get("passed") else "[red]no[/]",
+                passed,
                 _pct(r.get("accuracy")),
                 _pct(r.get("reference_accuracy")),
                 _num(r.get("drop_points"), ".2f"),
@@ -183,7 +178,7 @@ def show_cmd(
                 _pct(r.get("top1_agreement")),
                 _size(r.get("size_bytes")),
             )
-        _print(table)
+        print_wide(table)
     else:
         out.print(f"  exports        none (visionloop export {info.name}/{info.version} --precision fp32)")
     if events:
@@ -191,7 +186,7 @@ def show_cmd(
         for e in events:
             was = f"v{e.previous}" if e.previous is not None else "-"
             table.add_row(e.at, e.actor, e.action, e.alias, f"v{e.version}", was)
-        _print(table)
+        print_wide(table)
 
 
 def _pct(value: Any) -> str:

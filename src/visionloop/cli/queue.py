@@ -13,8 +13,8 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from visionloop.cli.console import err
-from visionloop.cli.runs import _duration, _print
+from visionloop.cli.console import err, print_wide
+from visionloop.cli.runs import _duration
 
 jobs_app = typer.Typer(help="List, inspect, follow and cancel queued and running jobs.", no_args_is_help=True)
 admin_app = typer.Typer(
@@ -213,7 +213,7 @@ def jobs_list(
             str(j["preemptions"]),
             (why or "").splitlines()[0][:100] if why else "",
         )
-    _print(table)
+    print_wide(table)
 
 
 @jobs_app.command("show")
@@ -228,20 +228,20 @@ def jobs_show(
         typer.echo(json.dumps(data, indent=2))
         return
     j = data["job"]
-    _print(
+    print_wide(
         f"[bold]job {j['id']}[/] {j.get('name') or ''}  {_state(j['state'])}  team {j['team']}  "
         f"priority {j['priority']}  {j['gpus']} GPU(s), spot {j['spot']}\n"
         f"run dir {j['run_dir']}\n"
         f"restarts {j['restarts']}/{j['max_restarts']}  preemptions {j['preemptions']}"
     )
     if j["state"] == "queued" and j.get("waiting_reason"):
-        _print(f"waiting: {j['waiting_reason']}")
+        print_wide(f"waiting: {j['waiting_reason']}")
     t = Table(title="state history")
     for col in ("at", "from", "to", "reason"):
         t.add_column(col)
     for tr in data["transitions"]:
         t.add_row(_when(tr["at"]), tr["from_state"] or "-", _state(tr["to_state"]), tr["reason"])
-    _print(t)
+    print_wide(t)
     a = Table(title="attempts")
     for col in ("#", "started", "ran", "GPUs", "price class", "outcome", "exit"):
         a.add_column(col)
@@ -257,17 +257,17 @@ def jobs_show(
             at.get("outcome") or "running",
             "-" if at.get("exit_code") is None else str(at["exit_code"]),
         )
-    _print(a)
+    print_wide(a)
     if data.get("checkpoints"):
         ck = Table(title="checkpoints reported")
         ck.add_column("step")
         ck.add_column("at")
         for c in data["checkpoints"][-10:]:
             ck.add_row(str(c["step"]), _when(c["at"]))
-        _print(ck)
+        print_wide(ck)
     cost = data["cost"]
     line = cost["total"]
-    _print(
+    print_wide(
         f"cost {_money(line['cost'], cost['currency'])} for {line['gpu_hours']:.3f} GPU-h; "
         f"lost to preemption {line['lost_gpu_hours_preemption']:.3f} GPU-h, "
         f"to interruptions {line['lost_gpu_hours_interruption']:.3f} "
@@ -357,7 +357,7 @@ def admin_gpus(as_json: bool = typer.Option(False, "--json", help="Print JSON.")
             "yes" if g["up"] else "[red]no[/]",
             g.get("down_reason") or "",
         )
-    _print(t)
+    print_wide(t)
 
 
 @admin_app.command("spot-interrupt")
@@ -430,9 +430,9 @@ def cost_report(
                 f"{line['spot_gpu_hours']:.3f}",
                 _money(line["spot_saved"], cur),
             )
-        _print(t)
+        print_wide(t)
     tot = data["total"]
-    _print(
+    print_wide(
         f"total {_money(tot['cost'], cur)} for {tot['gpu_hours']:.3f} GPU-h; "
         f"spot saved {_money(tot['spot_saved'], cur)}"
     )

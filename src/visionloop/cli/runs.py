@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from visionloop.cli.console import out
+from visionloop.cli.console import out, print_wide
 
 app = typer.Typer(help="List and inspect training runs recorded in the tracking store.", no_args_is_help=True)
 
-_PIPE_WIDTH = 240
 _STATUS_STYLE = {"RUNNING": "yellow", "FINISHED": "green", "FAILED": "red", "KILLED": "magenta"}
 # Shown in the header of `runs show`; the tags table lists the rest.
 _HEADER_TAGS = (
@@ -26,15 +23,6 @@ _HEADER_TAGS = (
     "visionloop.attempts",
     "visionloop.metrics_dropped",
 )
-
-
-def _print(renderable: Any) -> None:
-    # Piped output (grep, a file, a test) gets wide lines instead of Rich's 80-column default,
-    # so that names and paths are not cut to "…". COLUMNS, when set, still wins.
-    if out.is_terminal or "COLUMNS" in os.environ:
-        out.print(renderable)
-    else:
-        Console(highlight=False, width=_PIPE_WIDTH).print(renderable)
 
 
 def _when(dt: datetime | None) -> str:
@@ -121,7 +109,7 @@ def list_cmd(
             r.dataset_version or "-",
             r.run_dir or "-",
         )
-    _print(table)
+    print_wide(table)
 
 
 @app.command("show")
@@ -158,7 +146,7 @@ def show_cmd(
     if d.metrics_dropped:
         head.add_row("dropped", f"[red]{d.metrics_dropped} metric values were not stored[/]")
     head.add_row("artifacts", d.artifact_uri)
-    _print(head)
+    print_wide(head)
 
     other_tags = {k: v for k, v in d.tags.items() if k not in _HEADER_TAGS and not k.startswith("mlflow.")}
     for title, rows in (("Params", d.params), ("Tags", other_tags)):
@@ -168,7 +156,7 @@ def show_cmd(
             t.add_column("value", overflow="fold")
             for k, v in rows.items():
                 t.add_row(k, v)
-            _print(t)
+            print_wide(t)
 
     if d.metrics:
         t = Table(title=f"Metrics, latest value ({len(d.metrics)})", title_justify="left")
@@ -177,7 +165,7 @@ def show_cmd(
         t.add_column("step", justify="right")
         for m in d.metrics:
             t.add_row(m.key, _num(m.value), str(m.step))
-        _print(t)
+        print_wide(t)
     else:
         out.print("No metrics logged.")
 
@@ -188,7 +176,7 @@ def show_cmd(
         t.add_column("size", justify="right")
         for a in d.artifacts:
             t.add_row(a.path, f"{a.size:,} B" if a.size is not None else "-")
-        _print(t)
+        print_wide(t)
     else:
         out.print("No artifacts.")
     out.print(f"\nOpen the MLflow UI on this store:\n  {d.ui_command}", soft_wrap=True)

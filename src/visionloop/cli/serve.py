@@ -10,8 +10,8 @@ import typer
 from visionloop.cli.console import err, out
 
 if TYPE_CHECKING:
-    from visionloop.serve.app import Server
     from visionloop.serve.config import ServeConfig
+    from visionloop.serve.state import Server
 
 
 def serve(

@@ -26,6 +26,7 @@ from visionloop.registry.layout import (
     ALIAS_HISTORY_FILE,
     CARD_FILE,
     EXPORT_REPORT_FILE,
+    FAILED_EXPORT_REPORT_FILE,
     LINEAGE_FILE,
     ONNX_FILE,
     WEIGHTS_FILE,
@@ -78,14 +79,14 @@ class ModelVersionInfo:
             return {}
         return raw if isinstance(raw, dict) else {}
 
-    def export_report(self, fmt: str = "onnx", precision: str = "fp32") -> dict[str, Any] | None:
-        """The export's report (export.json) as written, passed or failed; None if never exported."""
-        path = export_dir(self.dir, fmt, precision) / EXPORT_REPORT_FILE
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            return None
-        return raw if isinstance(raw, dict) else None
+    def export_report(
+        self, fmt: str = "onnx", precision: str = "fp32", *, refused_reexport: bool = False
+    ) -> dict[str, Any] | None:
+        """The export's report (export.json) as written, passed or failed; None if never exported.
+        With `refused_reexport`, the report of the latest re-export that the gate refused while an
+        earlier passing export was kept (export.failed.json); None if there is none."""
+        name = FAILED_EXPORT_REPORT_FILE if refused_reexport else EXPORT_REPORT_FILE
+        return _read_report(export_dir(self.dir, fmt, precision) / name)
 
     def export_path(self, fmt: str = "onnx", precision: str = "fp32") -> Path | None:
         """The exported model file if the export exists and passed its gate; else None.
@@ -94,17 +95,26 @@ class ModelVersionInfo:
         """
         return passing_export(export_dir(self.dir, fmt, precision))
 
-    def exports(self) -> dict[str, dict[str, Any]]:
-        """`<format>-<precision>` → report, for every export attempted on this version."""
+    def exports(self, *, refused_reexports: bool = False) -> dict[str, dict[str, Any]]:
+        """`<format>-<precision>` → report, for every export attempted on this version; with
+        `refused_reexports`, the refused re-exports beside a kept export instead."""
         root = self.dir / "exports"
         out: dict[str, dict[str, Any]] = {}
         if root.is_dir():
             for sub in sorted(root.iterdir()):
                 fmt, _, precision = sub.name.partition("-")
-                report = self.export_report(fmt, precision)
+                report = self.export_report(fmt, precision, refused_reexport=refused_reexports)
                 if report is not None:
                     out[sub.name] = report
         return out
+
+
+def _read_report(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def passing_export(folder: Path) -> Path | None:

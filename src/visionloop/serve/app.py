@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,11 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from visionloop import __version__
 from visionloop.serve import openapi
-from visionloop.serve.batcher import BatcherClosedError, InferenceError, QueueFullError, Result
+from visionloop.serve.batcher import InferenceError
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.images import image_bytes, preprocess
-from visionloop.serve.metrics import UNKNOWN, ServeMetrics
-from visionloop.serve.predlog import PredictionLog
+from visionloop.serve.metrics import UNKNOWN
 from visionloop.serve.protocol import (
     HEADER_LENGTH,
     InferRequest,
@@ -37,8 +35,8 @@ from visionloop.serve.protocol import (
     parse_header_length,
     parse_infer_request,
 )
-from visionloop.serve.repository import Repository, ServedModel, ServedVersion, UnknownModelError, top1
 from visionloop.serve.source import ModelSource
+from visionloop.serve.state import Server
 
 log = logging.getLogger(__name__)
 
@@ -47,199 +45,6 @@ JSON = "application/json"
 
 def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(doc), status_code=status, media_type=JSON, headers=headers)
-
-
-class Server:
-    """The state one app serves from: config, models, metrics, prediction log."""
-
-    def __init__(self, config: ServeConfig, source: ModelSource, predictions: Path | None) -> None:
-        self.config = config
-        self.metrics = ServeMetrics()
-        self.predlog = (
-            PredictionLog(
-                predictions,
-                max_bytes=int(config.prediction_log_max_mb * 2**20),
-                backups=config.prediction_log_backups,
-                on_drop=self.metrics.log_dropped.inc,
-            )
-            if predictions is not None and config.prediction_log
-            else None
-        )
-        self.repo = Repository(source, config, self.metrics, self.predlog)
-        self.ready = False
-        self.startup_error: BaseException | None = None
-        self._shadows: set[asyncio.Task[None]] = set()
-        # Retry-After for a full queue: about the time the queue takes to drain, at least 1 s.
-        self.retry_after = "1"
-
-    # ------------------------------------------------------------------ lookups
-
-    def model(self, request: Request, name: str) -> ServedModel:
-        try:
-            m = self.repo.get(name)
-        except UnknownModelError:
-            raise ProtocolError(
-                f"no model {name!r} is served here; served: {sorted(self.repo.models)}", status=404
-            ) from None
-        request.state.model = name
-        return m
-
-    def version(self, model: ServedModel, version: str | None) -> int | None:
-        if version is None or version == "":
-            return None
-        if not version.isdigit():
-            raise ProtocolError(f"version must be a whole number like 3, got {version!r}")
-        v = int(version)
-        if v not in model.loaded():
-            raise ProtocolError(
-                f"version {v} of {model.name} is not loaded; loaded: {sorted(model.loaded())} "
-                "(the server loads the versions its aliases point to)",
-                status=404,
-            )
-        return v
-
-    def pick(self, model: ServedModel, version: int | None) -> tuple[ServedVersion, ServedVersion | None]:
-        try:
-            return self.repo.pick(model, version)
-        except UnknownModelError:
-            raise ProtocolError(
-                f"version {version} of {model.name} is no longer loaded", status=404
-            ) from None
-
-    async def body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ProtocolError(self._too_big(int(declared)), status=413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ProtocolError(self._too_big(size), status=413)
-            chunks.append(chunk)
-        body = b"".join(chunks)
-        encoding = request.headers.get("content-encoding", "identity").lower()
-        if encoding in ("gzip", "deflate"):
-            # A bounded inflate: a few KB of zeros must not expand into gigabytes.
-            d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
-            try:
-                body = d.decompress(body, limit + 1)
-            except zlib.error as e:
-                raise ProtocolError(f"the body is not valid {encoding} data ({e})") from None
-            if len(body) > limit or d.unconsumed_tail:
-                raise ProtocolError(self._too_big(len(body)), status=413)
-        elif encoding != "identity":
-            raise ProtocolError(
-                f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none", 415
-            )
-        return body
-
-    def _too_big(self, size: int) -> str:
-        return (
-            f"the request body has {size} bytes, more than the server's limit of "
-            f"{self.config.max_body_bytes} (max_body_bytes in the serving config)"
-        )
-
-    # ------------------------------------------------------------------ running requests
-
-    async def run(self, sv: ServedVersion, req: InferRequest, shadow: ServedVersion | None) -> Result:
-        try:
-            fut = sv.batcher.submit(req.feeds, req.rows)
-        except QueueFullError:
-            self.metrics.rejected.labels(sv.name, str(sv.version), "queue_full").inc()
-            raise ProtocolError(
-                f"the queue of {sv.name}/{sv.version} is full ({self.config.queue_capacity} requests); "
-                "retry shortly",
-                status=503,
-                headers={"Retry-After": self.retry_after},
-            ) from None
-        except BatcherClosedError:
-            raise ProtocolError("the version was just unloaded; retry", 503, {"Retry-After": "1"}) from None
-        if shadow is not None:
-            self._mirror(sv, shadow, req, fut)
-        try:
-            return await asyncio.wait_for(fut, self.config.request_timeout_ms / 1000.0)
-        except TimeoutError:
-            self.metrics.rejected.labels(sv.name, str(sv.version), "timeout").inc()
-            raise ProtocolError(
-                f"the request timed out after {self.config.request_timeout_ms:.0f} ms in the queue and "
-                "inference; retry later or raise request_timeout_ms",
-                status=504,
-            ) from None
-        except BatcherClosedError:
-            raise ProtocolError("the version was unloaded before the request ran; retry", 503) from None
-
-    def _mirror(self, primary: ServedVersion, shadow: ServedVersion, req: InferRequest, fut: Any) -> None:
-        try:
-            sfut = shadow.batcher.submit(req.feeds, req.rows)
-        except (QueueFullError, BatcherClosedError):
-            self.metrics.shadow_dropped.labels(primary.name).inc()
-            return
-        task = asyncio.get_running_loop().create_task(self._compare(primary, shadow, fut, sfut))
-        self._shadows.add(task)
-        task.add_done_callback(self._shadows.discard)
-
-    async def _compare(self, primary: ServedVersion, shadow: ServedVersion, fut: Any, sfut: Any) -> None:
-        try:
-            # The champion's future is the one its caller awaits; a second waiter changes nothing.
-            p: Result = await asyncio.shield(fut)
-            s: Result = await asyncio.wait_for(sfut, self.config.request_timeout_ms / 1000.0)
-        except (asyncio.CancelledError, TimeoutError, BatcherClosedError, InferenceError):
-            self.metrics.shadow_dropped.labels(primary.name).inc()
-            return
-        name = primary.model.outputs[0].name
-        if name not in s.outputs:
-            self.metrics.shadow_dropped.labels(primary.name).inc()
-            return
-        a, _ = top1(p.outputs[name])
-        b, conf = top1(s.outputs[name])
-        agree = int((a == b).sum())
-        counter = self.metrics.shadow
-        pv, sv = str(primary.version), str(shadow.version)
-        if agree:
-            counter.labels(primary.name, pv, sv, "true").inc(agree)
-        if len(a) - agree:
-            counter.labels(primary.name, pv, sv, "false").inc(len(a) - agree)
-        if self.predlog is not None:
-            for r in range(len(b)):
-                k = int(b[r])
-                labels = shadow.labels
-                self.predlog.put(
-                    {
-                        "time": time.time(),
-                        "model": shadow.name,
-                        "version": shadow.version,
-                        "latency_ms": round((s.queue_s + s.compute_s) * 1000.0, 3),
-                        "top_class": labels[k] if k < len(labels) else k,
-                        "confidence": round(float(conf[r]), 6),
-                        "role": "shadow",
-                        "agrees": bool(a[r] == b[r]),
-                    }
-                )
-
-    def count(self, sv: ServedVersion, endpoint: str, started: float) -> None:
-        labels = (sv.name, str(sv.version))
-        self.metrics.requests.labels(*labels, endpoint).inc()
-        self.metrics.latency.labels(*labels).observe(time.perf_counter() - started)
-
-    async def startup(self) -> asyncio.Task[None]:
-        try:
-            await self.repo.start()
-        except BaseException as e:
-            # Kept for `serve_forever`, which raises it as the CLI's one-line error.
-            self.startup_error = e
-            await self.repo.close()
-            raise
-        self.ready = True
-        return asyncio.get_running_loop().create_task(self.repo.watch())
-
-    async def shutdown(self, watcher: asyncio.Task[None] | None) -> None:
-        self.ready = False
-        if watcher is not None:
-            watcher.cancel()
-        await self.repo.close()
-        if self.predlog is not None:
-            await asyncio.to_thread(self.predlog.close)
 
 
 def create_app(

@@ -18,9 +18,10 @@ import uvicorn
 
 from visionloop.core.errors import VisionloopError
 from visionloop.core.settings import Settings
-from visionloop.serve.app import Server, create_app
+from visionloop.serve.app import create_app
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.source import ModelSource
+from visionloop.serve.state import Server
 
 log = logging.getLogger(__name__)
 
