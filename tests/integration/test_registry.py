@@ -183,3 +183,29 @@ def test_concurrent_registrations_get_distinct_complete_versions(
         assert sha256_file(info.weights) == sha
         assert info.lineage()["version"] == info.version
     assert _mlflow_versions(kit, "digits") == [1, 2, 3]
+
+
+def test_a_version_left_unready_by_a_killed_registration_is_removed_once_abandoned(
+    registered_model: ModelKit,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kit = registered_model.copy_home(tmp_path / "home")
+    c = rstore.client(kit.settings)
+    # What a registration killed between MLflow's create and the folder's rename leaves behind:
+    # an MLflow version with no ready tag and no folder.
+    c.create_model_version("digits", source=(kit.home / "models" / "digits").as_uri(), tags={})
+    assert _mlflow_versions(kit, "digits") == [1, 2]
+    assert [v.version for v in registry.list_versions("digits", kit.settings)] == [1]  # readers skip it
+
+    # Younger than ABANDONED_AFTER_S it may be a registration still running through another
+    # home: it stays.
+    info = registry.register(kit.run_dir, name="digits", settings=kit.settings)
+    assert info.version == 3 and _mlflow_versions(kit, "digits") == [1, 2, 3]
+
+    # Once abandoned, the next registration deletes it, and nothing else.
+    monkeypatch.setattr(registry.api, "ABANDONED_AFTER_S", 0.0)
+    info = registry.register(kit.run_dir, name="digits", settings=kit.settings)
+    assert info.version == 4 and _mlflow_versions(kit, "digits") == [1, 3, 4]
+    assert [v.version for v in registry.list_versions("digits", kit.settings)] == [1, 3, 4]
+    assert all(v.weights.is_file() for v in registry.list_versions("digits", kit.settings))

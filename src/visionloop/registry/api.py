@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
 
 CHAMPION = "champion"
+# A version still not ready this long after MLflow created it belongs to a registration that
+# died between creating it and publishing its folder. Younger ones may be in progress through
+# another home that shares the tracking store (the per-model lock is per home), so they stay.
+ABANDONED_AFTER_S = 3600.0
 
 
 class RegistryError(VisionloopError):
@@ -202,6 +206,7 @@ def _register_locked(
         files.copy_durable(spec, staging / spec.name)
 
     c = rstore.client(settings)
+    _remove_abandoned(c, name, settings)
     run_id = _existing_run(c, src.mlflow_run_id)
     card = src.card
     tags = {
@@ -258,6 +263,28 @@ def _register_locked(
             c.delete_model_version(name, str(version))
         raise
     return get_version(ModelRef(name, version=version), settings)
+
+
+def _remove_abandoned(c: MlflowClient, name: str, settings: Settings) -> None:
+    """Delete the MLflow versions of `name` that registrations left unready and without a
+    folder: readers skip them, but they clutter MLflow's UI and `search_model_versions`."""
+
+    cutoff_ms = (datetime.now(UTC).timestamp() - ABANDONED_AFTER_S) * 1000
+    try:
+        rstore.get_model(c, name, settings)
+        stale = [
+            v
+            for v in rstore.versions(c, name)
+            if not rstore.is_ready(v)
+            and (v.creation_timestamp or 0) <= cutoff_ms
+            and not version_dir(settings.home, name, int(v.version)).exists()
+        ]
+    except NotFoundError:
+        return  # a first registration: nothing to clean
+    for v in stale:
+        # Best effort: a version that cannot be deleted now is skipped by readers anyway.
+        with contextlib.suppress(Exception):
+            c.delete_model_version(name, str(v.version))
 
 
 def _existing_run(c: MlflowClient, run_id: str | None) -> str | None:
