@@ -60,12 +60,12 @@ def spread_positions(total: int, limit: int | None) -> list[int]:
 
 def load_eval_set(card: ModelCard, dataset_dir: Path, *, max_images: int | None) -> EvalSet:
     """The validation split (else the test split) of `dataset_dir`, preprocessed for `card`
-    by the export gate's own reader (`visionloop.export.data`), so the accuracy bench reports
+    by the export gate's own reader (`visionloop.export.ModelDataset`), so the accuracy bench reports
     and the accuracy an export was gated on are measured the same way."""
     import torch
 
     from visionloop.data.manifest import read_manifest
-    from visionloop.export.data import ModelDataset
+    from visionloop.export import ModelDataset
 
     manifest = read_manifest(dataset_dir)
     if card.dataset_version and manifest.version != card.dataset_version:

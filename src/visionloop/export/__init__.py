@@ -2,6 +2,7 @@
 gate; exports are stored with their model version (see `registry.layout`)."""
 
 from visionloop.export.api import CARD_METADATA_KEY, DEFAULT_CALIBRATION_SIZE, export_model
+from visionloop.export.data import ModelDataset, open_model_dataset
 from visionloop.export.report import (
     DEFAULT_PARITY,
     PRECISIONS,
@@ -19,6 +20,8 @@ __all__ = [
     "ExportError",
     "ExportGateError",
     "ExportReport",
+    "ModelDataset",
     "ParityThresholds",
     "export_model",
+    "open_model_dataset",
 ]

@@ -96,7 +96,8 @@ class _IngestRGB:
         from visionloop.data.imageio import to_rgb
 
         rgb = to_rgb(ImageOps.exif_transpose(img), self.background)
-        return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+        # One copy into CHW; it is also writable (PIL's arrays are not, and torch warns on those).
+        return torch.from_numpy(rgb.transpose(2, 0, 1).copy())
 
 
 def eval_preprocess(
