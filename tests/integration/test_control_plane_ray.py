@@ -27,7 +27,7 @@ from _cpkit import train_doc as _train
 from _dbkit import fresh_database
 from _raykit import RayCluster
 from visionloop.api.server import build_plane
-from visionloop.core.errors import ConfigError, ExecutorError
+from visionloop.core.errors import ConfigError, ExecutorError, ExecutorUnavailableError
 from visionloop.core.settings import load_settings
 from visionloop.sched import config as config_module
 from visionloop.sched.config import DEFAULT_RAY_ADDRESS, parse_cluster_config
@@ -135,11 +135,16 @@ class ScriptedExecutor:
     def __init__(self) -> None:
         self.script: dict[int, AttemptStatus | ExecutorError] = {}
         self.launched: list[int] = []
+        self.launch_error: ExecutorError | None = None  # raised by `launch` while set
+        self.launch_tries = 0
 
     def capacity(self) -> list[Gpu]:
         return [Gpu("n-1/0", "n-1", "fake"), Gpu("n-1/1", "n-1", "fake")]
 
     def launch(self, request: LaunchRequest) -> Handle:
+        self.launch_tries += 1
+        if self.launch_error is not None:
+            raise self.launch_error
         self.launched.append(request.job_id)
         return {"job": request.job_id, "attempt_dir": str(request.attempt_dir)}
 
@@ -289,3 +294,58 @@ def test_the_inventory_follows_ray_nodes_that_join_and_leave(ray_cluster: RayClu
         gpus = wait_for("its GPUs are marked down", lambda gs: all(not g.up for g in gs if g.id in gone))
         assert {g.id: g.down_reason for g in gpus if g.id in gone} == dict.fromkeys(gone, GONE_REASON)
         assert {g.id: (g.type, g.price_class, g.up) for g in gpus if g.id in original} == original
+
+
+def test_an_unreachable_executor_at_launch_is_not_held_against_the_job(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
+    settings = load_settings().ensure()
+    store = Store.open(f"sqlite:///{tmp_path / 'state.db'}")
+    executor = ScriptedExecutor()
+    clock = [1_000_000.0]
+    config = cluster_config(scheduler={"retry_backoff_s": 10})
+    plane = ControlPlane(store, executor, config, settings, clock=lambda: clock[0])
+    try:
+        a, b = (plane.submit(ADMIN, {"train": _train(digits_dataset), "max_restarts": 0}) for _ in range(2))
+        executor.launch_error = ExecutorUnavailableError("cannot reach the Ray dashboard at http://head:8265")
+        plane.cycle()
+        # One launch found the cluster unreachable; the other was not even tried. With
+        # max_restarts 0 an ordinary launch failure would have failed the job: this one did not.
+        assert executor.launch_tries == 1
+        for job in (a, b):
+            row = store.get_job(job.id)
+            assert (row.state, row.restarts) == ("queued", 0)
+        tried = a.id if store.attempts(a.id) else b.id
+        other = b.id if tried == a.id else a.id
+        reason = store.transitions(tried)[-1].reason
+        assert "not counted against max_restarts; launches resume in 10 s" in reason, reason
+        assert "the executor is unreachable; launches resume at" in (
+            store.get_job(other).waiting_reason or ""
+        )
+
+        clock[0] += 9  # still paused: nothing is tried
+        plane.cycle()
+        assert executor.launch_tries == 1
+        clock[0] += 1  # the pause is over; still unreachable: the next pause is twice as long
+        plane.cycle()
+        assert executor.launch_tries == 2
+        assert "launches resume in 20 s" in store.transitions(tried)[-1].reason
+
+        executor.launch_error = None  # the cluster is back
+        clock[0] += 20
+        plane.cycle()
+        assert sorted(executor.launched) == sorted([a.id, b.id])
+        for job in (a, b):
+            row = store.get_job(job.id)
+            assert (row.state, row.restarts) == ("running", 0)
+        assert [att.outcome for att in store.attempts(tried)] == ["failed", "failed", None]
+
+        # A launch failure that is the job's own (not the cluster's) still counts.
+        executor.launch_error = ExecutorError("job 3: the command is empty; give the trainer command.")
+        c = plane.submit(ADMIN, {"train": _train(digits_dataset), "max_restarts": 0})
+        executor.script[a.id] = AttemptStatus("exited", exit_code=0)
+        plane.cycle()
+        assert store.get_job(c.id).state == "failed"
+        assert "the command is empty" in store.transitions(c.id)[-1].reason
+    finally:
+        store.close()

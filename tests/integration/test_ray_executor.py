@@ -25,7 +25,7 @@ import pytest
 
 from _execkit import log_text, require_ray, wait_exited, wait_log
 from _raykit import RayCluster
-from visionloop.core.errors import ExecutorError
+from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
 from visionloop.sched.executors.base import LaunchRequest
 from visionloop.sched.executors.ray import EXIT_KILLED, RayExecutor
 from visionloop.sched.view import Gpu
@@ -204,11 +204,14 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_an_unreachable_dashboard_says_what_to_do() -> None:
+def test_an_unreachable_dashboard_says_what_to_do(tmp_path: Path) -> None:
     dead = RayExecutor(f"http://127.0.0.1:{_closed_port()}", request_timeout_s=5)
-    with pytest.raises(ExecutorError, match="ray status"):
+    with pytest.raises(ExecutorUnavailableError, match="cannot reach the Ray dashboard"):
+        dead.launch(req(tmp_path, "print('never runs')"))
+    # ExecutorUnavailableError: the control plane holds it against no job (see test_control_plane_ray).
+    with pytest.raises(ExecutorUnavailableError, match="ray status"):
         dead.capacity()
-    with pytest.raises(ExecutorError, match="ray status"):
+    with pytest.raises(ExecutorUnavailableError, match="ray status"):
         dead.poll({"submission_id": "vl-job-1-attempt-1"})
 
 

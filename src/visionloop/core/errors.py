@@ -44,6 +44,11 @@ class ExecutorError(VisionloopError):
     """An executor could not start, signal or find a job's process."""
 
 
+class ExecutorUnavailableError(ExecutorError):
+    """The executor's backend (the Ray cluster's dashboard) cannot be reached at all: nothing
+    is wrong with the job, so a launch that fails this way is not held against it."""
+
+
 class StoreError(VisionloopError):
     """The job store refused or failed a change (a GPU already held, a reused idempotency
     key, a database that cannot be reached)."""

@@ -12,7 +12,11 @@ A cycle (every `cycle_s`, and at once after a submit, a cancel or a spot notice)
 2. **Decide**: build a `ClusterView` from the store and hand it to the policy.
 3. **Act**: evictions get SIGTERM (the trainer checkpoints and exits 75); placements are
    committed to the store (job RUNNING, GPUs allocated) *before* the executor launches them,
-   and every queued job's waiting reason is stored.
+   and every queued job's waiting reason is stored. A launch that fails because the executor
+   cannot be reached at all (ExecutorUnavailableError) requeues its job without counting it
+   against `max_restarts`, and pauses all evictions and launches for a back-off that doubles
+   while the executor stays unreachable (up to LAUNCH_PAUSE_MAX_S): nothing is preempted for
+   a launch that cannot happen, and one attempt per pause, not one per job, finds out.
 
 Why this order is safe against a SIGKILL of the control plane at any moment: the store
 changes only in transactions, and an attempt is committed before its process exists. After a
@@ -37,10 +41,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from visionloop.core.errors import ExecutorError, NotFoundError, VisionloopError
+from visionloop.core.errors import ExecutorError, ExecutorUnavailableError, NotFoundError, VisionloopError
 from visionloop.core.fsutil import atomic_write_text
 from visionloop.core.settings import Settings
 from visionloop.sched.config import DEFAULT_TEAM, ClusterConfig
@@ -61,6 +66,8 @@ QUEUED, RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
 
 # How many log lines a failed job shows as its reason.
 FAILURE_LOG_LINES = 20
+# The longest that launches wait after the executor was found unreachable, however long it stays so.
+LAUNCH_PAUSE_MAX_S = 300.0
 _CKPT_NAME = re.compile(r"step-(\d+)\.ckpt")
 
 
@@ -135,6 +142,9 @@ class ControlPlane:
         self._ckpt_steps: dict[int, set[int]] = {}  # job → checkpoint steps known stored
         self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
         self._attempts_ended = 0
+        # Launches (and the evictions made for them) wait until then: the executor was unreachable.
+        self._launch_paused_until = 0.0
+        self._unreachable_streak = 0
         self._inventory_at = 0.0
         self._pending: dict[int, tuple[ViewJob, PendingJob]] = {}
         self._rows: tuple[ViewJob, ...] | None = None  # the queue view last built from
@@ -355,7 +365,8 @@ class ControlPlane:
             attempts = self._reconcile(now)
             view = self._view(now, attempts)
             decision = schedule(view, self.policy)
-            for ev in decision.evictions:
+            paused = now < self._launch_paused_until
+            for ev in () if paused else decision.evictions:
                 job_id = int(ev.job_id)
                 try:
                     self.store.transition(
@@ -365,9 +376,15 @@ class ControlPlane:
                     continue  # it finished meanwhile; the next cycle sees the freed GPUs
                 self._signal(job_id, terminate=True)
             gpus = {g.id: g for g in view.gpus}  # read this cycle, under the lock
+            reasons = {int(k): v for k, v in decision.waiting.items()}
             for p in decision.placements:
+                if now < self._launch_paused_until:
+                    # The executor was unreachable: this job stays queued, unchanged, and says why.
+                    at = datetime.fromtimestamp(self._launch_paused_until).strftime("%H:%M:%S")
+                    reasons[int(p.job_id)] = f"the executor is unreachable; launches resume at {at}"
+                    continue
                 self._start(int(p.job_id), [gpus[i] for i in p.gpu_ids], now)
-            self._store_waiting_reasons({int(k): v for k, v in decision.waiting.items()})
+            self._store_waiting_reasons(reasons)
 
     def _store_waiting_reasons(self, reasons: dict[int, str]) -> None:
         """Send only the reasons that changed since the last cycle. The cache is rebuilt from
@@ -486,9 +503,28 @@ class ControlPlane:
         )
         try:
             handle = self.executor.launch(request)
+        except ExecutorUnavailableError as e:
+            delay = min(
+                self.config.timings.retry_backoff_s * math.pow(2, self._unreachable_streak),
+                LAUNCH_PAUSE_MAX_S,
+            )
+            self._unreachable_streak += 1
+            self._launch_paused_until = now + delay
+            self._end_attempt(
+                job_id,
+                attempt.number,
+                "failed",
+                None,
+                now,
+                JobState.QUEUED,
+                f"could not start: {e}; the executor is unreachable, which is not counted against "
+                f"max_restarts; launches resume in {delay:.0f} s",
+            )
+            return
         except ExecutorError as e:
             self._finish_failed(job, attempt.number, None, f"could not start: {e}", now)
             return
+        self._unreachable_streak = 0
         self.store.set_attempt_handle(job_id, attempt.number, handle)
 
     def _signal(self, job_id: int, *, terminate: bool) -> None:

@@ -96,7 +96,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from visionloop.core.errors import ExecutorError
+from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
 from visionloop.sched.view import Gpu, PriceClass
 
@@ -216,7 +216,7 @@ class RayExecutor:
             return client
 
     def _unreachable(self, e: BaseException) -> ExecutorError:
-        return ExecutorError(
+        return ExecutorUnavailableError(
             f"cannot reach the Ray dashboard at {self.address}: {_reason(e)}. Is the cluster running? "
             "Check with `ray status` on the head node; the address is the dashboard URL "
             "(http://HEAD:8265), and the head must be started with --dashboard-host reachable from here."
