@@ -4,6 +4,10 @@ local executor with fake GPUs, and the real trainer on the digits dataset."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -236,3 +240,44 @@ def test_cancel_a_queued_and_a_running_job(sqlite_cp: CP, digits_dataset: Path) 
     show = cp.wait_job(running["id"], lambda j: j["state"] == "cancelled")
     assert show["attempts"][0]["outcome"] == "cancelled" and show["attempts"][0]["exit_code"] == 75
     assert _states(show) == ["queued", "running", "cancelling", "cancelled"]
+
+
+def test_a_sigkilled_trainer_has_its_run_closed_when_the_job_fails(
+    sqlite_cp: CP, digits_dataset: Path
+) -> None:
+    from visionloop.track import store as track_store
+
+    cp = sqlite_cp
+
+    with cp.client() as c:
+        spec = {"train": _train(digits_dataset, epochs=None, steps=5000), "team": "vision", "max_restarts": 0}
+        r = c.post("/v1/jobs", json={"spec": spec})
+        assert r.status_code == 201, r.text
+        job = int(r.json()["id"])
+    # Past start-up: the MLflow run is open and run.json says "running".
+    show = cp.wait_job(job, lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None)
+    run_dir = Path(show["job"]["run_dir"])
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["status"] == "running"
+    client = track_store.client(cp.plane.settings)
+    assert client.get_run(meta["mlflow_run_id"]).info.status == "RUNNING"
+
+    (attempt,) = show["attempts"]
+    shim = json.loads((Path(attempt["handle"]["attempt_dir"]) / "shim.json").read_text())
+    os.kill(shim["child_pid"], signal.SIGKILL)  # the OOM killer: no handler runs
+    show = cp.wait_job(job, lambda j: j["state"] == "failed", timeout=120)
+    assert show["attempts"][0]["exit_code"] == 128 + signal.SIGKILL
+
+    # The trainer could not write its ending; the control plane did, in both places.
+    deadline = time.monotonic() + 30
+    while json.loads((run_dir / "run.json").read_text())["status"] == "running":
+        assert time.monotonic() < deadline, "run.json still says running"
+        time.sleep(0.1)
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["status"] == "failed" and f"job {job} failed: exit 137" in meta["error"]
+    while client.get_run(meta["mlflow_run_id"]).info.status == "RUNNING":
+        assert time.monotonic() < deadline, "the MLflow run is still RUNNING"
+        time.sleep(0.1)
+    run = client.get_run(meta["mlflow_run_id"])
+    assert run.info.status == "FAILED" and run.data.tags["visionloop.state"] == "failed"
+    assert run.info.end_time is not None

@@ -58,6 +58,7 @@ from visionloop.sched.states import ACTIVE, JobState, TransitionError
 from visionloop.sched.store import Attempt, Job, Store
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
 from visionloop.specs import JobSpec, TrainSpec, format_validation_error, spec_to_yaml
+from visionloop.train.abandoned import Ending, close_abandoned_run
 from visionloop.train.signals import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
@@ -540,10 +541,40 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ reconcile
 
-    def _end_attempt(self, *args: Any, **kwargs: Any) -> Job:
-        """Store.end_attempt, counted: the cycle re-reads the open attempts only if one ended."""
+    def _end_attempt(
+        self,
+        job_id: int,
+        attempt: int,
+        outcome: str,
+        exit_code: int | None,
+        now: float,
+        next_state: JobState,
+        reason: str,
+        **kwargs: Any,
+    ) -> Job:
+        """Store.end_attempt, counted: the cycle re-reads the open attempts only if one ended.
+        A job that ended for good gets its run closed if its trainer could not (SIGKILL)."""
         self._attempts_ended += 1
-        return self.store.end_attempt(*args, **kwargs)
+        job = self.store.end_attempt(job_id, attempt, outcome, exit_code, now, next_state, reason, **kwargs)
+        if next_state in (JobState.FAILED, JobState.CANCELLED) and job.run_dir:
+            ending: Ending = "failed" if next_state == JobState.FAILED else "cancelled"
+            # Off the cycle: the tracking store may be remote and slow.
+            threading.Thread(
+                target=self._close_run,
+                args=(Path(job.run_dir), ending, f"job {job_id} {ending}: {reason}"),
+                name=f"close-run-{job_id}",
+                daemon=True,
+            ).start()
+        return job
+
+    def _close_run(self, run_dir: Path, ending: Ending, reason: str) -> None:
+        try:
+            run_id = close_abandoned_run(run_dir, self.settings, ending, reason)
+        except Exception as e:  # the job's state is settled already; this is bookkeeping
+            log.warning("could not close the run in %s: %s", run_dir, e)
+            return
+        if run_id:
+            log.info("run %s (%s) ended without its trainer: marked %s", run_dir, run_id, ending)
 
     def _reconcile(self, now: float) -> list[Attempt] | None:
         """Poll every open attempt and settle those that ended. Returns the open attempts if
