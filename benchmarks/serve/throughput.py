@@ -16,6 +16,9 @@ Client and server share the machine's cores; the client is aiohttp with pre-enco
 (about 0.1-0.3 ms of CPU a request), so it takes little of the machine, but not nothing.
 
     python benchmarks/serve/throughput.py [--size 224] [--seconds 12] [--clients 32] [--batch 8]
+                                          [--arch resnet18] [--device cpu|cuda]
+
+`--device cuda` puts all three on ONNX Runtime's CUDA provider (onnxruntime-gpu).
 """
 
 from __future__ import annotations
@@ -77,11 +80,15 @@ def build_model(root: Path, size: int, arch: str = "resnet18") -> tuple[Path, Pa
     return onnx_path, card_path
 
 
-def in_process(onnx_path: Path, size: int, batch: int, seconds: float) -> float:
+def in_process(onnx_path: Path, size: int, batch: int, seconds: float, device: str = "cpu") -> float:
     """Images/s of ORT alone at `batch`, same session options as the server."""
     from visionloop.serve.runtime import OnnxModel
 
-    m = OnnxModel(onnx_path)
+    m = OnnxModel(onnx_path, device=device)
+    if device == "cuda" and m.providers[0] != "CUDAExecutionProvider":
+        sys.exit(
+            f"--device cuda: ONNX Runtime has no CUDA provider here ({m.providers}); install onnxruntime-gpu"
+        )
     x = np.random.default_rng(0).standard_normal((batch, 3, size, size)).astype(np.float32)
     for _ in range(3):
         m.run({"input": x})
@@ -95,7 +102,9 @@ def in_process(onnx_path: Path, size: int, batch: int, seconds: float) -> float:
 # ---------------------------------------------------------------- servers (child processes)
 
 
-def child_server(kind: str, onnx_path: Path, card_path: Path, port_file: Path, batch: int) -> None:
+def child_server(
+    kind: str, onnx_path: Path, card_path: Path, port_file: Path, batch: int, device: str = "cpu"
+) -> None:
     import socket
 
     import uvicorn
@@ -116,6 +125,7 @@ def child_server(kind: str, onnx_path: Path, card_path: Path, port_file: Path, b
             queue_capacity=1024,
             request_timeout_ms=60_000,
             prediction_log=False,
+            device=device,
             **json.loads(os.environ.get("VL_SERVE_OVERRIDES", "{}")),  # try: {"batch_concurrency": 1}
         )
         server = BackgroundServer(cfg, src).start()
@@ -127,7 +137,10 @@ def child_server(kind: str, onnx_path: Path, card_path: Path, port_file: Path, b
     from fastapi import FastAPI
     from starlette.concurrency import run_in_threadpool
 
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    providers = (
+        ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    )
+    session = ort.InferenceSession(str(onnx_path), providers=providers)
     app = FastAPI()
 
     @app.post("/v2/models/resnet/infer")
@@ -160,7 +173,7 @@ def child_server(kind: str, onnx_path: Path, card_path: Path, port_file: Path, b
 
 
 def start_child(
-    kind: str, onnx_path: Path, card_path: Path, batch: int, tmp: Path
+    kind: str, onnx_path: Path, card_path: Path, batch: int, tmp: Path, device: str = "cpu"
 ) -> tuple[subprocess.Popen[bytes], str]:
     port_file = tmp / f"{kind}.port"
     proc = subprocess.Popen(
@@ -177,6 +190,8 @@ def start_child(
             str(port_file),
             "--batch",
             str(batch),
+            "--device",
+            device,
         ]
     )
     deadline = time.monotonic() + 120
@@ -292,24 +307,25 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--child", choices=["visionloop", "naive"])
     ap.add_argument("--onnx", type=Path)
     ap.add_argument("--card", type=Path)
     ap.add_argument("--port-file", type=Path)
     a = ap.parse_args()
     if a.child:
-        child_server(a.child, a.onnx, a.card, a.port_file, a.batch)
+        child_server(a.child, a.onnx, a.card, a.port_file, a.batch, a.device)
         return
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         onnx_path, card_path = build_model(tmp, a.size, a.arch)
-        base = in_process(onnx_path, a.size, a.batch, a.seconds)
+        base = in_process(onnx_path, a.size, a.batch, a.seconds, a.device)
         print(f"in-process ONNX Runtime, batch {a.batch}: {base:.1f} images/s")
         body, headers = request_body(a.size)
         results: dict[str, Any] = {}
         for kind in ("visionloop", "naive"):
-            proc, url = start_child(kind, onnx_path, card_path, a.batch, tmp)
+            proc, url = start_child(kind, onnx_path, card_path, a.batch, tmp, a.device)
             try:
                 infer = f"{url}/v2/models/resnet/infer"
                 results[kind] = asyncio.run(closed_loop(infer, body, headers, a.clients, a.seconds))
@@ -331,9 +347,12 @@ def main() -> None:
     half = results["half_rate"]
     print(f"p99 at half saturation: {half['p99_ms']:.1f} ms (p50 {half['p50_ms']:.1f} ms)")
     path = write_result(
-        "serve" if a.arch == "resnet18" else f"serve_{a.arch}",
+        "serve"
+        + ("" if a.arch == "resnet18" else f"_{a.arch}")
+        + ("" if a.device == "cpu" else f"_{a.device}"),
         {
             "model": f"{a.arch} 3x{a.size}x{a.size} fp32 onnx",
+            "device": a.device,
             "batch": a.batch,
             "clients": a.clients,
             "seconds": a.seconds,
