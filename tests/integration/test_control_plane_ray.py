@@ -137,9 +137,10 @@ class ScriptedExecutor:
         self.launched: list[int] = []
         self.launch_error: ExecutorError | None = None  # raised by `launch` while set
         self.launch_tries = 0
+        self.gpus = [Gpu("n-1/0", "n-1", "fake"), Gpu("n-1/1", "n-1", "fake")]  # what capacity() says
 
     def capacity(self) -> list[Gpu]:
-        return [Gpu("n-1/0", "n-1", "fake"), Gpu("n-1/1", "n-1", "fake")]
+        return list(self.gpus)
 
     def launch(self, request: LaunchRequest) -> Handle:
         self.launch_tries += 1
@@ -347,5 +348,40 @@ def test_an_unreachable_executor_at_launch_is_not_held_against_the_job(
         plane.cycle()
         assert store.get_job(c.id).state == "failed"
         assert "the command is empty" in store.transitions(c.id)[-1].reason
+    finally:
+        store.close()
+
+
+def test_without_teams_the_default_quota_follows_the_gpus_that_join(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
+    settings = load_settings().ensure()
+    store = Store.open(f"sqlite:///{tmp_path / 'state.db'}")
+    executor = ScriptedExecutor()
+    clock = [1_000_000.0]
+    config = cluster_config(scheduler={"inventory_sync_s": 1})
+    assert not config.teams
+    plane = ControlPlane(store, executor, config, settings, clock=lambda: clock[0])
+    try:
+        team = store.get_team("default")
+        assert team is not None and (team.nominal_gpus, team.borrow_limit) == (2, 0)
+        jobs = [plane.submit(ADMIN, {"train": _train(digits_dataset)}) for _ in range(4)]
+        plane.cycle()
+        assert len(executor.launched) == 2  # two GPUs
+
+        # A node with two more GPUs joins: the default team may use them (before, its quota
+        # of 2 left them idle while two jobs waited).
+        executor.gpus += [Gpu("n-2/0", "n-2", "fake"), Gpu("n-2/1", "n-2", "fake")]
+        clock[0] += 1
+        plane.cycle()
+        assert store.get_team("default").nominal_gpus == 4  # type: ignore[union-attr]
+        assert sorted(executor.launched) == sorted(j.id for j in jobs)
+
+        # A quota set by hand is the operator's: the inventory no longer moves it.
+        store.upsert_team("default", 3, 0, 1.0)
+        executor.gpus += [Gpu("n-3/0", "n-3", "fake")]
+        clock[0] += 1
+        plane.cycle()
+        assert len(store.list_gpus()) == 5 and store.get_team("default").nominal_gpus == 3  # type: ignore[union-attr]
     finally:
         store.close()

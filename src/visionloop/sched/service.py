@@ -181,12 +181,25 @@ class ControlPlane:
         back = sorted(k for k, up in after.items() if up and before.get(k) is False)
         if added or gone or back:
             log.info("inventory changed: new GPUs %s, gone %s, back %s", added, gone, back)
+        self._follow_inventory(sum(before.values()), sum(after.values()))  # GPUs up
+
+    def _follow_inventory(self, before: int, after: int) -> None:
+        """With no teams configured, the default team is entitled to every GPU that is up: when
+        Ray nodes join (or the control plane first started with none) its quota grows with
+        them, and it shrinks when they leave. A quota someone set by hand (`visionloop admin
+        team set default ...`, not equal to the count before) is left alone."""
+        if self.config.teams or before == after:
+            return
+        team = self.store.get_team(DEFAULT_TEAM)
+        if team is not None and team.nominal_gpus == before:
+            self.store.upsert_team(DEFAULT_TEAM, after, team.borrow_limit, team.weight)
+            log.info("the default team's quota follows the inventory: %d -> %d GPUs", before, after)
 
     def _sync_teams(self) -> None:
         teams = list(self.config.teams)
         if not teams and self.store.get_team(DEFAULT_TEAM) is None:
             # One machine, no config: a single team entitled to every GPU.
-            n = len(self.store.list_gpus())
+            n = sum(g.up for g in self.store.list_gpus())
             teams = [Team(DEFAULT_TEAM, nominal_gpus=n, borrow_limit=0)]
         for team in teams:
             self.store.upsert_team(team.name, team.nominal_gpus, team.borrow_limit, team.weight)
