@@ -240,6 +240,21 @@ def test_cancel_a_queued_and_a_running_job(sqlite_cp: CP, digits_dataset: Path) 
     show = cp.wait_job(running["id"], lambda j: j["state"] == "cancelled")
     assert show["attempts"][0]["outcome"] == "cancelled" and show["attempts"][0]["exit_code"] == 75
     assert _states(show) == ["queued", "running", "cancelling", "cancelled"]
+    # The trainer stopped after a checkpoint ("preempted", resumable); the job will not resume
+    # it, so the run says cancelled, in run.json and in MLflow.
+    from visionloop.track import store as track_store
+
+    meta_file = Path(show["job"]["run_dir"]) / "run.json"
+    deadline = time.monotonic() + 30
+    while json.loads(meta_file.read_text())["status"] != "cancelled":
+        assert time.monotonic() < deadline, meta_file.read_text()
+        time.sleep(0.1)
+    client = track_store.client(cp.plane.settings)
+    run_id = json.loads(meta_file.read_text())["mlflow_run_id"]
+    while client.get_run(run_id).data.tags["visionloop.state"] != "cancelled":  # written after run.json
+        assert time.monotonic() < deadline, client.get_run(run_id).data.tags
+        time.sleep(0.1)
+    assert client.get_run(run_id).info.status == "KILLED"
 
 
 def test_a_sigkilled_trainer_has_its_run_closed_when_the_job_fails(

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from visionloop.core.settings import Settings
 from visionloop.train.abandoned import close_abandoned_run
 from visionloop.train.rundir import RunDir
@@ -32,8 +34,9 @@ def _run_dir(tmp_path: Path, status: str) -> RunDir:
     return rd
 
 
-def test_a_dead_running_run_is_marked_and_its_lock_released(tmp_path: Path) -> None:
-    rd = _run_dir(tmp_path, "running")
+@pytest.mark.parametrize("status", ["running", "preempted"])
+def test_a_dead_or_stopped_run_is_marked_and_its_lock_released(tmp_path: Path, status: str) -> None:
+    rd = _run_dir(tmp_path, status)
     assert close_abandoned_run(rd.path, _settings(tmp_path), "failed", "job 7 failed: exit 137") is None
     meta = rd.read_meta() or {}
     assert meta["status"] == "failed" and meta["error"] == "job 7 failed: exit 137"
@@ -53,8 +56,8 @@ def test_a_live_trainer_or_a_run_ended_by_its_trainer_is_left_alone(tmp_path: Pa
     finally:
         holder.kill()
         holder.wait()
-    rd.write_meta({"status": "preempted"})
+    rd.write_meta({"status": "succeeded"})
     close_abandoned_run(rd.path, _settings(tmp_path), "cancelled", "x")
-    assert json.loads(rd.meta_file.read_text()) == {"status": "preempted"}
+    assert json.loads(rd.meta_file.read_text()) == {"status": "succeeded"}
     assert close_abandoned_run(tmp_path / "never-started", _settings(tmp_path), "failed", "x") is None
     assert not (tmp_path / "never-started").exists()

@@ -69,6 +69,8 @@ QUEUED, RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
 FAILURE_LOG_LINES = 20
 # The longest that launches wait after the executor was found unreachable, however long it stays so.
 LAUNCH_PAUSE_MAX_S = 300.0
+# How long an ended job's run waits for its lock before it is left as it is.
+CLOSE_RUN_WAIT_S = 120.0
 _CKPT_NAME = re.compile(r"step-(\d+)\.ckpt")
 
 
@@ -582,7 +584,9 @@ class ControlPlane:
 
     def _close_run(self, run_dir: Path, ending: Ending, reason: str) -> None:
         try:
-            run_id = close_abandoned_run(run_dir, self.settings, ending, reason)
+            # The job is over, so whatever holds the run's lock is a dying straggler (a killed
+            # trainer's data-loader workers): wait for it rather than give up.
+            run_id = close_abandoned_run(run_dir, self.settings, ending, reason, wait_s=CLOSE_RUN_WAIT_S)
         except Exception as e:  # the job's state is settled already; this is bookkeeping
             log.warning("could not close the run in %s: %s", run_dir, e)
             return

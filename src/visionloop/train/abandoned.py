@@ -9,6 +9,7 @@ that the job has ended for good (the control plane) calls `close_abandoned_run`.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -22,24 +23,36 @@ Ending = Literal["failed", "cancelled"]
 _MLFLOW_STATUS = {"failed": "FAILED", "cancelled": "KILLED"}
 
 
-def close_abandoned_run(run_dir: Path, settings: Settings, ending: Ending, reason: str) -> str | None:
+def close_abandoned_run(
+    run_dir: Path, settings: Settings, ending: Ending, reason: str, *, wait_s: float = 0.0
+) -> str | None:
     """Mark the run in `run_dir` as ended (`ending`, with `reason`) in its run.json and, if it
     was tracked, in MLflow, where it is still RUNNING. Returns the MLflow run id it closed, or
     None when there was nothing to close.
 
-    Nothing is touched while a trainer holds the run directory's lock (it is alive: it writes
-    its own ending), nor when run.json does not say "running" (the trainer ended it itself).
+    A run a trainer stopped itself after a checkpoint ("preempted": resumable) that will not
+    be resumed, because its job ended, is marked too; its MLflow run is already ended (KILLED),
+    so only its `visionloop.state` tag changes. Nothing is touched while a trainer holds the run
+    directory's lock (it is alive: it writes its own ending), nor when the run finished or
+    failed by itself. `wait_s`: how long to keep asking for the lock, for a caller that knows
+    the trainer is dead (its killed children can hold the lock for a moment after it).
     """
     rd = RunDir(run_dir)
     if not rd.meta_file.is_file():
         return None  # never started, or on a node whose disk this machine cannot see
-    try:
-        rd.lock()
-    except VisionloopError:
-        return None  # a trainer holds it: alive
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            rd.lock()
+            break
+        except VisionloopError:
+            if time.monotonic() >= deadline:
+                return None  # a trainer holds it: alive
+            time.sleep(0.5)
     try:
         meta = rd.read_meta() or {}
-        if meta.get("status") != "running":
+        status = meta.get("status")
+        if status not in ("running", "preempted"):
             return None
         rd.update_meta(status=ending, error=reason[:2000])
         run_id = meta.get("mlflow_run_id")
@@ -48,7 +61,11 @@ def close_abandoned_run(run_dir: Path, settings: Settings, ending: Ending, reaso
         from visionloop.track import store as track_store
 
         client = track_store.client(settings)
-        if client.get_run(run_id).info.status != "RUNNING":
+        mlflow_status = client.get_run(run_id).info.status
+        if status == "preempted" and mlflow_status == "KILLED":
+            client.set_tag(run_id, "visionloop.state", ending)
+            return run_id
+        if mlflow_status != "RUNNING":
             return None
         client.set_tag(run_id, "visionloop.state", ending)
         client.set_tag(run_id, "visionloop.error", reason[:500])
