@@ -106,7 +106,10 @@ def test_measured_rows_have_consistent_latency_numbers(swept: tuple[ModelKit, Be
             assert 0 < p.p50_ms <= p.p90_ms <= p.p99_ms <= p.max_ms
             # throughput = batch * calls / total time, and total time = calls * mean
             assert p.throughput_ips == pytest.approx(p.batch_size * 1000.0 / p.mean_ms, rel=1e-6)
-            assert p.peak_memory_bytes is not None and p.peak_memory_bytes >= 0
+            # The model's weights are resident above the RSS taken before it loaded; onnx runs
+            # after pytorch freed its memory, which must not hide onnx's own (it read ~0 B when
+            # glibc kept the freed pages and onnx reused them).
+            assert p.peak_memory_bytes is not None and p.peak_memory_bytes >= (row.size_bytes or 0)
         assert row.memory_kind == "rss"
         assert row.size_bytes == Path(row.model_path or "").stat().st_size
     assert _row(result, "onnx", "fp32").provider == "CPUExecutionProvider"
@@ -196,7 +199,7 @@ def test_table_json_and_plot(swept: tuple[ModelKit, BenchResult], tmp_path: Path
         "p99",
     ):
         assert column in header
-    assert "throughput" in header
+    assert "images/s" in header
     assert "skipped: no onnx fp16 export" in text
     ok_lines = [line for line in text.splitlines() if "│ ok " in line]
     assert len(ok_lines) == 2  # pytorch fp32 and onnx fp32, on their first batch size's line

@@ -46,6 +46,22 @@ def _lifetime_peak() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 
 
+def trim_heap() -> None:
+    """Give memory that earlier work freed back to the OS (glibc keeps it in its arenas, where
+    it still counts in RSS). Without this, a configuration measured after another reuses that
+    memory without raising RSS, and its peak reads as a few KiB. No-op off glibc."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def reset_rss_peak() -> bool:
     """Reset this process's RSS high-water mark to its current RSS; False if the OS can't."""
     try:
@@ -74,9 +90,11 @@ class RssMeter:
     kind = "rss"
 
     def __init__(self) -> None:
+        trim_heap()
         self.baseline = current_rss()
 
     def start_point(self) -> None:
+        trim_heap()
         reset_rss_peak()
 
     def peak_bytes(self) -> int | None:

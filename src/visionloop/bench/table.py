@@ -1,9 +1,13 @@
-"""The sweep as one Rich table: a row per batch size, configuration columns filled once."""
+"""The sweep as one Rich table (a row per batch size, configuration columns filled once),
+with a note under it for every configuration that could not run, saying why. The reasons sit
+under the table rather than in it, so the table fits a 120-column terminal."""
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from visionloop.bench.result import BenchResult, ConfigResult
 
@@ -22,19 +26,26 @@ def human_bytes(n: int | None) -> str:
 
 
 def _status(row: ConfigResult) -> str:
-    return f"[{_STATUS_STYLE[row.status]}]{escape(row.status_text)}[/]"
+    return f"[{_STATUS_STYLE[row.status]}]{row.status}[/]"
 
 
-def result_table(result: BenchResult) -> Table:
+def result_table(result: BenchResult) -> Group:
+    """The table, then one line per configuration that was skipped or failed, with why."""
+    notes = [
+        Text.from_markup(f"[{_STATUS_STYLE[r.status]}]{escape(r.label)}[/]: {escape(r.status_text)}")
+        for r in result.configs
+        if r.status != "ok"
+    ]
+    return Group(_table(result), *notes)
+
+
+def _table(result: BenchResult) -> Table:
     title = f"{result.model} ({result.arch}, input {'x'.join(map(str, result.input_size))})"
-    table = Table(title=escape(title), title_justify="left")
-    # The configuration never wraps (a narrow terminal squeezes the status text instead).
-    for name in ("format", "precision", "device"):
+    # No outer edge: two columns fewer, so the whole table fits 120 columns.
+    table = Table(title=escape(title), title_justify="left", show_edge=False)
+    for name in ("format", "precision", "device", "status", "size", "accuracy"):
         table.add_column(name, no_wrap=True)
-    table.add_column("status", overflow="fold", ratio=1)
-    for name in ("size", "accuracy"):
-        table.add_column(name, no_wrap=True)
-    for name in ("batch", "p50 ms", "p90 ms", "p99 ms", "throughput img/s", "peak mem"):
+    for name in ("batch", "p50 ms", "p90 ms", "p99 ms", "images/s", "peak mem"):
         table.add_column(name, justify="right", no_wrap=True)
     for row in result.configs:
         head = [

@@ -144,7 +144,7 @@ def bench(
         out.print(f"wrote {escape(str(path))}")
     if not any(result.ok_configs()):
         raise BenchError(
-            "no configuration could run (see the status column); export the model "
+            "no configuration could run (the lines under the table say why); export the model "
             f"(`visionloop export {result.model}`) or choose other --formats/--precisions/--device."
         )
     if latency_budget is None:
