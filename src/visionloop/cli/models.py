@@ -198,7 +198,9 @@ def _num(value: Any, fmt: str) -> str:
 
 
 def _size(value: Any) -> str:
-    return f"{value / 1e6:.2f} MB" if isinstance(value, int | float) else "-"
+    from visionloop.bench.table import human_bytes  # the units bench prints, for the same files
+
+    return human_bytes(int(value)) if isinstance(value, int | float) else "-"
 
 
 @app.command("alias")
