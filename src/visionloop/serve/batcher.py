@@ -146,7 +146,10 @@ class Batcher:
                 if remaining <= 0:
                     break
                 try:
-                    nxt = await asyncio.wait_for(self._queue.get(), remaining)
+                    # asyncio.timeout, not wait_for: wait_for wraps the get in a new task, a
+                    # cost paid per request at saturation. A get cut short leaves its item queued.
+                    async with asyncio.timeout(remaining):
+                        nxt = await self._queue.get()
                 except TimeoutError:
                     break
             if nxt is _STOP:

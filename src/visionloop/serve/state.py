@@ -131,7 +131,8 @@ class Server:
         if shadow is not None:
             self._mirror(sv, shadow, req, fut)
         try:
-            return await asyncio.wait_for(fut, self.config.request_timeout_ms / 1000.0)
+            async with asyncio.timeout(self.config.request_timeout_ms / 1000.0):
+                return await fut  # cancelled on timeout, so the batcher skips it
         except TimeoutError:
             self.metrics.rejected.labels(sv.name, str(sv.version), "timeout").inc()
             raise ProtocolError(
