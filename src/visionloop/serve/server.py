@@ -43,6 +43,8 @@ def _uvicorn_config(app: object, config: ServeConfig) -> uvicorn.Config:
         http="auto",
         # Keep-alive clients (tritonclient pools connections) must not be cut between requests.
         timeout_keep_alive=30,
+        # The server reads no client address, so X-Forwarded-* rewriting is a layer for nothing.
+        proxy_headers=False,
         lifespan="on",
     )
 

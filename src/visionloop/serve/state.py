@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from visionloop.serve.batcher import BatcherClosedError, InferenceError, QueueFullError, Result
 from visionloop.serve.config import ServeConfig
@@ -42,6 +43,7 @@ class Server:
         self.ready = False
         self.startup_error: BaseException | None = None
         self._shadows: set[asyncio.Task[None]] = set()
+        self._children: dict[tuple[str, int, str], tuple[Any, Any]] = {}  # count()'s metric children
         # Retry-After for a full queue: about the time the queue takes to drain, at least 1 s.
         self.retry_after = "1"
 
@@ -84,13 +86,22 @@ class Server:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ProtocolError(self._too_big(int(declared)), status=413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
+        # ASGI messages read directly: Starlette's request.stream() is an async generator,
+        # a cost per request on the hot path for the same bytes.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 raise ProtocolError(self._too_big(size), status=413)
             chunks.append(chunk)
-        body = b"".join(chunks)
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding in ("gzip", "deflate"):
             # A bounded inflate: a few KB of zeros must not expand into gigabytes.
@@ -192,9 +203,14 @@ class Server:
                 )
 
     def count(self, sv: ServedVersion, endpoint: str, started: float) -> None:
-        labels = (sv.name, str(sv.version))
-        self.metrics.requests.labels(*labels, endpoint).inc()
-        self.metrics.latency.labels(*labels).observe(time.perf_counter() - started)
+        key = (sv.name, sv.version, endpoint)
+        children = self._children.get(key)
+        if children is None:  # labels() takes a lock and a dict lookup: once per version
+            labels = (sv.name, str(sv.version))
+            children = (self.metrics.requests.labels(*labels, endpoint), self.metrics.latency.labels(*labels))
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(time.perf_counter() - started)
 
     async def startup(self) -> asyncio.Task[None]:
         try:
