@@ -295,16 +295,16 @@ def validate_train_spec(doc: Mapping[str, Any], source: str = "the spec") -> Tra
         raise SpecError(format_validation_error(e, TrainSpec, source)) from e
 
 
-def read_spec_text(path: Path) -> str:
-    """The spec file's text, or a SpecError that says what is wrong with the file."""
+def read_spec_text(path: Path, *, what: str = "train spec", example: str | None = None) -> str:
+    """The file's text, or a SpecError that says what is wrong with the file; a missing file
+    gets a minimal example of `what` it should hold (a train spec's by default)."""
     try:
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError(
-            f"spec file {path} does not exist. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}"
-        ) from None
+        example = MINIMAL_TRAIN_SPEC if example is None else example
+        raise SpecError(f"{what} file {path} does not exist. A minimal {what}:\n{example}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"cannot read spec file {path}: {e}") from e
+        raise SpecError(f"cannot read {what} file {path}: {e}") from e
 
 
 def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpec, dict[str, Any]]:

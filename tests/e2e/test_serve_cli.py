@@ -109,3 +109,10 @@ def test_serve_refuses_missing_export_and_unknown_model(kit: ModelKit) -> None:
     bad.write_text("model: digits\nmax_batchsize: 4\n")
     r = cli("serve", "--config", str(bad), env=env, timeout=120)
     assert r.returncode == 2 and "max_batchsize: unknown field. Did you mean `max_batch_size`?" in r.stderr
+    # A missing or empty serving config gets an example of a serving config, not of a train spec.
+    r = cli("serve", "--config", str(kit.home / "nope.yaml"), env=env, timeout=120)
+    assert r.returncode == 2 and "serving config file" in r.stderr and "does not exist" in r.stderr
+    assert "A minimal serving config:\nmodel: digits" in r.stderr and "train spec" not in r.stderr
+    bad.write_text("")
+    r = cli("serve", "--config", str(bad), env=env, timeout=120)
+    assert r.returncode == 2 and "is empty. A minimal serving config" in r.stderr

@@ -26,6 +26,11 @@ from visionloop.core.errors import SpecError
 from visionloop.specs import format_validation_error, parse_yaml_mapping, read_spec_text
 
 Precision = Literal["fp32", "fp16", "int8"]
+# What an error shows when the file is missing or empty (`visionloop bench --latency-budget`
+# writes a full one).
+MINIMAL_SERVE_CONFIG = (
+    "model: digits          # NAME (champion), NAME@ALIAS or NAME/VERSION\nprecision: int8\n"
+)
 
 
 class ServeConfig(BaseModel):
@@ -105,9 +110,9 @@ def validate_serve_config(doc: dict[str, Any], source: str = "the serving config
 
 def load_serve_config(path: Path, **overrides: Any) -> ServeConfig:
     """Read a serving config YAML file; `overrides` (unset = None) win over the file."""
-    text = read_spec_text(Path(path))
+    text = read_spec_text(Path(path), what="serving config", example=MINIMAL_SERVE_CONFIG)
     if not text.strip():
-        raise SpecError(f"{path} is empty. A minimal serving config:\nmodel: digits")
+        raise SpecError(f"{path} is empty. A minimal serving config:\n{MINIMAL_SERVE_CONFIG}")
     doc = parse_yaml_mapping(text, str(path))
     doc.update({k: v for k, v in overrides.items() if v is not None})
     return validate_serve_config(doc, str(path))
