@@ -10,6 +10,7 @@ for them as they are.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -297,16 +298,31 @@ def test_the_inventory_follows_ray_nodes_that_join_and_leave(ray_cluster: RayClu
         assert {g.id: (g.type, g.price_class, g.up) for g in gpus if g.id in original} == original
 
 
-def test_an_unreachable_executor_at_launch_is_not_held_against_the_job(
-    tmp_path: Path, digits_dataset: Path
-) -> None:
-    settings = load_settings().ensure()
+@contextlib.contextmanager
+def _scripted_plane(
+    tmp_path: Path, **scheduler: Any
+) -> Iterator[tuple[ControlPlane, ScriptedExecutor, list[float]]]:
+    """A control plane on a real SQLite store and the scripted executor, with a clock the
+    test moves by hand (`clock[0] += s`)."""
     store = Store.open(f"sqlite:///{tmp_path / 'state.db'}")
     executor = ScriptedExecutor()
     clock = [1_000_000.0]
-    config = cluster_config(scheduler={"retry_backoff_s": 10})
-    plane = ControlPlane(store, executor, config, settings, clock=lambda: clock[0])
+    config = cluster_config(scheduler=scheduler)
     try:
+        yield (
+            ControlPlane(store, executor, config, load_settings().ensure(), clock=lambda: clock[0]),
+            executor,
+            clock,
+        )
+    finally:
+        store.close()
+
+
+def test_an_unreachable_executor_at_launch_is_not_held_against_the_job(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
+    with _scripted_plane(tmp_path, retry_backoff_s=10) as (plane, executor, clock):
+        store = plane.store
         a, b = (plane.submit(ADMIN, {"train": _train(digits_dataset), "max_restarts": 0}) for _ in range(2))
         executor.launch_error = ExecutorUnavailableError("cannot reach the Ray dashboard at http://head:8265")
         plane.cycle()
@@ -348,21 +364,14 @@ def test_an_unreachable_executor_at_launch_is_not_held_against_the_job(
         plane.cycle()
         assert store.get_job(c.id).state == "failed"
         assert "the command is empty" in store.transitions(c.id)[-1].reason
-    finally:
-        store.close()
 
 
 def test_without_teams_the_default_quota_follows_the_gpus_that_join(
     tmp_path: Path, digits_dataset: Path
 ) -> None:
-    settings = load_settings().ensure()
-    store = Store.open(f"sqlite:///{tmp_path / 'state.db'}")
-    executor = ScriptedExecutor()
-    clock = [1_000_000.0]
-    config = cluster_config(scheduler={"inventory_sync_s": 1})
-    assert not config.teams
-    plane = ControlPlane(store, executor, config, settings, clock=lambda: clock[0])
-    try:
+    with _scripted_plane(tmp_path, inventory_sync_s=1) as (plane, executor, clock):
+        store = plane.store
+        assert not plane.config.teams
         team = store.get_team("default")
         assert team is not None and (team.nominal_gpus, team.borrow_limit) == (2, 0)
         jobs = [plane.submit(ADMIN, {"train": _train(digits_dataset)}) for _ in range(4)]
@@ -383,5 +392,3 @@ def test_without_teams_the_default_quota_follows_the_gpus_that_join(
         clock[0] += 1
         plane.cycle()
         assert len(store.list_gpus()) == 5 and store.get_team("default").nominal_gpus == 3  # type: ignore[union-attr]
-    finally:
-        store.close()
