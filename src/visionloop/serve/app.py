@@ -21,6 +21,7 @@ import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from visionloop import __version__
 from visionloop.serve import openapi
@@ -74,6 +75,8 @@ class ServeApp:
                 request = Request(scope, receive)
                 try:
                     response = await _infer(self.server, request, match["name"], match["version"])
+                except ClientDisconnect:
+                    return  # the client left mid-body: nobody to answer, nothing went wrong here
                 except ProtocolError as e:
                     response = _error(self.server, request, e.status, str(e), e.headers)
                 except InferenceError as e:
@@ -154,6 +157,11 @@ def _handlers(app: FastAPI, server: Server) -> None:
     @app.exception_handler(InferenceError)
     async def _inference(request: Request, e: InferenceError) -> Response:
         return error(request, 500, f"inference failed: {e}")
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, e: ClientDisconnect) -> Response:
+        # The client left mid-body (the image endpoint): not an error of ours, nor answerable.
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
     async def _any(request: Request, e: Exception) -> Response:
