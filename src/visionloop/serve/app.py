@@ -75,14 +75,8 @@ class ServeApp:
                 request = Request(scope, receive)
                 try:
                     response = await _infer(self.server, request, match["name"], match["version"])
-                except ClientDisconnect:
-                    return  # the client left mid-body: nobody to answer, nothing went wrong here
-                except ProtocolError as e:
-                    response = _error(self.server, request, e.status, str(e), e.headers)
-                except InferenceError as e:
-                    response = _error(self.server, request, 500, f"inference failed: {e}")
                 except Exception as e:
-                    response = _unexpected(self.server, request, e)
+                    response = _error_response(self.server, request, e)
                 await response(scope, receive, send)
                 return
         await self.api(scope, receive, send)
@@ -130,7 +124,17 @@ def _error(
     return _json({"error": message}, status, headers)
 
 
-def _unexpected(server: Server, request: Request, e: Exception) -> Response:
+def _error_response(server: Server, request: Request, e: Exception) -> Response:
+    """The answer to an exception out of a handler: the same on FastAPI's routes and on
+    ServeApp's fast path."""
+    if isinstance(e, ProtocolError):
+        return _error(server, request, e.status, str(e), e.headers)
+    if isinstance(e, InferenceError):
+        return _error(server, request, 500, f"inference failed: {e}")
+    if isinstance(e, ClientDisconnect):
+        # The client left mid-body: not an error of ours, and nobody reads the answer
+        # (uvicorn drops what is sent on a closed connection).
+        return Response(status_code=499)  # nginx's "client closed request"
     log.exception("unexpected error answering %s %s", request.method, request.url.path, exc_info=e)
     return _error(server, request, 500, f"internal error: {type(e).__name__}: {e}")
 
@@ -139,9 +143,11 @@ def _handlers(app: FastAPI, server: Server) -> None:
     def error(request: Request, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
         return _error(server, request, status, message, headers)
 
-    @app.exception_handler(ProtocolError)
-    async def _protocol(request: Request, e: ProtocolError) -> Response:
-        return error(request, e.status, str(e), e.headers)
+    async def mapped(request: Request, e: Exception) -> Response:
+        return _error_response(server, request, e)
+
+    for cls in (ProtocolError, InferenceError, ClientDisconnect, Exception):
+        app.add_exception_handler(cls, mapped)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> Response:
@@ -153,19 +159,6 @@ def _handlers(app: FastAPI, server: Server) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> Response:
         return error(request, 400, "; ".join(str(x.get("msg")) for x in e.errors()))
-
-    @app.exception_handler(InferenceError)
-    async def _inference(request: Request, e: InferenceError) -> Response:
-        return error(request, 500, f"inference failed: {e}")
-
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, e: ClientDisconnect) -> Response:
-        # The client left mid-body (the image endpoint): not an error of ours, nor answerable.
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-
-    @app.exception_handler(Exception)
-    async def _any(request: Request, e: Exception) -> Response:
-        return _unexpected(server, request, e)
 
 
 def _routes(app: FastAPI, server: Server) -> None:
