@@ -124,16 +124,16 @@ def _read_report(path: Path) -> dict[str, Any] | None:
 def passing_export(folder: Path) -> Path | None:
     """The model file of the export in `folder` if its report says it passed its gate and the
     file is the one the gate measured; else None."""
+    report = _read_report(folder / EXPORT_REPORT_FILE)
+    if report is None or report.get("passed") is not True:
+        return None
+    model = folder / ONNX_FILE
     try:
-        report = json.loads((folder / EXPORT_REPORT_FILE).read_text(encoding="utf-8"))
-        model = folder / ONNX_FILE
-        # A truncated or replaced file is not the one the gate passed.
-        ok = isinstance(report, dict) and report.get("passed") is True
-        if ok and report.get("size_bytes") == model.stat().st_size:
-            return model
-    except (OSError, json.JSONDecodeError):
-        pass
-    return None
+        size = model.stat().st_size
+    except OSError:
+        return None
+    # A truncated or replaced file is not the one the gate passed.
+    return model if report.get("size_bytes") == size else None
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,6 @@ def _register_locked(
 def _remove_abandoned(c: MlflowClient, name: str, settings: Settings) -> None:
     """Delete the MLflow versions of `name` that registrations left unready and without a
     folder: readers skip them, but they clutter MLflow's UI and `search_model_versions`."""
-
     cutoff_ms = (datetime.now(UTC).timestamp() - ABANDONED_AFTER_S) * 1000
     try:
         rstore.get_model(c, name, settings)
