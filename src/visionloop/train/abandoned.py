@@ -8,7 +8,6 @@ that the job has ended for good (the control plane) calls `close_abandoned_run`.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Literal
@@ -16,8 +15,6 @@ from typing import Literal
 from visionloop.core.errors import VisionloopError
 from visionloop.core.settings import Settings
 from visionloop.train.rundir import RunDir
-
-log = logging.getLogger(__name__)
 
 Ending = Literal["failed", "cancelled"]
 _MLFLOW_STATUS = {"failed": "FAILED", "cancelled": "KILLED"}
@@ -62,14 +59,13 @@ def close_abandoned_run(
 
         client = track_store.client(settings)
         mlflow_status = client.get_run(run_id).info.status
-        if status == "preempted" and mlflow_status == "KILLED":
-            client.set_tag(run_id, "visionloop.state", ending)
-            return run_id
-        if mlflow_status != "RUNNING":
+        # RUNNING: the trainer died; KILLED after "preempted": it stopped itself and ended it.
+        if mlflow_status != "RUNNING" and not (status == "preempted" and mlflow_status == "KILLED"):
             return None
         client.set_tag(run_id, "visionloop.state", ending)
-        client.set_tag(run_id, "visionloop.error", reason[:500])
-        client.set_terminated(run_id, _MLFLOW_STATUS[ending])
+        if mlflow_status == "RUNNING":
+            client.set_tag(run_id, "visionloop.error", reason[:500])
+            client.set_terminated(run_id, _MLFLOW_STATUS[ending])
         return run_id
     finally:
         rd.unlock()
