@@ -13,8 +13,11 @@ keeps it, so the drop in free device memory since before the session was made is
 
 from __future__ import annotations
 
+import functools
+import gc
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -46,20 +49,26 @@ def _lifetime_peak() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, looked up once (find_library runs ldconfig); None off glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def trim_heap() -> None:
     """Give memory that earlier work freed back to the OS (glibc keeps it in its arenas, where
     it still counts in RSS). Without this, a configuration measured after another reuses that
     memory without raising RSS, and its peak reads as a few KiB. No-op off glibc."""
-    import ctypes
-    import ctypes.util
-    import gc
-
     gc.collect()
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def reset_rss_peak() -> bool:
