@@ -68,13 +68,14 @@ def deploy(settings: Settings, run_dir: Path, images_dir: Path, first_step: int,
 
 
 def _export(info: ModelVersionInfo, settings: Settings) -> ExportReport:
+    from visionloop.bench.table import human_bytes
     from visionloop.export import export_model
 
     reports = []
     precisions: tuple[Precision, ...] = ("fp32", SERVED_PRECISION)
     for precision in precisions:
         r = export_model(info, precision=precision, settings=settings)  # raises if the gate fails
-        out.print(f"{r.summary()}; {(r.size_bytes or 0) / 1024:.0f} KiB", soft_wrap=True)
+        out.print(f"{r.summary()}; {human_bytes(r.size_bytes)}", soft_wrap=True)
         reports.append(r)
     out.print(f"  $ visionloop export {info.name}/{info.version} --precision int8", soft_wrap=True)
     return reports[-1]

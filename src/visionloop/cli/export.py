@@ -73,4 +73,6 @@ def export(
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
         return
     out.print(report.summary())
-    out.print(f"  file     {report.path} ({(report.size_bytes or 0) / 1e6:.2f} MB, sha256 {report.sha256})")
+    from visionloop.bench.table import human_bytes  # the units bench and `models show` print
+
+    out.print(f"  file     {report.path} ({human_bytes(report.size_bytes)}, sha256 {report.sha256})")
