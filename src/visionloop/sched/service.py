@@ -149,10 +149,10 @@ class ControlPlane:
         self._launch_paused_until = 0.0
         self._unreachable_streak = 0
         self._inventory_at = 0.0
-        self._pending: dict[int, tuple[ViewJob, PendingJob]] = {}
+        self._pending: dict[int, tuple[ViewJob, PendingJob]] = {}  # queued job → (its row, built)
         self._rows: tuple[ViewJob, ...] | None = None  # the queue view last built from
-        self._active_rows: dict[int, ViewJob] = {}
-        self._queued: list[PendingJob] = []  # queued job → its view row, built
+        self._active_rows: dict[int, ViewJob] = {}  # job → its row, for the jobs not queued
+        self._queued: list[PendingJob] = []  # the queued jobs of _rows, in queue order
         self._sync_inventory()
         self._sync_teams()
 
