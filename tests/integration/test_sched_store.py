@@ -374,7 +374,7 @@ def test_two_schedulers_racing_for_one_gpu_exactly_one_wins(db_url: str, tmp_pat
         pairs = [(submit(stores[0], f"a{i}").id, submit(stores[0], f"b{i}").id) for i in range(rounds)]
         for i, pair in enumerate(pairs):
             gpu = Gpu(f"race/{i}", "race", "A100")
-            barrier = threading.Barrier(2)
+            barrier = threading.Barrier(2, timeout=120)  # a lost partner fails, never hangs
 
             def start(
                 k: int, pair: tuple[int, int] = pair, gpu: Gpu = gpu, barrier: threading.Barrier = barrier
@@ -555,12 +555,23 @@ def test_concurrent_submissions_land_exactly_once(db_url: str, tmp_path: Path) -
     twice with its idempotency key by two different threads: exactly 500 jobs exist."""
     threads, per_thread = 20, 25
     keys = [f"job-{t}-{i}" for t in range(threads) for i in range(per_thread)]
-    barrier = threading.Barrier(threads)
+    # A timeout, and an abort by a thread that fails before it: a thread that died before the
+    # barrier must fail the test with its error, not leave the others waiting for ever (the
+    # pool's exit joins them, so pytest-timeout cannot end a hang here).
+    barrier = threading.Barrier(threads, timeout=120)
 
     def client(t: int) -> list[tuple[str, int]]:
-        s = Store.open(db_url, runs_dir=tmp_path)  # twenty opens racing the first migration
         try:
-            s.upsert_team("vision", 4, now=1.0)
+            s = Store.open(db_url, runs_dir=tmp_path)  # twenty opens racing the first migration
+        except BaseException:
+            barrier.abort()
+            raise
+        try:
+            try:
+                s.upsert_team("vision", 4, now=1.0)
+            except BaseException:
+                barrier.abort()
+                raise
             barrier.wait()
             mine = keys[t * per_thread : (t + 1) * per_thread]
             theirs = keys[((t + 1) % threads) * per_thread : ((t + 1) % threads + 1) * per_thread]

@@ -44,6 +44,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from visionloop.core.errors import ConfigError
+from visionloop.core.migration_lock import MIGRATION_LOCK
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 
@@ -400,7 +401,8 @@ def migrate(engine: Engine, shown_url: str) -> None:
     with engine.connect() as conn, conn.begin():
         if current_revision(conn) == head:
             return
-    with engine.connect() as conn:
+    # Alembic is not thread-safe (core/migration_lock.py): one migration at a time per process.
+    with MIGRATION_LOCK, engine.connect() as conn:
         conn.execution_options(**{WRITE_OPTION: True})
         with conn.begin():
             if engine.dialect.name == "postgresql":

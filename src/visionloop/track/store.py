@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from visionloop.core.errors import TrackingError
+from visionloop.core.migration_lock import MIGRATION_LOCK
 from visionloop.core.settings import Settings
 
 if TYPE_CHECKING:
@@ -119,18 +120,22 @@ def _schema_lock(uri: str) -> Iterator[None]:
     """Serialise opening a local SQLite store between processes. MLflow creates and migrates
     the schema on first connect without a lock of its own, so two trainers starting at once
     on a fresh store (a queue launching two jobs) both run `ALTER TABLE ...` and one fails
-    with "duplicate column". Server databases and tracking servers migrate once, by an admin."""
+    with "duplicate column". Server databases and tracking servers migrate once, by an admin.
+
+    Within this process, MIGRATION_LOCK keeps MLflow's Alembic run apart from any other
+    (the job store's), whatever the URI: see core/migration_lock.py."""
     db = sqlite_path(uri)
-    if db is None:
-        yield
-        return
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".init-lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
+    with MIGRATION_LOCK:
+        if db is None:
             yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            return
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with open(db.with_name(db.name + ".init-lock"), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def store_error(action: str, settings: Settings, error: BaseException) -> TrackingError:
