@@ -206,8 +206,12 @@ def test_closed_tracker_refuses_more_logging(settings: Settings) -> None:
     assert t.close() is first  # closing twice is harmless
     with pytest.raises(TrackingError, match="closed"):
         t.log_metrics({"x": 1.0}, step=1)
-    with pytest.raises(TrackingError, match="metrics must be numbers"):
-        open_run(settings, uid="uid-closed", environment=False).log_metrics({"x": "high"}, step=2)  # type: ignore[dict-item]
+    # Closed by the with: an open tracker's writer thread would outlive the test.
+    with (
+        open_run(settings, uid="uid-closed", environment=False) as again,
+        pytest.raises(TrackingError, match="metrics must be numbers"),
+    ):
+        again.log_metrics({"x": "high"}, step=2)  # type: ignore[dict-item]
 
 
 def test_an_unusable_store_is_a_tracking_error_that_names_it(tmp_path: Path) -> None:
