@@ -583,7 +583,13 @@ def test_concurrent_submissions_land_exactly_once(db_url: str, tmp_path: Path) -
             s.close()
 
     with ThreadPoolExecutor(threads) as pool:
-        results = [r for batch in pool.map(client, range(threads)) for r in batch]
+        futures = [pool.submit(client, t) for t in range(threads)]
+    # The first real error, not the BrokenBarrierError it caused in the others.
+    errors = [e for f in futures if (e := f.exception()) is not None]
+    causes = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if errors:
+        raise (causes or errors)[0]
+    results = [r for f in futures for r in f.result()]
 
     assert len(results) == 2 * len(keys)
     by_key: dict[str, set[int]] = {}
