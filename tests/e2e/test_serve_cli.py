@@ -58,6 +58,9 @@ def served(kit: ModelKit) -> Iterator[tuple[str, list[str]]]:
         log = kit.home / "serve" / "predictions" / f"127.0.0.1-{port}.jsonl"
         records = log.read_text().splitlines() if log.is_file() else []
         assert len(records) == 4, records  # the test's 3 tensor rows and 1 image, each summarised
+        # Its last words say what it did and where the predictions are.
+        rest = proc.stdout.read()
+        assert f"stopped: answered 2 requests, 0 with an error; predictions logged to {log}" in rest, rest
 
 
 def test_serve_answers_tritonclient_and_images(kit: ModelKit, served: tuple[str, list[str]]) -> None:

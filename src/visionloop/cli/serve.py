@@ -83,7 +83,7 @@ def serve(
     for ref in cfg.refs:
         source.resolve(parse_ref(ref))
     err.print(f"loading {', '.join(cfg.refs)} ({cfg.format} {cfg.precision}, {cfg.device}) …")
-    serve_forever(cfg, source, settings, on_ready=lambda server: _ready(server, cfg))
+    serve_forever(cfg, source, settings, on_ready=lambda server: _ready(server, cfg), on_stop=_stopped)
 
 
 def _ready(server: Server, cfg: ServeConfig) -> None:
@@ -92,3 +92,13 @@ def _ready(server: Server, cfg: ServeConfig) -> None:
         out.print(f"serving {m.name}: {roles}")
     base = f"http://{cfg.host}:{cfg.port}"
     out.print(f"listening on {base}  (KServe v2: {base}/v2/models/NAME/infer; metrics: {base}/metrics)")
+
+
+def _stopped(server: Server) -> None:
+    # uvicorn logs its shutdown at warning level only when something is wrong: say it ended.
+    m = server.metrics
+    answered, errors = m.total(m.requests), m.total(m.errors)
+    line = f"stopped: answered {answered} request{'s' if answered != 1 else ''}, {errors} with an error"
+    if server.predlog is not None:
+        line += f"; predictions logged to {server.predlog.path}"
+    out.print(line, soft_wrap=True)

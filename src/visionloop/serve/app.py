@@ -87,8 +87,10 @@ def create_app(
     source: ModelSource,
     predictions: Path | None = None,
     on_ready: Callable[[Server], None] | None = None,
+    on_stop: Callable[[Server], None] | None = None,
 ) -> ServeApp:
-    """The server's ASGI app. Models load in its lifespan: the app answers once they are in."""
+    """The server's ASGI app. Models load in its lifespan: the app answers once they are in.
+    `on_ready` runs once they are; `on_stop` once it has drained and closed, on shutdown."""
     server = Server(config, source, predictions)
 
     @asynccontextmanager
@@ -100,6 +102,8 @@ def create_app(
             yield
         finally:
             await server.shutdown(watcher)
+            if on_stop is not None:
+                on_stop(server)
 
     app = FastAPI(
         title="visionloop inference server",

@@ -82,3 +82,8 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    @staticmethod
+    def total(counter: Counter) -> int:
+        """A counter's sum over all its labels (what `visionloop serve` reports when it stops)."""
+        return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))

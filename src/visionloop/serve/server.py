@@ -54,9 +54,14 @@ def serve_forever(
     source: ModelSource,
     settings: Settings,
     on_ready: Callable[[Server], None] | None = None,
+    on_stop: Callable[[Server], None] | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM; raises if a model cannot be loaded at start-up."""
-    app = create_app(config, source, predictions_path(settings, config.host, config.port), on_ready)
+    """Serve until SIGINT/SIGTERM; raises if a model cannot be loaded at start-up.
+
+    On a signal uvicorn drains, runs the app's shutdown (then `on_stop`) and re-raises the
+    signal, so nothing after this call runs then: report the stop from `on_stop`."""
+    path = predictions_path(settings, config.host, config.port)
+    app = create_app(config, source, path, on_ready, on_stop)
     server = uvicorn.Server(_uvicorn_config(app, config))
     server.run()
     error = app.state.server.startup_error
