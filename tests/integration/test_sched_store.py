@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -759,3 +760,25 @@ def test_a_resync_marks_missing_gpus_down_and_brings_them_back_when_listed_again
     ]
     # The start-up sync removes what is gone.
     assert [g.id for g in store.sync_gpus(GPUS[:3], now=5.0)] == [g.id for g in GPUS[:3]]
+
+
+def test_opening_waits_for_a_writer_that_holds_a_database_not_yet_in_wal_mode(tmp_path: Path) -> None:
+    """SQLite skips the busy handler for `PRAGMA journal_mode = WAL`: while another connection
+    held a write lock on a database not yet in WAL mode, opening the store failed at once with
+    "database is locked" (a CI run: twenty stores opening a fresh file together)."""
+    path = tmp_path / "state.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        holder.execute("CREATE TABLE other (x)")  # a database in rollback-journal mode
+        holder.execute("BEGIN IMMEDIATE")
+        holder.execute("INSERT INTO other VALUES (1)")
+        release = threading.Timer(0.5, holder.execute, args=("COMMIT",))
+        release.start()
+        with Store.open(f"sqlite:///{path}", runs_dir=tmp_path) as store:
+            assert store.upsert_team("vision", 1, now=1.0).name == "vision"
+        release.join()
+        assert holder.execute("SELECT x FROM other").fetchall() == [(1,)]  # the writer's row kept
+        with closing(sqlite3.connect(path)) as fresh:
+            assert fresh.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        holder.close()

@@ -20,7 +20,9 @@ Concurrency model:
 from __future__ import annotations
 
 import functools
+import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -327,7 +329,7 @@ def _sqlite_engine(url: URL) -> Engine:
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(cursor)
             # FULL: a committed transition survives a power cut, not only a process crash.
             cursor.execute("PRAGMA synchronous = FULL")
             cursor.execute("PRAGMA foreign_keys = ON")
@@ -340,6 +342,28 @@ def _sqlite_engine(url: URL) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
+
+
+def _enable_wal(cursor: Any) -> None:
+    """`PRAGMA journal_mode = WAL`, retried while the database is locked.
+
+    SQLite does not call the busy handler for a journal-mode change: while another connection
+    holds a write lock on a database not yet in WAL mode (a fresh one, being created by
+    another opener), the pragma fails at once with "database is locked", whatever
+    busy_timeout says. Twenty stores opened at once on a new file hit this (CI did)."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    delay = 0.002
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 # --------------------------------------------------------------------------- migrations
