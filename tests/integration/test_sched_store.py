@@ -562,17 +562,10 @@ def test_concurrent_submissions_land_exactly_once(db_url: str, tmp_path: Path) -
     barrier = threading.Barrier(threads, timeout=120)
 
     def client(t: int) -> list[tuple[str, int]]:
+        s: Store | None = None
         try:
             s = Store.open(db_url, runs_dir=tmp_path)  # twenty opens racing the first migration
-        except BaseException:
-            barrier.abort()
-            raise
-        try:
-            try:
-                s.upsert_team("vision", 4, now=1.0)
-            except BaseException:
-                barrier.abort()
-                raise
+            s.upsert_team("vision", 4, now=1.0)
             barrier.wait()
             mine = keys[t * per_thread : (t + 1) * per_thread]
             theirs = keys[((t + 1) % threads) * per_thread : ((t + 1) % threads + 1) * per_thread]
@@ -580,8 +573,12 @@ def test_concurrent_submissions_land_exactly_once(db_url: str, tmp_path: Path) -
             for key in [k for pair in zip(mine, theirs, strict=True) for k in pair]:
                 out.append((key, submit(s, "same", key=key).id))
             return out
+        except BaseException:
+            barrier.abort()  # harmless after the barrier: nobody waits on it again
+            raise
         finally:
-            s.close()
+            if s is not None:
+                s.close()
 
     with ThreadPoolExecutor(threads) as pool:
         futures = [pool.submit(client, t) for t in range(threads)]

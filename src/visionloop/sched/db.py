@@ -358,7 +358,7 @@ def _enable_wal(cursor: Any) -> None:
             cursor.execute("PRAGMA journal_mode = WAL")
             return
         except sqlite3.OperationalError as e:
-            if "locked" not in str(e) and "busy" not in str(e):
+            if e.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
                 raise
             if time.monotonic() + delay > deadline:
                 raise
