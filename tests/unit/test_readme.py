@@ -70,3 +70,17 @@ def test_the_cluster_config_example_parses_with_its_documented_values() -> None:
         ("spot-a/0", "spot"),
         ("spot-a/1", "spot"),
     ]
+
+
+def test_every_local_link_in_the_readme_and_docs_points_into_the_repository() -> None:
+    # A clone has only the repository: a link to ../shared/ or a missing file is a dead end.
+    root = README.parent
+    for doc in [README, *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        targets = re.findall(r"\]\(([^)#\s]+)", text) + re.findall(r"`(\.\./[^`]+)`", text)
+        local = [t for t in targets if "://" not in t]
+        assert local, f"{doc.name} has no local links to check"
+        for target in local:
+            path = (doc.parent / target).resolve()
+            assert path.is_relative_to(root), f"{doc.name} links outside the repository: {target}"
+            assert path.exists(), f"{doc.name} links to {target}, which does not exist"
