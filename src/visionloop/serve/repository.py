@@ -84,6 +84,10 @@ class ServedModel:
     follow: str | None  # the alias the primary follows; None when pinned to a version
     primary: ServedVersion
     challenger: ServedVersion | None = None
+    # Set at run time through the routing endpoint (a key with the routing scope); None
+    # follows the serving config. Held in memory: a restart returns to the config's values.
+    canary_percent: float | None = None
+    shadow_percent: float | None = None
 
     def loaded(self) -> dict[int, ServedVersion]:
         out = {self.primary.version: self.primary}
@@ -94,6 +98,10 @@ class ServedModel:
 
 class UnknownModelError(LookupError):
     pass
+
+
+class RoutingError(Exception):
+    """A routing change the server cannot make; the message says why (answered 409)."""
 
 
 class Repository:
@@ -133,12 +141,47 @@ class Repository:
         ch = model.challenger
         if ch is None:
             return model.primary, None
-        cfg = self.config
-        if cfg.canary_percent and self.rng.random() * 100.0 < cfg.canary_percent:
+        canary, shadow = self.percents(model)
+        if canary and self.rng.random() * 100.0 < canary:
             return ch, None
-        if cfg.shadow_percent and self.rng.random() * 100.0 < cfg.shadow_percent:
+        if shadow and self.rng.random() * 100.0 < shadow:
             return model.primary, ch
         return model.primary, None
+
+    def percents(self, model: ServedModel) -> tuple[float, float]:
+        """(canary, shadow) percent in force for `model`: its run-time setting, else the config's."""
+        cfg = self.config
+        canary = cfg.canary_percent if model.canary_percent is None else model.canary_percent
+        shadow = cfg.shadow_percent if model.shadow_percent is None else model.shadow_percent
+        return canary, shadow
+
+    def set_percents(self, model: ServedModel, canary: float | None, shadow: float | None) -> None:
+        """Change `model`'s canary and/or shadow share from now on (None leaves one as it is).
+        One step of the event loop: a request sees the old split or the new one."""
+        if canary is not None:
+            model.canary_percent = canary
+        if shadow is not None:
+            model.shadow_percent = shadow
+        log.warning("%s: routing now canary %s%%, shadow %s%%", model.name, *self.percents(model))
+
+    async def rollback(self, model: ServedModel, actor: str | None) -> int:
+        """Move the alias `model` follows back to its previous version in the source (the
+        registry), then switch to it now rather than at the next poll; return that version."""
+        if model.follow is None:
+            raise RoutingError(
+                f"{model.name} is served pinned to version {model.primary.version}, so there is no alias "
+                "to roll back; serve it by name (NAME or NAME@ALIAS) to follow an alias"
+            )
+        async with self._lock:
+            version = await asyncio.to_thread(self.source.rollback, model.name, model.follow, actor)
+            aliases = await asyncio.to_thread(self.source.aliases, model.name)
+            await self._apply(model, aliases)
+        if model.primary.version != version:
+            raise RoutingError(
+                f"{model.name}@{model.follow} now points to version {version}, but the server could not "
+                f"load it (see its log); it still answers with version {model.primary.version}"
+            )
+        return version
 
     # ------------------------------------------------------------------ loading
 

@@ -44,6 +44,11 @@ class ModelSource(Protocol):
         """alias → version; called about once a second per served model."""
         ...
 
+    def rollback(self, name: str, alias: str, actor: str | None) -> int:
+        """Move `alias` back to the version it pointed to before; return that version.
+        Raises a VisionloopError naming why when there is nothing to roll back to."""
+        ...
+
 
 class StaticSource:
     """Versions registered in memory: `add(name, version, onnx_path, card)`; aliases set with
@@ -52,6 +57,8 @@ class StaticSource:
     def __init__(self, champion_alias: str = "champion") -> None:
         self._versions: dict[str, dict[int, ResolvedVersion]] = {}
         self._aliases: dict[str, dict[str, int]] = {}
+        # Per model and alias, the versions it pointed to before (what rollback returns to).
+        self._history: dict[tuple[str, str], list[int]] = {}
         self._champion = champion_alias
         self._lock = threading.Lock()
 
@@ -66,7 +73,19 @@ class StaticSource:
         with self._lock:
             if version not in self._versions.get(name, {}):
                 raise NotFoundError(f"{name} has no version {version}")
+            previous = self._aliases[name].get(alias)
+            if previous is not None and previous != version:
+                self._history.setdefault((name, alias), []).append(previous)
             self._aliases[name][alias] = version
+
+    def rollback(self, name: str, alias: str, actor: str | None) -> int:
+        with self._lock:
+            earlier = self._history.get((name, alias))
+            if not earlier:
+                raise NotFoundError(f"{name}@{alias} has no previous version to roll back to")
+            version = earlier.pop()
+            self._aliases[name][alias] = version
+            return version
 
     def delete_alias(self, name: str, alias: str) -> None:
         with self._lock:
@@ -136,3 +155,8 @@ class RegistrySource:
         from visionloop.registry import aliases
 
         return dict(aliases(name, settings=self.settings))
+
+    def rollback(self, name: str, alias: str, actor: str | None) -> int:
+        from visionloop.registry import rollback
+
+        return rollback(name, alias=alias, actor=actor, settings=self.settings).version
