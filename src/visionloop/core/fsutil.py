@@ -33,15 +33,34 @@ def _read_umask() -> int:
 UMASK = _read_umask()
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Call `write(f)` on a temporary file beside `path`, then atomically replace `path`."""
+def ensure_private_dir(path: Path) -> Path:
+    """Create `path` (and missing parents) owner-only (0700) if it does not exist yet."""
+    if not path.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # made meanwhile by another process: its maker chose its mode
+        else:
+            path.chmod(0o700)  # mkdir's mode is masked by the umask; 0700 is what we want
+    return path
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object], mode: int | None = None) -> None:
+    """Call `write(f)` on a temporary file beside `path`, then atomically replace `path`.
+
+    `mode` None gives the file the permissions a plain open() would (0666 less the umask);
+    a secret passes 0o600: mkstemp creates the temporary file 0600 (O_EXCL) and it is never
+    widened, so no other user can open it at any moment, before or after the rename.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        # mkstemp creates 0600; give the file the permissions a plain open() would have, so
-        # a dataset or model written by one user can be read by the team.
-        os.fchmod(fd, 0o666 & ~UMASK)
+        # mkstemp creates 0600; unless asked for a mode, give the file the permissions a
+        # plain open() would have, so a dataset or model written by one user can be read by
+        # the team.
+        os.fchmod(fd, 0o666 & ~UMASK if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -54,12 +73,13 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path: Path, data: bytes, mode: int | None = None) -> None:
+    atomic_write(path, lambda f: f.write(data), mode)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
+    """`mode=0o600` for a secret (a token, API key hashes): owner-only from the first byte."""
+    atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import ConfigError
+from visionloop.core.fsutil import ensure_private_dir
 
 DEFAULT_HOME = Path("~/.visionloop")
 _KNOWN_KEYS = {"home", "tracking_uri", "experiment"}
@@ -39,8 +40,12 @@ class Settings:
         return self.home / "artifacts"
 
     def ensure(self) -> Settings:
-        """Create the home layout; return self so callers can chain."""
-        for d in (self.home, self.runs_dir, self.datasets_dir, self.artifacts_dir):
+        """Create the home layout; return self so callers can chain.
+
+        A new home is made 0700 (it holds the admin token, API key hashes and the job store);
+        an existing one keeps the permissions its owner gave it."""
+        ensure_private_dir(self.home)
+        for d in (self.runs_dir, self.datasets_dir, self.artifacts_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
