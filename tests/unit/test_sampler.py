@@ -16,28 +16,99 @@ def flat(batches: list[list[tuple[int, int]]]) -> list[int]:
     return [i for b in batches for i, _ in b]
 
 
-def test_epoch_order_is_a_seeded_permutation_that_changes_per_epoch() -> None:
-    a0 = epoch_order(CHUNKS, seed=3, epoch=0, window=2)
-    assert sorted(a0.tolist()) == list(range(sum(CHUNKS)))
-    assert torch.equal(a0, epoch_order(CHUNKS, seed=3, epoch=0, window=2))
-    assert not torch.equal(a0, epoch_order(CHUNKS, seed=3, epoch=1, window=2))
-    assert not torch.equal(a0, epoch_order(CHUNKS, seed=4, epoch=0, window=2))
+SEEDS, EPOCHS = range(4), range(3)
+WINDOWS = [1, 2, 3, len(CHUNKS), 20]  # 20: more than there are chunks
 
 
-def test_shuffle_stays_within_a_window_of_chunks() -> None:
-    starts = [sum(CHUNKS[:i]) for i in range(len(CHUNKS) + 1)]
-    chunk_of = {i: c for c in range(len(CHUNKS)) for i in range(starts[c], starts[c + 1])}
-    order = epoch_order(CHUNKS, seed=0, epoch=0, window=2).tolist()
-    pos = 0
-    while pos < len(order):
-        # The next window spans exactly the chunks of its first sample's window: at most 2.
-        window_chunks = set()
-        end = pos
-        while end < len(order) and len(window_chunks | {chunk_of[order[end]]}) <= 2:
-            window_chunks.add(chunk_of[order[end]])
-            end += 1
-        assert len(window_chunks) <= 2
-        pos = end
+def chunk_of_records(sizes: list[int]) -> list[int]:
+    return [c for c, size in enumerate(sizes) for _ in range(size)]
+
+
+def open_chunks_peak(order: list[int], sizes: list[int]) -> int:
+    """The most chunks a reader of `order` holds open at once: a chunk opens at its first record
+    and closes after its last one (the sampler's promise is that this never exceeds `window`)."""
+    chunk_of = chunk_of_records(sizes)
+    left = list(sizes)
+    open_now: set[int] = set()
+    peak = 0
+    for i in order:
+        c = chunk_of[i]
+        open_now.add(c)
+        peak = max(peak, len(open_now))
+        left[c] -= 1
+        if left[c] == 0:
+            open_now.discard(c)
+    return peak
+
+
+def chunk_loads(order: list[int], sizes: list[int], cache: int) -> int:
+    """Chunk reads of a reader that keeps the `cache` most recently used chunks in memory."""
+    chunk_of = chunk_of_records(sizes)
+    held: list[int] = []  # least recently used first
+    loads = 0
+    for i in order:
+        c = chunk_of[i]
+        if c in held:
+            held.remove(c)
+        else:
+            loads += 1
+            if len(held) == cache:
+                held.pop(0)
+        held.append(c)
+    return loads
+
+
+def test_every_record_exactly_once_per_epoch() -> None:
+    for window in WINDOWS:
+        for seed in SEEDS:
+            for epoch in EPOCHS:
+                order = epoch_order(CHUNKS, seed=seed, epoch=epoch, window=window)
+                assert order.dtype == torch.int64
+                assert sorted(order.tolist()) == list(range(sum(CHUNKS))), (window, seed, epoch)
+
+
+def test_each_seed_and_epoch_has_its_own_order_and_the_same_pair_always_the_same() -> None:
+    for window in WINDOWS:
+        orders = {
+            (seed, epoch): tuple(epoch_order(CHUNKS, seed=seed, epoch=epoch, window=window).tolist())
+            for seed in SEEDS
+            for epoch in EPOCHS
+        }
+        assert len(set(orders.values())) == len(orders), window  # all pairwise different
+        for (seed, epoch), order in orders.items():  # a resumed run recomputes the same order
+            assert tuple(epoch_order(CHUNKS, seed=seed, epoch=epoch, window=window).tolist()) == order
+
+
+def test_at_most_window_chunks_are_open_at_a_time_and_each_chunk_is_read_once() -> None:
+    for window in WINDOWS:
+        for seed in SEEDS:
+            for epoch in EPOCHS:
+                order = epoch_order(CHUNKS, seed=seed, epoch=epoch, window=window).tolist()
+                # Shuffled *within* a window: its chunks are interleaved, all open together ...
+                assert open_chunks_peak(order, CHUNKS) == min(window, len(CHUNKS)), (window, seed, epoch)
+                # ... and a reader holding `window` chunks reads every chunk exactly once.
+                assert chunk_loads(order, CHUNKS, cache=window) == len(CHUNKS), (window, seed, epoch)
+
+
+def test_the_batch_samplers_order_keeps_the_window_and_is_the_epoch_order() -> None:
+    for window in (1, 2, 3):
+        s = ResumableBatchSampler(CHUNKS, global_batch=32, seed=9, window=window)
+        for epoch in EPOCHS:
+            s.set_position(epoch=epoch, batch=0)
+            order = flat(list(s))
+            expected = epoch_order(CHUNKS, seed=9, epoch=epoch, window=window).tolist()
+            assert order == expected[: len(order)] and len(order) == sum(CHUNKS) // 32 * 32
+            assert len(set(order)) == len(order)  # the dropped tail is the only thing missing
+            assert open_chunks_peak(order, CHUNKS) <= window
+            assert chunk_loads(order, CHUNKS, cache=window) <= len(CHUNKS)
+
+
+def test_a_plain_random_permutation_would_break_the_window() -> None:
+    """The checks above can fail: an unwindowed shuffle opens every chunk at once."""
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(sum(CHUNKS), generator=g).tolist()
+    assert open_chunks_peak(order, CHUNKS) == len(CHUNKS)
+    assert chunk_loads(order, CHUNKS, cache=2) > 10 * len(CHUNKS)
 
 
 def test_resuming_at_any_batch_yields_exactly_the_rest_of_the_epoch() -> None:
