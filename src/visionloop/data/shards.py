@@ -5,8 +5,10 @@ A record is `{"image": <encoded PNG or JPEG bytes>, "label": int, "index": int}`
 augmentation, so it must never change once written).
 
 Writing goes through litdata's `BinaryWriter`; reading through litdata's `StreamingDataset`
-with random access. The reader also exposes the chunk boundaries so that samplers can
-shuffle chunk-locally (reading one chunk at a time is ~4x faster than jumping between them).
+with random access, after `shardcheck` has checked that the folder's `index.json` is exactly
+what the writer writes, and with a serializer table that has no pickle. The reader also
+exposes the chunk boundaries so that samplers can shuffle chunk-locally (reading one chunk at
+a time is ~4x faster than jumping between them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from visionloop.core.errors import DataError
+from visionloop.data.shardcheck import check_shard_index, safe_serializers
 
 CHUNK_BYTES = "32MB"
 _INDEX = "index.json"
@@ -70,14 +73,11 @@ class ShardReader:
 
     def __init__(self, shard_dir: Path) -> None:
         self.shard_dir = Path(shard_dir)
-        index_file = self.shard_dir / _INDEX
-        try:
-            index = json.loads(index_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise DataError(
-                f"{self.shard_dir} is not a readable shard folder ({e}); re-run `visionloop data ingest`."
-            ) from e
-        self.chunk_sizes: list[int] = [int(c["chunk_size"]) for c in index.get("chunks", [])]
+        # The folder is untrusted: its index must be exactly what ShardWriter writes, or
+        # litdata would decode with whatever serializer it names (pickle included).
+        checked = check_shard_index(self.shard_dir)
+        self.chunk_sizes: list[int] = checked.chunk_sizes
+        self._digest = checked.digest
         self._starts = list(itertools.accumulate(self.chunk_sizes, initial=0))
         self._len = self._starts[-1]
         self._ds: Any = None
@@ -96,7 +96,16 @@ class ShardReader:
 
             # litdata logs at INFO on every open; that is noise in a training log.
             logging.getLogger("litdata").setLevel(logging.WARNING)
-            self._ds = StreamingDataset(str(self.shard_dir))
+            # Once per process: the folder may have changed since __init__ checked it (a
+            # DataLoader worker opens later), and litdata reads index.json again itself.
+            if check_shard_index(self.shard_dir).digest != self._digest:
+                raise DataError(
+                    f"{self.shard_dir / _INDEX} changed after it was checked; a dataset must not change "
+                    "while it is read. Start again on a dataset folder nothing writes to."
+                )
+            # Decoders only for image bytes and ints: never litdata's pickle, whatever the
+            # index says (the check above already refuses such an index).
+            self._ds = StreamingDataset(str(self.shard_dir), serializers=safe_serializers())
         return self._ds
 
     def read_many(self, positions: Sequence[int]) -> list[Record]:
