@@ -51,7 +51,9 @@ app.add_typer(queue_cli.cost_app, name="cost")
 app.add_typer(models_cli.app, name="models")
 app.command("export", context_settings={"help_option_names": ["-h", "--help"]})(export_cli.export)
 app.command("bench", context_settings={"help_option_names": ["-h", "--help"]})(bench_cli.bench)
-app.command("serve", context_settings={"help_option_names": ["-h", "--help"]})(serve_cli.serve)
+app.command("serve", cls=serve_cli.ServeCommand, context_settings={"help_option_names": ["-h", "--help"]})(
+    serve_cli.serve
+)
 
 
 @app.callback()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,10 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from visionloop import __version__
-from visionloop.serve import openapi
+from visionloop.serve import auth, openapi
 from visionloop.serve.batcher import InferenceError
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.images import image_bytes, preprocess
+from visionloop.serve.keys import ApiKey, KeyRing
 from visionloop.serve.metrics import UNKNOWN
 from visionloop.serve.protocol import (
     HEADER_LENGTH,
@@ -63,12 +65,23 @@ class ServeApp:
     infer routes stay registered with FastAPI, so the OpenAPI document still describes them.
     """
 
-    def __init__(self, api: FastAPI, server: Server) -> None:
+    def __init__(self, api: FastAPI, server: Server, keys: KeyRing | None = None) -> None:
         self.api = api
         self.server = server
         self.state = api.state
+        self.keys = keys  # None: no API keys (loopback, or --insecure-no-auth)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.keys is not None:
+            # Every HTTP request, fast path and FastAPI routes alike, before its body is read.
+            verdict = auth.check(self.keys, scope)
+            if isinstance(verdict, auth.Denied):
+                request = Request(scope, receive)
+                await _error(self.server, request, verdict.status, verdict.message, verdict.headers)(
+                    scope, receive, send
+                )
+                return
+            scope.setdefault("state", {})["api_key"] = verdict
         if scope["type"] == "http" and scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
@@ -88,9 +101,11 @@ def create_app(
     predictions: Path | None = None,
     on_ready: Callable[[Server], None] | None = None,
     on_stop: Callable[[Server], None] | None = None,
+    keys: KeyRing | None = None,
 ) -> ServeApp:
     """The server's ASGI app. Models load in its lifespan: the app answers once they are in.
-    `on_ready` runs once they are; `on_stop` once it has drained and closed, on shutdown."""
+    `on_ready` runs once they are; `on_stop` once it has drained and closed, on shutdown.
+    With `keys`, every request but the health checks needs an API key (see serve.auth)."""
     server = Server(config, source, predictions)
 
     @asynccontextmanager
@@ -116,7 +131,7 @@ def create_app(
     app.state.server = server
     _handlers(app, server)
     _routes(app, server)
-    return ServeApp(app, server)
+    return ServeApp(app, server, keys)
 
 
 def _error(
@@ -133,14 +148,18 @@ def _error_response(server: Server, request: Request, e: Exception) -> Response:
     ServeApp's fast path."""
     if isinstance(e, ProtocolError):
         return _error(server, request, e.status, str(e), e.headers)
-    if isinstance(e, InferenceError):
-        return _error(server, request, 500, f"inference failed: {e}")
     if isinstance(e, ClientDisconnect):
         # The client left mid-body: not an error of ours, and nobody reads the answer
         # (uvicorn drops what is sent on a closed connection).
         return Response(status_code=499)  # nginx's "client closed request"
-    log.exception("unexpected error answering %s %s", request.method, request.url.path, exc_info=e)
-    return _error(server, request, 500, f"internal error: {type(e).__name__}: {e}")
+    # A 500 says only an error id: the exception's text (an ONNX Runtime message names files
+    # and nodes, a bug's message anything) goes to the server log under that id.
+    error_id = secrets.token_hex(6)
+    what = "inference failed" if isinstance(e, InferenceError) else "internal error"
+    log.error(
+        "%s (error id %s) answering %s %s", what, error_id, request.method, request.url.path, exc_info=e
+    )
+    return _error(server, request, 500, f"{what}, error id {error_id}; see the server log")
 
 
 def _handlers(app: FastAPI, server: Server) -> None:
@@ -187,7 +206,8 @@ def _routes(app: FastAPI, server: Server) -> None:
         )
 
     @app.get("/v2/models", tags=["metadata"])
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        key: ApiKey | None = getattr(request.state, "api_key", None)  # set by ServeApp
         return _json(
             {
                 "models": [
@@ -199,6 +219,7 @@ def _routes(app: FastAPI, server: Server) -> None:
                         ],
                     }
                     for m in server.repo.models.values()
+                    if key is None or key.covers(m.name)
                 ]
             }
         )
