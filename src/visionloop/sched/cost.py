@@ -6,6 +6,8 @@ price is the catalog's per-GPU-hour price for its type and price class. Work *lo
 preemption or a spot interruption is the GPU time between the job's last checkpoint before
 the attempt ended (or the attempt's start, without one) and its end: the part that will be
 computed again. What spot *saved* is what the spot GPU-hours would have cost on demand.
+A report `since` a time counts only the GPU time from then on (as `cost report --since`
+says): an allocation that started earlier counts from `since`, its lost work too.
 """
 
 from __future__ import annotations
@@ -72,10 +74,16 @@ def _price(catalog: PriceCatalog, gpu_type: str, price_class: str, unpriced: set
 
 
 def _line(
-    a: _Allocation, catalog: PriceCatalog, now: float, checkpoints: dict[int, list[float]], unpriced: set[str]
+    a: _Allocation,
+    catalog: PriceCatalog,
+    now: float,
+    checkpoints: dict[int, list[float]],
+    unpriced: set[str],
+    since: float | None = None,
 ) -> CostLine:
     end = a.end if a.end is not None else now
-    hours = max(0.0, end - a.start) / 3600.0
+    start = a.start if since is None else max(a.start, since)
+    hours = max(0.0, end - start) / 3600.0
     price = _price(catalog, a.gpu_type, a.price_class, unpriced)
     line = CostLine(gpu_hours=hours, cost=hours * price, by_price_class={a.price_class: hours})
     if a.price_class == "spot":
@@ -83,8 +91,8 @@ def _line(
         line.spot_saved = hours * max(0.0, _price(catalog, a.gpu_type, "on_demand", unpriced) - price)
     if a.outcome in ("preempted", "interrupted", "lost") and a.end is not None:
         saved = [t for t in checkpoints.get(a.job_id, []) if a.start <= t <= a.end]
-        since = max(saved) if saved else a.start
-        lost = max(0.0, a.end - since) / 3600.0
+        last = max(saved) if saved else a.start
+        lost = max(0.0, a.end - max(last, start)) / 3600.0
         if a.outcome == "interrupted":
             line.lost_gpu_hours_interruption = lost
         else:
@@ -97,13 +105,14 @@ def summarise(
     catalog: PriceCatalog,
     now: float,
     checkpoints: dict[int, list[float]] | None = None,
+    since: float | None = None,
 ) -> CostReport:
     total = CostLine()
     by_team: dict[str, CostLine] = {}
     by_job: dict[int, CostLine] = {}
     unpriced: set[str] = set()
     for a in allocations:
-        line = _line(a, catalog, now, checkpoints or {}, unpriced)
+        line = _line(a, catalog, now, checkpoints or {}, unpriced, since)
         total.add(line)
         by_team.setdefault(a.team, CostLine()).add(line)
         by_job.setdefault(a.job_id, CostLine()).add(line)
@@ -126,4 +135,4 @@ def cost_report(
     rows = store.allocations(team=team, since=since, job_id=job_id)
     jobs = {r.job_id for r in rows}
     checkpoints = {j: [c.at for c in store.checkpoints(j)] for j in jobs}
-    return summarise(rows, catalog, time.time() if now is None else now, checkpoints)
+    return summarise(rows, catalog, time.time() if now is None else now, checkpoints, since)
