@@ -10,6 +10,7 @@ mistake never gets a 500.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -129,6 +130,17 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
         if isinstance(exc, SubmitError):
             status = exc.status
         return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug or a broken store: the answer says only an id, the log has the exception
+        # (its text may name files, SQL or credentials in a database URL).
+        error_id = secrets.token_hex(6)
+        where = f"{request.method} {request.url.path}"
+        log.error("internal error (error id %s) answering %s", error_id, where, exc_info=exc)
+        return JSONResponse(
+            {"detail": f"internal error, id {error_id}; see the control plane log"}, status_code=500
+        )
 
     @app.get("/v1/health")
     def health() -> dict[str, Any]:

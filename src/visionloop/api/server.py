@@ -6,6 +6,10 @@ token exists (`<home>/admin.token`, mode 0600: the first admin credential), writ
 scheduler in a background thread. `--detach` starts the same thing as a background process
 and returns once it answers.
 
+The job store's URL comes from `VISIONLOOP_DB_URL` or a file (`--db-url-file`), never from
+the command line when it carries a password (argv is readable by every user: `ps`,
+/proc/PID/cmdline); `--detach` hands it to the child through its environment.
+
 The executor comes from the cluster config (`[executor]`: local processes by default, or
 an existing Ray cluster); see `build_plane`.
 
@@ -40,6 +44,51 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8765
+DB_URL_ENV = "VISIONLOOP_DB_URL"
+
+
+def _has_password(url: str) -> bool:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).password is not None
+    except (ArgumentError, ValueError):
+        # Not a URL SQLAlchemy can parse (Store.open says so later); look for user:pass@.
+        netloc = url.partition("://")[2].partition("/")[0]
+        return ":" in netloc.rpartition("@")[0]
+
+
+def resolve_db_url(db: str | None = None, db_url_file: Path | None = None) -> str | None:
+    """The job store URL for `up`: `--db` (only without a password), else `--db-url-file`,
+    else VISIONLOOP_DB_URL, else None (SQLite under the home)."""
+    if db is not None and db_url_file is not None:
+        raise ConfigError("pass --db or --db-url-file, not both.")
+    if db is not None:
+        if _has_password(db):
+            raise ConfigError(
+                "--db carries a password, which every user of this machine can read on the command line "
+                f"(ps, /proc/PID/cmdline). Put the URL in the {DB_URL_ENV} environment variable, or in a "
+                "file only you can read (chmod 600) given with --db-url-file PATH."
+            )
+        return db
+    if db_url_file is not None:
+        path = Path(db_url_file).expanduser()
+        try:
+            mode = path.stat().st_mode
+            url = path.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read the job store URL from --db-url-file {path}: {e}") from e
+        if mode & 0o007:
+            raise ConfigError(
+                f"{path} holds the job store's password and every user can read it; `chmod 600 {path}`."
+            )
+        if not url:
+            raise ConfigError(
+                f"{path} is empty; write the job store URL in it, e.g. postgresql+psycopg://..."
+            )
+        return url
+    return os.environ.get(DB_URL_ENV) or None
 
 
 def build_executor(config: ClusterConfig) -> Executor:
@@ -94,12 +143,8 @@ def ensure_admin_token(plane: ControlPlane, home: Path) -> Path:
     if path.is_file() and plane.store.authenticate(path.read_text().strip()) is not None:
         return path
     token = plane.store.create_token(team=None, admin=True, label="bootstrap (visionloop up)")
-    old = os.umask(0o077)
-    try:
-        atomic_write_text(path, token + "\n")
-    finally:
-        os.umask(old)
-    path.chmod(0o600)
+    # 0600 from the first byte (not a umask change: that is process-wide, racing other threads).
+    atomic_write_text(path, token + "\n", mode=0o600)
     return path
 
 
@@ -193,8 +238,9 @@ def detach(
         "--config",
         str(config_path),
     ]
+    env = {**os.environ, "VISIONLOOP_HOME": str(settings.home)}
     if db_url:
-        cmd += ["--db", db_url]
+        env[DB_URL_ENV] = db_url  # never in argv: every user can read a process's command line
     log_path = settings.home / "control-plane.log"
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
@@ -203,7 +249,7 @@ def detach(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, "VISIONLOOP_HOME": str(settings.home)},
+            env=env,
         )
     url = f"http://{host}:{port}"
     deadline = time.monotonic() + wait_s

@@ -74,7 +74,13 @@ def up(
     db: str | None = typer.Option(
         None,
         "--db",
-        help="Job store URL (default sqlite:///<home>/state.db), e.g. postgresql+psycopg://u:p@host/db.",
+        help="Job store URL without a password (default sqlite:///<home>/state.db); "
+        "one with a password goes in VISIONLOOP_DB_URL or --db-url-file.",
+    ),
+    db_url_file: Path | None = typer.Option(
+        None,
+        "--db-url-file",
+        help="A file only you can read holding the job store URL, e.g. postgresql+psycopg://u:PASSWORD@host/db.",
     ),
     detach: bool = typer.Option(
         False, "--detach", "-d", help="Run in the background; `visionloop down` stops it."
@@ -86,21 +92,25 @@ def up(
     `\\[executor]` with `kind = "ray"` and `address = "http://HEAD:8265"` in the cluster
     config. Jobs keep running when it stops; the next `up` re-adopts them. The first start
     writes an admin token to <home>/admin.token, which this machine's CLI uses by default.
+
+    A PostgreSQL job store: put its URL in VISIONLOOP_DB_URL or a 0600 file (--db-url-file), never on
+    the command line (other users can read it there).
     """
     from visionloop.api import server
     from visionloop.core.settings import load_settings
 
     settings = load_settings()
     config_path = (config or settings.home / "cluster.toml").expanduser().resolve()
+    db_url = server.resolve_db_url(db, db_url_file)
     if detach:
-        url = server.detach(settings, config_path, db, host, port)
+        url = server.detach(settings, config_path, db_url, host, port)
         err.print(
             f"control plane running at {url} (log: {settings.home / 'control-plane.log'}); "
             "stop it with `visionloop down`"
         )
         return
     err.print(f"control plane on http://{host}:{port} — Ctrl-C stops it (jobs keep running)")
-    server.serve(settings, config_path, db, host, port)
+    server.serve(settings, config_path, db_url, host, port)
 
 
 def down() -> None:
