@@ -3,6 +3,7 @@ inventory, the FastAPI app served by uvicorn on a loopback port, and an httpx cl
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -34,8 +35,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def job_roots() -> list[str]:
+    """Where tests keep datasets (tmp_path, the digits dataset): pytest's base temp folder,
+    the parent of the autouse `vl_home`. Jobs may read only under their allowed roots."""
+    return [str(Path(os.environ["VISIONLOOP_HOME"]).parent)]
+
+
 def cluster_config(**sections: Any) -> ClusterConfig:
-    doc: dict[str, Any] = {"scheduler": dict(FAST)}
+    doc: dict[str, Any] = {"scheduler": dict(FAST), "jobs": {"allowed_roots": job_roots()}}
     doc["scheduler"].update(sections.pop("scheduler", {}))
     doc.update(sections)
     return parse_cluster_config(doc)

@@ -331,6 +331,22 @@ def resolve_paths(spec: TrainSpec, base: Path) -> TrainSpec:
     return spec.model_copy(update={"data": data, "model": model})
 
 
+def spec_paths(spec: BaseModel, prefix: str = "") -> list[tuple[str, Path]]:
+    """Every file-system path a spec holds, as (dotted field name, path), found by walking its
+    fields (so a path field added later is included): what a queue job may read."""
+    found: list[tuple[str, Path]] = []
+    for name in type(spec).model_fields:
+        value = getattr(spec, name)
+        dotted = f"{prefix}{name}"
+        if isinstance(value, Path):
+            found.append((dotted, value))
+        elif isinstance(value, BaseModel):
+            found.extend(spec_paths(value, f"{dotted}."))
+        elif isinstance(value, list | tuple):
+            found.extend((f"{dotted}[{i}]", v) for i, v in enumerate(value) if isinstance(v, Path))
+    return found
+
+
 def spec_to_yaml(spec: TrainSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
 

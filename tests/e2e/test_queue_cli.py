@@ -16,12 +16,15 @@ from typing import Any
 
 import pytest
 
-from _cpkit import FAST, free_port
+from _cpkit import FAST, free_port, job_roots
 from _trainkit import cli, spec_doc, write_spec
 
 CLUSTER_TOML = """
 [scheduler]
 {timings}
+
+[jobs]
+allowed_roots = {roots}
 
 [[teams]]
 name = "vision"
@@ -66,7 +69,7 @@ def _wait(job_id: int, pred: Any, timeout: float = 240) -> dict[str, Any]:
 @pytest.fixture
 def up(vl_home: Path) -> Iterator[str]:
     timings = "\n".join(f"{k} = {v}" for k, v in FAST.items())
-    (vl_home / "cluster.toml").write_text(CLUSTER_TOML.format(timings=timings))
+    (vl_home / "cluster.toml").write_text(CLUSTER_TOML.format(timings=timings, roots=json.dumps(job_roots())))
     port = str(free_port())
     _ok("up", "--detach", "--port", port)
     yield port

@@ -5,6 +5,7 @@ double-booked, nothing is left running unaccounted, and every job ends with its 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import signal
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from _cpkit import FAST, free_port
+from _cpkit import FAST, free_port, job_roots
 from _trainkit import spec_doc
 from visionloop.sched.states import JobState
 from visionloop.sched.store import Store
@@ -24,6 +25,9 @@ from visionloop.sched.store import Store
 CLUSTER = """
 [scheduler]
 {timings}
+
+[jobs]
+allowed_roots = {roots}
 
 [[teams]]
 name = "vision"
@@ -73,7 +77,7 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(vl_home: Path, d
     seed = int(os.environ.get("CHAOS_SEED", random.randrange(1_000_000)))
     rng = random.Random(seed)
     timings = "\n".join(f"{k} = {v}" for k, v in FAST.items())
-    (vl_home / "cluster.toml").write_text(CLUSTER.format(timings=timings))
+    (vl_home / "cluster.toml").write_text(CLUSTER.format(timings=timings, roots=json.dumps(job_roots())))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _start(vl_home, port)

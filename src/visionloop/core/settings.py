@@ -36,6 +36,11 @@ class Settings:
         return self.home / "datasets"
 
     @property
+    def weights_dir(self) -> Path:
+        """Pretrained weights that queue jobs may load (`model.pretrained`)."""
+        return self.home / "weights"
+
+    @property
     def artifacts_dir(self) -> Path:
         return self.home / "artifacts"
 

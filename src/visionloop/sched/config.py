@@ -30,11 +30,17 @@ priority classes.
     normal = 50
     high = 100
 
+    [jobs]                   # what a job may touch (both optional)
+    allowed_roots = ["/data/shared"]  # every path in a job spec must lie under one of these;
+                             # default: the home's datasets/ and weights/
+    env_allow = ["HF_HOME"]  # extra variables passed from the control plane's environment
+
     [[teams]]
     name = "detection"
     nominal_gpus = 2
     borrow_limit = 2
     weight = 1.0
+    allowed_roots = ["/data/detection", "/data/shared/weights"]  # this team's, instead of [jobs]'
 
     [[inventory]]            # local only. 4 fake GPUs, 2 of them spot: the whole policy without GPUs
     node = "local"
@@ -53,6 +59,19 @@ every alive node's `GPU` resource, typed and priced by node labels such as
 visionloop.sched.executors.ray), so an `[[inventory]]` next to it is an error rather than
 silently ignored: the scheduler would otherwise place jobs on GPUs Ray does not have. Paths in
 job specs, the visionloop home and run dirs must be valid on the Ray nodes (shared storage).
+**What a job may read.** Every path in a job spec (`data.dataset`, `model.pretrained`) must be
+absolute and lie, after symbolic links and `..` are resolved, under one of the allowed roots
+of the team the job is for (admins submitting for a team are bound by that team's roots): the
+team's `allowed_roots`, else `[jobs] allowed_roots`, else the home's `datasets/` and
+`weights/`. It is checked at submit and again when each attempt is launched. What a job writes
+(its run dir and attempt dir) the control plane chooses, under the home.
+
+**What a job inherits.** Jobs start with a clean environment: PATH, HOME, USER, LOGNAME, LANG,
+LANGUAGE, LC_*, TZ, TMPDIR, VIRTUAL_ENV, the visionloop variables the job needs
+(VISIONLOOP_HOME, VISIONLOOP_TRACKING_URI, VISIONLOOP_EXPERIMENT) and the executor's own
+(CUDA_VISIBLE_DEVICES, ...), plus the names in `[jobs] env_allow`. Nothing else of the control
+plane's environment (VISIONLOOP_DB_URL, cloud credentials) reaches a job.
+
 Switch executors only with no job running: `up` refuses to start while jobs have open
 attempts on another executor (it could not find their processes, and would run them twice).
 """
@@ -73,6 +92,7 @@ from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
 DEFAULT_TEAM = "default"
 DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"  # Ray's dashboard on a head node on this machine
 EXECUTOR_KINDS = ("local", "ray")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RAY_PREFIX = re.compile(r"[a-z0-9][a-z0-9-]*")  # as RayExecutor checks it
 
 
@@ -107,6 +127,17 @@ class ClusterConfig:
     inventory: tuple[Gpu, ...] | None = None  # None: discover with NVML
     prices: Path | None = None
     source: Path | None = None
+    # Where job specs' paths may point: [jobs] allowed_roots (None: the home's datasets/ and
+    # weights/), and per team, its own `allowed_roots` instead.
+    allowed_roots: tuple[Path, ...] | None = None
+    team_roots: Mapping[str, tuple[Path, ...]] = field(default_factory=dict)
+    # Extra variable names passed from the control plane's environment to every job.
+    env_allow: tuple[str, ...] = ()
+
+    def roots_for(self, team: str) -> tuple[Path, ...] | None:
+        """The folders `team`'s jobs may use (None: the defaults, the home's datasets/ and
+        weights/)."""
+        return self.team_roots.get(team, self.allowed_roots)
 
     def priority_rank(self, name: str) -> int:
         try:
@@ -235,12 +266,43 @@ def _name(v: Any, what: str, path: Path | None) -> str:
     return v
 
 
+def _roots(v: Any, what: str, path: Path | None) -> tuple[Path, ...]:
+    example = 'allowed_roots = ["/data/detection"]'
+    if not isinstance(v, list) or not v or not all(isinstance(r, str) and r for r in v):
+        raise ConfigError(
+            f"{_where(path, what)} must be a non-empty list of folders, got {v!r} (e.g. {example})."
+        )
+    roots = tuple(Path(r).expanduser() for r in v)
+    relative = [str(r) for r in roots if not r.is_absolute()]
+    if relative:
+        raise ConfigError(
+            f"{_where(path, what)}: {', '.join(relative)} must be absolute folders (e.g. {example})."
+        )
+    return roots
+
+
+def _jobs(section: Any, path: Path | None) -> tuple[tuple[Path, ...] | None, tuple[str, ...]]:
+    if not isinstance(section, dict):
+        raise ConfigError(f'{_where(path, "[jobs]")} must be a table, e.g. [jobs] env_allow = ["HF_HOME"].')
+    _known(section, "[jobs]", ("allowed_roots", "env_allow"), path)
+    roots = None
+    if "allowed_roots" in section:
+        roots = _roots(section["allowed_roots"], "jobs.allowed_roots", path)
+    names = section.get("env_allow", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and _ENV_NAME.fullmatch(n) for n in names):
+        raise ConfigError(
+            f"{_where(path, 'jobs.env_allow')} must be a list of environment variable names, got "
+            f'{names!r} (e.g. env_allow = ["HF_HOME", "WANDB_MODE"]).'
+        )
+    return roots, tuple(dict.fromkeys(names))
+
+
 def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> ClusterConfig:
-    unknown = set(doc) - {"executor", "scheduler", "priorities", "teams", "inventory", "prices"}
+    sections = ("executor", "scheduler", "priorities", "teams", "inventory", "prices", "jobs")
+    unknown = set(doc) - set(sections)
     if unknown:
         raise ConfigError(
-            f"{path or 'cluster config'}: unknown keys {sorted(unknown)}; "
-            "known: executor, scheduler, priorities, teams, inventory, prices."
+            f"{path or 'cluster config'}: unknown keys {sorted(unknown)}; known: {', '.join(sections)}."
         )
     executor = _executor(doc.get("executor", {}), path)
     if executor.kind == "ray" and "inventory" in doc:
@@ -259,11 +321,13 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
                 f"{_where(path, '[priorities]')} must map class names to ranks, e.g. high = 100."
             )
         priorities = {_name(k, "priorities", path): _int(raw, k, None, path, 50) for k in raw}
+    allowed_roots, env_allow = _jobs(doc.get("jobs", {}), path)
     teams: list[Team] = []
+    team_roots: dict[str, tuple[Path, ...]] = {}
     for entry in doc.get("teams", []):
         if not isinstance(entry, dict):
             raise ConfigError(f"{_where(path, '[[teams]]')} entries must be tables with a name.")
-        _known(entry, "[[teams]]", ("name", "nominal_gpus", "borrow_limit", "weight"), path)
+        _known(entry, "[[teams]]", ("name", "nominal_gpus", "borrow_limit", "weight", "allowed_roots"), path)
         weight = _number(entry, "weight", 1.0, path, minimum=0.001)
         teams.append(
             Team(
@@ -273,6 +337,8 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
                 weight=weight,
             )
         )
+        if "allowed_roots" in entry:
+            team_roots[teams[-1].name] = _roots(entry["allowed_roots"], "teams.allowed_roots", path)
     if len({t.name for t in teams}) != len(teams):
         raise ConfigError(f"{_where(path, '[[teams]]')}: a team is listed twice.")
     inventory: list[Gpu] | None = None
@@ -310,6 +376,9 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
         inventory=tuple(inventory) if inventory is not None else None,
         prices=prices,
         source=path,
+        allowed_roots=allowed_roots,
+        team_roots=team_roots,
+        env_allow=env_allow,
     )
 
 

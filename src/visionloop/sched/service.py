@@ -57,7 +57,7 @@ from visionloop.sched.records import ViewJob
 from visionloop.sched.states import ACTIVE, JobState, TransitionError
 from visionloop.sched.store import Attempt, Job, Store
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
-from visionloop.specs import JobSpec, TrainSpec, format_validation_error, spec_to_yaml
+from visionloop.specs import JobSpec, TrainSpec, format_validation_error, spec_paths, spec_to_yaml
 from visionloop.train.abandoned import Ending, close_abandoned_run
 from visionloop.train.signals import EXIT_PREEMPTED
 
@@ -115,6 +115,14 @@ def _tail(executor: Executor, handle: Handle | None, lines: int) -> str:
     except (ExecutorError, OSError) as e:
         return f"(the log could not be read: {e})"
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def _under(path: Path, real_roots: list[Path]) -> bool:
+    try:
+        real = Path(os.path.realpath(path))
+    except (OSError, ValueError):  # a NUL byte, say: never a path a job may use
+        return False
+    return any(real.is_relative_to(root) for root in real_roots)
 
 
 class ControlPlane:
@@ -257,6 +265,7 @@ class ControlPlane:
         except VisionloopError as e:
             raise SubmitError(str(e)) from e
         self._check_fits(job)
+        self.check_paths(job.train, team_name)
         self._check_dataset(job.train)
         return self.store.submit(
             dict(doc),
@@ -280,6 +289,37 @@ class ControlPlane:
                 f"({total} in all). Ask for at most {biggest} (--gpus {biggest})"
                 + (" or allow spot capacity (--spot allowed)." if job.spot == "never" else "."),
             )
+
+    def allowed_roots(self, team: str) -> tuple[Path, ...]:
+        """The folders `team`'s jobs may read (cluster.toml's `allowed_roots`, else the home's
+        datasets/ and weights/)."""
+        roots = self.config.roots_for(team)
+        return roots if roots is not None else (self.settings.datasets_dir, self.settings.weights_dir)
+
+    def check_paths(self, train: TrainSpec, team: str) -> None:
+        """Every path in the spec is absolute and, with symbolic links and `..` resolved, lies
+        under one of the team's allowed roots. Admins submitting for a team are bound by that
+        team's roots too. Called at submit and again before every launch (a path may have been
+        re-pointed meanwhile). The refusal is the same whether the path exists or not, and
+        names the path as given, never what it resolved to."""
+        roots = self.allowed_roots(team)
+        real_roots = [Path(os.path.realpath(r)) for r in roots]
+        for field, path in spec_paths(train):
+            if not path.is_absolute():
+                raise SubmitError(
+                    f"{field} {path} is relative; the control plane cannot know relative to what. "
+                    "Submit with `visionloop submit` (it resolves paths against the spec file) or give an "
+                    "absolute path."
+                )
+            if not _under(path, real_roots):
+                where = self.config.source or "the cluster config (cluster.toml)"
+                raise SubmitError(
+                    f"{field} {path} is outside the allowed roots of team {team!r}: "
+                    f"{', '.join(str(r) for r in roots)}. Every path in a job spec must lie under one of "
+                    "them once symbolic links and '..' are resolved. Put the file there, or ask an admin "
+                    f"to add its folder to the team's allowed_roots in {where}.",
+                    status=403,
+                )
 
     def _check_dataset(self, train: TrainSpec) -> None:
         dataset = Path(train.data.dataset)
@@ -493,7 +533,31 @@ class ControlPlane:
             cmd += ["--nproc-per-node", str(job.gpus)]
         return cmd
 
+    def _job_env(self) -> dict[str, str]:
+        """The variables the control plane gives a job, on top of the executor's clean base
+        (see visionloop.sched.executors.env): the names in `[jobs] env_allow` that are set
+        here, then what the trainer needs to find the home and the tracking store."""
+        env = {name: os.environ[name] for name in self.config.env_allow if name in os.environ}
+        env.update(
+            VISIONLOOP_HOME=str(self.settings.home),
+            VISIONLOOP_TRACKING_URI=self.settings.tracking_uri,
+            VISIONLOOP_EXPERIMENT=self.settings.experiment,
+        )
+        return env
+
     def _start(self, job_id: int, gpus: list[Gpu], now: float) -> None:
+        queued = self.store.get_job(job_id)
+        try:
+            self.check_paths(queued.train_spec, queued.team)
+        except SubmitError as e:
+            # A path re-pointed (a symbolic link changed) since submit: the job never starts.
+            try:
+                self.store.transition(
+                    job_id, JobState.FAILED, f"not started: {e}", expect=JobState.QUEUED, now=now
+                )
+            except TransitionError as race:
+                log.warning("job %s was not started: %s", job_id, race)
+            return
         try:
             attempt = self.store.start_attempt(job_id, self.executor.name, gpus, now=now)
         except (TransitionError, VisionloopError) as e:
@@ -510,10 +574,7 @@ class ControlPlane:
             command=self._command(job),
             gpus=gpus,
             attempt_dir=attempt_dir,
-            env={
-                "VISIONLOOP_HOME": str(self.settings.home),
-                "VISIONLOOP_TRACKING_URI": self.settings.tracking_uri,
-            },
+            env=self._job_env(),
             cpus=job.cpus,
             memory_gb=job.memory_gb,
         )
