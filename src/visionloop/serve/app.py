@@ -7,7 +7,6 @@ still describes every body, for clients and for schemathesis.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import secrets
@@ -28,7 +27,6 @@ from visionloop import __version__
 from visionloop.serve import auth, openapi
 from visionloop.serve.batcher import InferenceError
 from visionloop.serve.config import ServeConfig
-from visionloop.serve.images import image_bytes, preprocess
 from visionloop.serve.keys import ApiKey, KeyRing
 from visionloop.serve.metrics import UNKNOWN
 from visionloop.serve.protocol import (
@@ -40,7 +38,7 @@ from visionloop.serve.protocol import (
     parse_infer_request,
 )
 from visionloop.serve.source import ModelSource
-from visionloop.serve.state import Server
+from visionloop.serve.state import INLINE_PARSE_BYTES, Server
 
 log = logging.getLogger(__name__)
 
@@ -277,14 +275,14 @@ def _routes(app: FastAPI, server: Server) -> None:
         m = server.model(request, name)
         v = server.version(m, version)
         top_k = _top_k(request.query_params.get("top_k"), cfg.top_k)
-        data = image_bytes(await server.body(request), request.headers.get("content-type", ""))
+        body = await server.body(request)
         sv, shadow = server.pick(m, v)
-        # Decoding and resizing take milliseconds of CPU: off the event loop.
-        x = await asyncio.to_thread(preprocess, data, sv.transform(), sv.model.inputs[0].dtype)
+        # The form's parse, the decode and the resize: in the bounded decode pool.
+        data, x = await server.decode(body, request.headers.get("content-type", ""), sv)
         if sv.batcher.closed:  # promoted away while decoding: ask again (same card, or redo)
             old, (sv, shadow) = sv, server.pick(m, v)
             if sv.resolved.card.eval_preprocess() != old.resolved.card.eval_preprocess():
-                x = await asyncio.to_thread(preprocess, data, sv.transform(), sv.model.inputs[0].dtype)
+                _, x = await server.decode(data, "", sv)
         spec = sv.model.inputs[0]
         if len(sv.model.inputs) != 1 or any(
             w >= 0 and w != g for w, g in zip(spec.shape[1:], x.shape[1:], strict=False)
@@ -343,7 +341,15 @@ async def _infer(server: Server, request: Request, name: str, version: str | Non
     header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
     # No await from pick to submit: a promotion cannot slip in between (see repository).
     sv, shadow = server.pick(m, v)
-    req = parse_infer_request(body, header_length, sv.model.inputs, sv.model.outputs, cfg.max_batch_size)
+    if len(body) >= INLINE_PARSE_BYTES:  # a large body is parsed off the loop, then picked again
+        while True:
+            specs = (sv.model.inputs, sv.model.outputs)
+            req = await server.parse(parse_infer_request, body, header_length, *specs, cfg.max_batch_size)
+            sv, shadow = server.pick(m, v)
+            if (sv.model.inputs, sv.model.outputs) == specs:
+                break
+    else:
+        req = parse_infer_request(body, header_length, sv.model.inputs, sv.model.outputs, cfg.max_batch_size)
     result = await server.run(sv, req, shadow)
     out, hl = encode_infer_response(sv.name, sv.version, req.id, result.outputs, req.outputs, sv.labels)
     server.count(sv, "infer", started)

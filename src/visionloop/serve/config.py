@@ -69,6 +69,15 @@ class ServeConfig(BaseModel):
 
     max_body_bytes: int = Field(32 * 2**20, ge=1024, examples=[33554432])
     top_k: int = Field(5, ge=1, le=1000, examples=[5], description="labels returned by the image endpoint")
+    max_image_pixels: int = Field(
+        24_000_000, ge=1, le=1_000_000_000, examples=[24000000], description="largest image decoded"
+    )
+    max_concurrent_decodes: int = Field(
+        0, ge=0, le=256, examples=[2], description="images decoded at once; 0 = min(4, CPUs)"
+    )
+    max_concurrent_parses: int = Field(
+        0, ge=0, le=256, examples=[2], description="large bodies parsed at once; 0 = min(4, CPUs)"
+    )
     intra_op_threads: int = Field(0, ge=0, le=256, examples=[2], description="ONNX Runtime threads; 0 = auto")
 
     prediction_log: bool = Field(True, examples=[True])
