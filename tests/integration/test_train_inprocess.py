@@ -37,22 +37,111 @@ class Recorder(Reporter):
         self.checkpoints.append(step)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "auto"])
-def test_each_precision_trains_with_finite_losses(
-    tmp_path: Path, digits_dataset: Path, precision: str
+class ForwardSpy:
+    """Wraps the trainer's model factory: every forward of the model records the CPU autocast
+    state it ran under and the dtype of the logits it returned."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import visionloop.train.setup as setup
+
+        self.calls: list[tuple[bool, bool, torch.dtype, torch.dtype]] = []
+        real = setup.create_model
+
+        def create(*args: object, **kwargs: object) -> torch.nn.Module:
+            model = real(*args, **kwargs)  # type: ignore[arg-type]
+            model.register_forward_hook(self._record)
+            return model
+
+        monkeypatch.setattr(setup, "create_model", create)
+
+    def _record(self, _module: torch.nn.Module, _inputs: object, out: torch.Tensor) -> None:
+        self.calls.append(
+            (
+                torch.is_grad_enabled(),
+                torch.is_autocast_enabled("cpu"),
+                torch.get_autocast_dtype("cpu"),
+                out.dtype,
+            )
+        )
+
+
+# What each requested precision must become on CPU (deterministic: false): the autocast
+# state of every forward, the logits' dtype, the recorded name, and whether a grad scaler runs.
+PRECISIONS = {
+    "fp32": (False, torch.float32, "fp32", False),
+    "bf16": (True, torch.bfloat16, "bf16", False),
+    "fp16": (True, torch.float16, "fp16", True),  # CPU fp16 autocast, with a grad scaler
+    "auto": (False, torch.float32, "fp32", False),  # auto is fp32 on CPU
+}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_each_precision_trains_under_its_autocast_and_is_recorded(
+    tmp_path: Path,
+    digits_dataset: Path,
+    precision: str,
+    monkeypatch: pytest.MonkeyPatch,
+    vl_home: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from _mlflowkit import copy_migrated_store
+    from visionloop.core.settings import load_settings
+    from visionloop.train.report import StartInfo
+
+    autocast_on, logits_dtype, name, scaled = PRECISIONS[precision]
+    copy_migrated_store(tmp_path_factory, vl_home)
+    spy = ForwardSpy(monkeypatch)
     doc = spec_doc(
         digits_dataset, epochs=None, steps=4, precision=precision, deterministic=False, data__workers=0
     )
-    rec = Recorder()
-    result = train(validate_train_spec(doc), tmp_path / "run", reporter=rec, track=False)
+
+    class Started(Recorder):
+        info: StartInfo | None = None
+
+        def start(self, info: StartInfo) -> None:
+            self.info = info
+
+    rec = Started()
+    result = train(validate_train_spec(doc), tmp_path / "run", reporter=rec)
     assert result.exit_code == 0 and result.step == 4
     assert [s for s, _ in rec.steps] == [1, 2, 3, 4]
     assert all(loss is not None and math.isfinite(loss) for _, loss in rec.steps)
+    # The precision actually used: 4 training forwards, then the evaluation's (no grad), all
+    # under the expected autocast. (The input-size probe before training runs outside it.)
+    last_train = max(i for i, c in enumerate(spy.calls) if c[0])
+    training = [c for c in spy.calls if c[0]]
+    evaluation = spy.calls[last_train + 1 :]
+    assert len(training) == 4 and evaluation and not any(c[0] for c in evaluation)
+    for _, enabled, dtype, out_dtype in training + evaluation:
+        assert enabled is autocast_on and out_dtype == logits_dtype
+        if autocast_on:
+            assert dtype == logits_dtype
+    # ... and what the run records: the resolved name (the spec's request stays a param).
+    assert rec.info is not None and rec.info.precision == name
+    run = MlflowClient(load_settings().tracking_uri).get_run(str(result.run_id))
+    assert run.data.tags["visionloop.precision"] == name
+    assert run.data.params["precision"] == precision
+    # A grad scaler runs (and is checkpointed) for fp16 only.
+    found = CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=2, keep_best=0).load_latest()
+    assert found is not None
+    scaler = found[1]["scaler"]
+    assert (scaler != {}) is scaled
+    if scaled:
+        assert scaler["scale"] > 0
     final = load_file(str(tmp_path / "run" / "final.safetensors"))
     assert all(t.dtype == torch.float32 for k, t in final.items() if t.is_floating_point())
     meta = json.loads((tmp_path / "run" / "run.json").read_text())
     assert meta["status"] == "succeeded"
+
+
+def test_fp16_on_cpu_is_refused_in_deterministic_mode(tmp_path: Path, digits_dataset: Path) -> None:
+    from visionloop.core.errors import TrainingError
+
+    doc = spec_doc(digits_dataset, epochs=None, steps=1, precision="fp16", data__workers=0)
+    with pytest.raises(TrainingError, match="fp16 on CPU is not supported with deterministic: true"):
+        train(validate_train_spec(doc), tmp_path / "run", track=False)
 
 
 def test_time_based_checkpoints_and_retention(tmp_path: Path, digits_dataset: Path) -> None:
