@@ -9,6 +9,7 @@ mistake never gets a 500.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -63,20 +65,120 @@ class SpotBody(BaseModel):
     reason: str | None = Field(None, max_length=500)
 
 
-def _principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+_MISSING_TOKEN = (
+    "missing bearer token: send `Authorization: Bearer <token>` "
+    "(`visionloop admin token create --team T` makes one)."
+)
+_UNKNOWN_TOKEN = "unknown or revoked token."
+
+
+def _authenticate(plane: ControlPlane, authorization: str | None) -> Principal | str:
+    """The bearer token's principal, or what is wrong with the header."""
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise HTTPException(
-            401,
-            "missing bearer token: send `Authorization: Bearer <token>` "
-            "(`visionloop admin token create --team T` makes one).",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    plane: ControlPlane = request.app.state.plane
+        return _MISSING_TOKEN
     found = plane.store.authenticate(token.strip())
     if found is None:
-        raise HTTPException(401, "unknown or revoked token.", headers={"WWW-Authenticate": "Bearer"})
+        return _UNKNOWN_TOKEN
     return Principal(team=found.team, admin=found.admin)
+
+
+def _principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    # A request with a body was authenticated by BodyLimit before its body was read.
+    who = request.scope.get("state", {}).get(_PRINCIPAL)
+    if isinstance(who, Principal):
+        return who
+    result = _authenticate(request.app.state.plane, authorization)
+    if isinstance(result, str):
+        raise HTTPException(401, result, headers={"WWW-Authenticate": "Bearer"})
+    return result
+
+
+_PRINCIPAL = "visionloop.principal"
+
+
+class BodyLimit:
+    """Pure ASGI middleware for requests with a body (a Content-Length above 0, or chunked):
+    the bearer token is checked before any body byte is read (no token or a bad one: 401, the
+    body unread, the connection closed), and the body is limited by the bytes actually
+    received, chunked bodies too: past `limit`, 413. Before, an unauthenticated chunked POST of
+    400 MiB was read whole (2.5 GB of process memory) to be answered 422."""
+
+    def __init__(self, app: Any, plane: ControlPlane, limit: int) -> None:
+        self.app = app
+        self.plane = plane
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        length = headers.get(b"content-length")
+        if length is None and b"transfer-encoding" not in headers:
+            await self.app(scope, receive, send)  # no body: routes authenticate as they did
+            return
+        if length is not None and length.strip() == b"0":
+            await self.app(scope, receive, send)
+            return
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+        who = await anyio.to_thread.run_sync(_authenticate, self.plane, authorization)
+        if isinstance(who, str):
+            await _refuse(send, 401, who, {"WWW-Authenticate": "Bearer"})
+            return
+        scope.setdefault("state", {})[_PRINCIPAL] = who
+        if length is not None and (not length.strip().isdigit() or int(length) > self.limit):
+            await _refuse(send, 413, self._too_big())
+            return
+        received = 0
+        refused = False
+        started = False
+
+        async def limited_receive() -> Any:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    if not started and not refused:
+                        refused = True
+                        await _refuse(send, 413, self._too_big())
+                    raise _BodyTooLargeError
+            return message
+
+        async def guarded_send(message: Any) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 went out; the app's own answer to the cut body is dropped
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except _BodyTooLargeError:
+            if not refused:
+                raise
+
+    def _too_big(self) -> str:
+        return f"request body over {self.limit} bytes; a job spec is a few KiB."
+
+
+class _BodyTooLargeError(Exception):
+    """Raised out of `receive` once the body is over the limit (the 413 is already sent)."""
+
+
+async def _refuse(send: Any, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+    """An answer before (or instead of) reading the body; `Connection: close`, so the server
+    stops reading what the client still sends (uvicorn drains a kept-alive request's body)."""
+    body = json.dumps({"detail": detail}).encode()
+    raw = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _admin(who: Annotated[Principal, Depends(_principal)]) -> Principal:
@@ -107,15 +209,7 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
     app = FastAPI(title="visionloop control plane", version="1", lifespan=lifespan)
     app.state.plane = plane
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse(
-                {"detail": f"request body over {MAX_BODY_BYTES} bytes; a job spec is a few KiB."},
-                status_code=413,
-            )
-        return await call_next(request)  # type: ignore[no-any-return]
+    app.add_middleware(BodyLimit, plane=plane, limit=MAX_BODY_BYTES)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
