@@ -112,6 +112,12 @@ def ingest_command(
     jpeg_quality: int = typer.Option(
         95, "--jpeg-quality", help="JPEG quality when a lossy source (JPEG, WebP) must be re-encoded."
     ),
+    follow_links: bool = typer.Option(
+        False,
+        "--follow-links",
+        help="Follow symbolic links that lead outside the source folder. Default: skip them "
+        "(listed in rejected.jsonl as link_outside_source).",
+    ),
 ) -> None:
     """Build a dataset (shards + dataset.json) from labelled images.
 
@@ -134,6 +140,7 @@ def ingest_command(
         keep_duplicates=keep_duplicates,
         alpha_background=_parse_rgb(alpha_background),
         lossy_quality=jpeg_quality,
+        follow_links=follow_links,
     )
     ingest_with_progress(source, out_dir, options)
 

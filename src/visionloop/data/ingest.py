@@ -49,7 +49,7 @@ from visionloop.data.manifest import (
 )
 from visionloop.data.publish import building, publish
 from visionloop.data.shards import Record, ShardWriter
-from visionloop.data.sources import SourceListing, list_source
+from visionloop.data.sources import LINK_OUTSIDE, SourceListing, list_source
 from visionloop.data.split import Duplicate, assign_splits, find_duplicates, write_order
 
 __all__ = ["IngestOptions", "IngestReport", "ProgressFn", "default_workers", "ingest"]
@@ -119,7 +119,7 @@ def ingest(
     notify = progress or (lambda stage, done, total: None)
     # resolve(): the containment checks below compare real paths, symlinks followed.
     out = Path(out).expanduser().resolve()
-    listing = list_source(Path(source))
+    listing = list_source(Path(source), follow_links=options.follow_links)
     _check_out(out, listing, options.overwrite)
     with building(out) as tmp:
         run = _Run(listing, options, notify, tmp)
@@ -163,6 +163,11 @@ class _Run:
         self.reported_duplicates: list[dict[str, object]] = []
         self.warnings = list(listing.warnings)
         self.stats = StatsAccumulator(listing.classes)
+        # Links leading outside the source, not followed: rejected before any work.
+        self.rejections.extend(
+            {"path": link.rel, "label": link.label, "reason": LINK_OUTSIDE, "message": link.message}
+            for link in listing.links
+        )
 
     def _reject(self, i: int, rejection: Rejection) -> None:
         c = self.listing.candidates[i]

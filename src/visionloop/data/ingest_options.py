@@ -44,6 +44,9 @@ class IngestOptions:
     keep_duplicates: bool = False  # keep byte-identical files (always reported)
     alpha_background: tuple[int, int, int] = _POLICY_DEFAULTS.alpha_background
     lossy_quality: int = _POLICY_DEFAULTS.lossy_quality  # JPEG quality for re-encoded lossy sources
+    # Follow symbolic links that lead outside the source (by default they are skipped and
+    # listed in rejected.jsonl as `link_outside_source`).
+    follow_links: bool = False
 
     def __post_init__(self) -> None:
         problems = []

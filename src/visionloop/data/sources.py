@@ -7,6 +7,14 @@ Two layouts are understood:
 - a **CSV** file with the header `path,label[,split]`, paths relative to the CSV's folder
   or absolute.
 
+**Symbolic links** that resolve outside the source folder (an ImageFolder's root, a CSV's
+folder) are not followed, files and folders alike: they are listed in `SourceListing.links`
+and ingest writes them to rejected.jsonl (reason `link_outside_source`), unless
+`follow_links` is given. A source is often untrusted (an upload, a shared drive): a link must
+not make ingest copy files from elsewhere on the machine into a dataset. Links that stay
+inside are followed (a folder reached twice through links is walked once). In a CSV, this
+applies to relative paths (`..` included); absolute paths are the CSV author's explicit choice.
+
 Listing reads directory entries and the CSV only, never image bytes. Every problem with the
 layout itself is a `DataError` that names the problem, the fix and an example layout; problems
 with single files (unreadable, not an image) are left to ingest, which rejects them one by one.
@@ -46,6 +54,62 @@ Example (paths relative to the CSV's folder, or absolute; the split column is op
   images/002.jpg,dog,val"""
 
 _CSV_COLUMNS = ("path", "label", "split")
+LINK_OUTSIDE = "link_outside_source"  # the reason in rejected.jsonl
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedLink:
+    """A symbolic link that leads outside the source, not followed."""
+
+    rel: str  # as the source names it (posix, relative to its root or the CSV's folder)
+    label: str  # the class it would have belonged to ("" when not known: a split folder)
+    folder: bool  # a link to a folder (everything under it was left out)
+
+    @property
+    def message(self) -> str:
+        what = "a folder" if self.folder else "a file"
+        return (
+            f"{self.rel} is a symbolic link to {what} outside the source folder; not followed "
+            "(pass --follow-links to follow links that lead outside)"
+        )
+
+
+class _Links:
+    """Which symbolic links a listing follows, and the ones it did not."""
+
+    def __init__(self, root: Path, follow: bool) -> None:
+        self.root = os.path.realpath(root)
+        self.follow = follow
+        self.skipped: list[SkippedLink] = []
+        self.walked: set[str] = set()  # real paths of folders reached through links
+
+    def inside(self, path: str) -> bool:
+        real = os.path.realpath(path)
+        return real == self.root or real.startswith(self.root.rstrip(os.sep) + os.sep)
+
+    def allows(self, entry: os.DirEntry[str], rel: str, label: str) -> bool:
+        """False (and recorded) for a link leading outside that is not to be followed."""
+        if self.follow or not entry.is_symlink() or self.inside(entry.path):
+            return True
+        self.skipped.append(SkippedLink(rel, label, _is_dir(entry)))
+        return False
+
+    def first_visit(self, entry: os.DirEntry[str]) -> bool:
+        """For a linked folder: whether it is reached for the first time (links can loop)."""
+        if not entry.is_symlink():
+            return True
+        real = os.path.realpath(entry.path)
+        if real in self.walked:
+            return False
+        self.walked.add(real)
+        return True
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +131,7 @@ class SourceListing:
     skipped: int  # files without an image extension
     split_from_source: bool
     warnings: list[str] = field(default_factory=list)
+    links: list[SkippedLink] = field(default_factory=list)  # not followed: they lead outside
 
     @property
     def files_seen(self) -> int:
@@ -77,8 +142,9 @@ def _hidden(name: str) -> bool:
     return name.startswith(".")
 
 
-def list_source(source: Path) -> SourceListing:
-    """List an ImageFolder or CSV source. Raises `DataError` for an unusable layout."""
+def list_source(source: Path, *, follow_links: bool = False) -> SourceListing:
+    """List an ImageFolder or CSV source. Raises `DataError` for an unusable layout.
+    Symbolic links leading outside the source are not followed unless `follow_links`."""
     source = Path(source).expanduser()
     if not source.exists():
         raise DataError(
@@ -86,43 +152,61 @@ def list_source(source: Path) -> SourceListing:
         )
     source = source.resolve()
     if source.is_dir():
-        return _list_imagefolder(source)
+        return _list_imagefolder(source, _Links(source, follow_links))
     if source.suffix.lower() == ".csv":
-        return _list_csv(source)
+        return _list_csv(source, _Links(source.parent, follow_links))
     raise DataError(
         f"source {source} is a file but not a .csv; give a folder of class folders or a CSV manifest.\n"
         f"{LAYOUT_EXAMPLE}"
     )
 
 
-def _walk_images(folder: Path, root: Path) -> tuple[list[str], int]:
+def _walk_images(folder: Path, root: Path, links: _Links, label: str) -> tuple[list[str], int]:
     """Relative paths (posix, from `root`) of the image files under `folder`, and how many
-    other visible files were seen. Hidden files and folders are not descended into."""
+    other visible files were seen. Hidden files and folders are not descended into; links
+    are followed as `links` allows."""
     images: list[str] = []
     skipped = 0
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = [d for d in dirnames if not _hidden(d)]
-        base = Path(dirpath).relative_to(root).as_posix()
-        for name in filenames:
-            if _hidden(name):
+    links.walked.add(os.path.realpath(folder))  # a link back to it is a loop
+    stack = [str(folder)]
+    while stack:
+        current = stack.pop()
+        base = Path(current).relative_to(root).as_posix()
+        try:
+            entries = list(os.scandir(current))
+        except OSError:  # as os.walk: an unreadable folder is passed over
+            continue
+        for entry in entries:
+            if _hidden(entry.name):
                 continue
-            if is_image_name(name):
-                images.append(f"{base}/{name}")
+            rel = f"{base}/{entry.name}"
+            if not links.allows(entry, rel, label):
+                continue
+            if _is_dir(entry):
+                if links.first_visit(entry):
+                    stack.append(entry.path)
+            elif is_image_name(entry.name):
+                images.append(rel)
             else:
                 skipped += 1
     return images, skipped
 
 
-def _top_level(folder: Path) -> tuple[list[str], list[str], int]:
+def _top_level(folder: Path, root: Path, links: _Links) -> tuple[list[str], list[str], int]:
     """(sub-folder names, image file names, count of other files) directly in `folder`."""
     dirs: list[str] = []
     images: list[str] = []
     others = 0
+    base = "" if folder == root else f"{folder.relative_to(root).as_posix()}/"
     with os.scandir(folder) as entries:
         for entry in entries:
             if _hidden(entry.name):
                 continue
-            if entry.is_dir():
+            label = "" if not base and entry.name in SPLITS else entry.name
+            if not links.allows(entry, f"{base}{entry.name}", label):
+                continue
+            if _is_dir(entry):
+                links.first_visit(entry)
                 dirs.append(entry.name)
             elif is_image_name(entry.name):
                 images.append(entry.name)
@@ -141,8 +225,8 @@ def _no_loose_images(folder: Path, images: list[str], what: str) -> None:
         )
 
 
-def _list_imagefolder(root: Path) -> SourceListing:
-    dirs, images, skipped = _top_level(root)
+def _list_imagefolder(root: Path, links: _Links) -> SourceListing:
+    dirs, images, skipped = _top_level(root, root, links)
     split_dirs = [d for d in dirs if d in SPLITS]
     if split_dirs and len(split_dirs) != len(dirs):
         classes = [d for d in dirs if d not in SPLITS]
@@ -163,12 +247,12 @@ def _list_imagefolder(root: Path) -> SourceListing:
     for split, folder in layers:
         names = dirs
         if split is not None:
-            names, loose, others = _top_level(folder)
+            names, loose, others = _top_level(folder, root, links)
             _no_loose_images(folder, loose, f"the split folder {split}/")
             skipped += others
         class_dirs.update(names)
         for cls in names:
-            rels, more = _walk_images(folder / cls, root)
+            rels, more = _walk_images(folder / cls, root, links, cls)
             skipped += more
             entries.extend((rel, cls, split) for rel in rels)
             if rels:
@@ -176,8 +260,8 @@ def _list_imagefolder(root: Path) -> SourceListing:
 
     if not entries:
         raise DataError(
-            f"found no image files in {root} ({skipped} other file(s) skipped; image extensions are "
-            f".jpg .png .webp .bmp .gif .tif ...).\n{LAYOUT_EXAMPLE}"
+            f"found no image files in {root} ({skipped} other file(s) skipped{_links_note(links)}; "
+            f"image extensions are .jpg .png .webp .bmp .gif .tif ...).\n{LAYOUT_EXAMPLE}"
         )
     classes = sorted({cls for _, cls, _ in entries})
     warnings: list[str] = []
@@ -188,7 +272,7 @@ def _list_imagefolder(root: Path) -> SourceListing:
         missing = sorted(set(classes) - per_split.get(split, set()))
         if split is not None and missing:
             warnings.append(f"{split}/ has no images of class(es): {', '.join(missing[:10])}")
-    return _listing("imagefolder", root, classes, entries, skipped, bool(split_dirs), warnings, root)
+    return _listing("imagefolder", root, classes, entries, skipped, bool(split_dirs), warnings, root, links)
 
 
 def _csv_error(path: Path, problem: str) -> DataError:
@@ -220,8 +304,14 @@ def _read_header(path: Path, header: list[str] | None) -> dict[str, int]:
     return {name: i for i, name in enumerate(names)}
 
 
-def _list_csv(path: Path) -> SourceListing:
+def _links_note(links: _Links) -> str:
+    n = len(links.skipped)
+    return f", {n} symbolic link(s) leading outside the source not followed (--follow-links)" if n else ""
+
+
+def _list_csv(path: Path, links: _Links) -> SourceListing:
     base = path.parent
+    folders: dict[str, bool] = {}  # a relative row's folder → whether it resolves inside
     entries: list[tuple[str, str, SplitName | None]] = []
     skipped = 0
     try:
@@ -260,15 +350,36 @@ def _list_csv(path: Path) -> SourceListing:
                 if not is_image_name(rel):
                     skipped += 1
                     continue
+                if (
+                    not links.follow
+                    and not Path(rel).is_absolute()
+                    and not _csv_row_inside(base / rel, links, folders)
+                ):
+                    links.skipped.append(SkippedLink(Path(rel).as_posix(), label, False))
+                    continue
                 entries.append((Path(rel).as_posix(), label, split))
     except UnicodeDecodeError as e:
         raise _csv_error(path, f"is not UTF-8 text ({e}); save it as UTF-8 CSV.") from e
     except csv.Error as e:
         raise _csv_error(path, f"is not valid CSV ({e}).") from e
     if not entries:
-        raise _csv_error(path, f"lists no image files ({skipped} row(s) without an image extension skipped).")
+        raise _csv_error(
+            path,
+            f"lists no image files ({skipped} row(s) without an image extension skipped"
+            f"{_links_note(links)}).",
+        )
     classes = sorted({label for _, label, _ in entries})
-    return _listing("csv", path, classes, entries, skipped, has_split, [], base)
+    return _listing("csv", path, classes, entries, skipped, has_split, [], base, links)
+
+
+def _csv_row_inside(file: Path, links: _Links, folders: dict[str, bool]) -> bool:
+    """Whether a relative CSV row resolves inside the CSV's folder: its folder (resolved once
+    per folder, `..` and links included), then the file itself if it is a link."""
+    folder = str(file.parent)
+    inside = folders.get(folder)
+    if inside is None:
+        inside = folders[folder] = links.inside(folder)
+    return inside and (not file.is_symlink() or links.inside(str(file)))
 
 
 def _listing(
@@ -280,9 +391,25 @@ def _listing(
     split_from_source: bool,
     warnings: list[str],
     base: Path,
+    links: _Links,
 ) -> SourceListing:
     label_of = {name: i for i, name in enumerate(classes)}
     # Stable sort: a CSV naming one file twice keeps its rows in file order.
     entries.sort(key=lambda e: e[0])
     candidates = [Candidate(rel, str(base / rel), label_of[cls], split) for rel, cls, split in entries]
-    return SourceListing(kind, root, classes, candidates, skipped, split_from_source, warnings)
+    if links.skipped:
+        warnings = [
+            *warnings,
+            f"{len(links.skipped)} symbolic link(s) leading outside the source were not followed "
+            "(listed in rejected.jsonl; --follow-links follows them)",
+        ]
+    return SourceListing(
+        kind,
+        root,
+        classes,
+        candidates,
+        skipped,
+        split_from_source,
+        warnings,
+        sorted(links.skipped, key=lambda link: link.rel),
+    )
