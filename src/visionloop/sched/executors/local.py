@@ -32,10 +32,11 @@ Decisions worth knowing:
 - **Also set for the job:** VISIONLOOP_JOB_ID, VISIONLOOP_ATTEMPT, VISIONLOOP_ATTEMPT_DIR,
   VISIONLOOP_ATTEMPT_TOKEN (a random marker every descendant inherits: how `kill` finds
   processes that left the job's group) and PYTHONUNBUFFERED=1 unless the request sets it
-  (so `jobs logs --follow` is live). The request's env overrides the control plane's, and
-  the pinning overrides both. `cpus` and `memory_gb` are placement hints only: nothing here
-  enforces them (no cgroups). The job runs in the control plane's working directory, so
-  commands should use absolute paths.
+  (so `jobs logs --follow` is live). The job does *not* inherit the control plane's
+  environment: only its clean base (PATH, HOME, locale, TZ, TMPDIR, VIRTUAL_ENV; see
+  visionloop.sched.executors.env), then the request's env, then the pinning. `cpus` and
+  `memory_gb` are placement hints only: nothing here enforces them (no cgroups). The job
+  runs in the control plane's working directory, so commands should use absolute paths.
 - **Alive, exited or lost.** `poll` reads exit.json first (exited), then asks whether the
   shim still holds the attempt's flock (running; locked before the shim is forked, so even
   an attempt whose control plane died mid-launch reads running, never lost). Otherwise the
@@ -81,6 +82,7 @@ import psutil
 from visionloop.core.errors import ExecutorError
 from visionloop.sched import shim
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
+from visionloop.sched.executors.env import job_env
 from visionloop.sched.view import Gpu
 
 # How long `launch` waits for the shim to report its child started. A cold Python start on a
@@ -158,7 +160,8 @@ class LocalExecutor:
                     "in a new dir, or take the earlier one over with LocalExecutor.adopt()."
                 )
             token = secrets.token_hex(8)
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **request.env}
+            # A clean environment: nothing of ours (VISIONLOOP_DB_URL, credentials) but the base.
+            env = job_env(os.environ, request.env)
             env.update(
                 CUDA_VISIBLE_DEVICES=devices,
                 CUDA_DEVICE_ORDER="PCI_BUS_ID",

@@ -71,6 +71,12 @@ Decisions worth knowing:
 - **Also set for the job** (runtime env): the request's env, VISIONLOOP_JOB_ID,
   VISIONLOOP_ATTEMPT. Paths in the command and env (spec, run dir, VISIONLOOP_HOME) must be
   valid on the Ray nodes: use shared storage.
+- **Environment.** Nothing of the control plane's environment reaches a job: Ray's job
+  driver inherits the environment of the Ray node that runs it (the raylet's, as `ray start`
+  was run there), plus the runtime env's `env_vars`, which are exactly the request's env (what
+  the control plane gives a job, and the names in cluster.toml's `[jobs] env_allow`) and the
+  variables above. So start the Ray nodes with a clean environment (no credentials the jobs
+  must not see), as the user jobs should run as.
 - Linux nodes only (the signal job reads /proc).
 
 Handle (JSON, stored by the control plane with the attempt):
