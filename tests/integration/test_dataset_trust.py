@@ -54,8 +54,10 @@ def hostile_dataset(
     replaced. Returns (dataset folder, marker file)."""
     dataset, marker = root / "hostile-ds", root / "marker"
     shutil.copytree(digits, dataset)
+    manifest = json.loads((dataset / "dataset.json").read_text())
     for split in splits:
-        hostile_shards(dataset / "shards" / split, marker)
+        # as many records as the manifest says, so nothing but the shards' format is wrong
+        hostile_shards(dataset / "shards" / split, marker, n=manifest["splits"][split]["count"])
     return dataset, marker
 
 
@@ -80,6 +82,20 @@ def test_the_hostile_shards_do_run_code_when_litdata_opens_them_unchecked(tmp_pa
     hostile_shards(tmp_path / "shards", marker)
     StreamingDataset(str(tmp_path / "shards"))[0]
     assert marker.read_text() == "a dataset ran code"
+
+
+def test_past_the_index_check_the_serializer_table_still_never_unpickles(tmp_path: Path) -> None:
+    """The second wall, for an index swapped after it was checked: litdata itself, given only
+    the table shards are opened with, refuses the pickle field."""
+    from litdata import StreamingDataset
+
+    from visionloop.data.shardcheck import safe_serializers
+
+    marker = tmp_path / "marker"
+    hostile_shards(tmp_path / "shards", marker)
+    with pytest.raises(DataError, match="litdata's 'pickle' serializer"):
+        StreamingDataset(str(tmp_path / "shards"), serializers=safe_serializers())[0]
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
