@@ -173,6 +173,14 @@ def test_an_index_changed_after_the_check_is_refused_at_open(tmp_path: Path) -> 
         reader[0]
 
 
+def test_the_index_is_checked_once_per_open_not_per_record(tmp_path: Path) -> None:
+    folder = write_shards(tmp_path / "s")
+    reader = ShardReader(folder)
+    assert reader[0]["index"] == 100  # opened (and re-checked) here
+    (folder / "index.json").write_text("{not json")  # any further check would now fail
+    assert [r["index"] for r in reader.read_many([5, 1, 3])] == [105, 101, 103]
+
+
 def test_the_serializer_table_has_no_pickle_under_any_name(tmp_path: Path) -> None:
     from litdata.streaming import serializers as ls
 
