@@ -263,7 +263,15 @@ def detach(
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise VisionloopError(f"the control plane did not answer at {url} within {wait_s:.0f} s; see {log_path}.")
+    # Do not leave a control plane nobody knows started: stop it before saying it failed.
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    raise VisionloopError(
+        f"the control plane did not answer at {url} within {wait_s:.0f} s, and was stopped; see {log_path}."
+    )
 
 
 def stop(settings: Settings, wait_s: float = 30) -> int | None:
