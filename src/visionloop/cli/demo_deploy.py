@@ -4,8 +4,9 @@
 5. export it to ONNX fp32 and int8 (static QDQ, calibrated on its own training images), each
    through the accuracy gate;
 6. benchmark eager PyTorch and both exports on this machine's CPU;
-7. serve the int8 champion on loopback, send one held-out digit with `tritonclient.http`
-   (binary tensors, exactly as against Triton), print the answer, stop the server.
+7. serve the int8 champion on loopback with an API key (made in a temporary folder, so the
+   home's keys are untouched), send one held-out digit with `tritonclient.http` and the key
+   in `headers=` (binary tensors, exactly as against Triton), print the answer, stop the server.
 
 Each step is the library call its command makes (`models register`, `export`, `bench`,
 `serve`), so the demo shows what a user would type and gets the same result.
@@ -13,6 +14,7 @@ Each step is the library call its command makes (`models register`, `export`, `b
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +115,7 @@ def _serve_and_ask(settings: Settings, images_dir: Path, card: ModelCard) -> tup
     from PIL import Image
 
     from visionloop.serve.config import ServeConfig
+    from visionloop.serve.keys import KeyRing, KeyStore
     from visionloop.serve.server import BackgroundServer, predictions_path
     from visionloop.serve.source import RegistrySource
 
@@ -122,30 +125,39 @@ def _serve_and_ask(settings: Settings, images_dir: Path, card: ModelCard) -> tup
     # enough, and the answer is checked against its folder either way.
     truth = 7
     image_path = sorted((images_dir / str(truth)).glob("*.png"))[-1]
-    with BackgroundServer(config, source, predictions_path(settings, config.host, 0)) as server:
-        out.print(f"server listening on {server.url} (KServe v2 / Triton HTTP protocol)")
-        client = httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
-        meta = client.get_model_metadata(MODEL_NAME)
-        tensor = card.eval_preprocess().to_transform()(Image.open(image_path))
-        batch = tensor.unsqueeze(0).numpy().astype(np.float32)
-        inp = httpclient.InferInput(meta["inputs"][0]["name"], list(batch.shape), "FP32")
-        inp.set_data_from_numpy(batch, binary_data=True)
-        wanted = httpclient.InferRequestedOutput(meta["outputs"][0]["name"], binary_data=True)
-        t0 = time.perf_counter()
-        result = client.infer(MODEL_NAME, [inp], outputs=[wanted])
-        ms = (time.perf_counter() - t0) * 1000
-        logits = result.as_numpy(meta["outputs"][0]["name"])
-        client.close()
+    # The secure path, as `visionloop serve keys create demo --models digits` would set it up,
+    # but in a folder of its own: the demo must not turn keys on for the user's later `serve`.
+    with tempfile.TemporaryDirectory(prefix="visionloop-demo-keys-") as keys_home:
+        _, key = KeyStore(Path(keys_home)).create("demo", [MODEL_NAME])
+        keys = KeyRing.for_home(Path(keys_home))
+        auth = {"Authorization": f"Bearer {key}"}
+        predictions = predictions_path(settings, config.host, 0)
+        with BackgroundServer(config, source, predictions, keys=keys) as server:
+            out.print(f"server listening on {server.url} (KServe v2 / Triton HTTP protocol; API key needed)")
+            client = httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
+            meta = client.get_model_metadata(MODEL_NAME, headers=auth)
+            tensor = card.eval_preprocess().to_transform()(Image.open(image_path))
+            batch = tensor.unsqueeze(0).numpy().astype(np.float32)
+            inp = httpclient.InferInput(meta["inputs"][0]["name"], list(batch.shape), "FP32")
+            inp.set_data_from_numpy(batch, binary_data=True)
+            wanted = httpclient.InferRequestedOutput(meta["outputs"][0]["name"], binary_data=True)
+            t0 = time.perf_counter()
+            result = client.infer(MODEL_NAME, [inp], outputs=[wanted], headers=auth)
+            ms = (time.perf_counter() - t0) * 1000
+            logits = result.as_numpy(meta["outputs"][0]["name"])
+            client.close()
     assert logits is not None
     z = logits[0].astype(np.float64)
     probs = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
     answer = int(probs.argmax())
     version = result.get_response().get("model_version", "?")
     out.print(
-        f"sent {image_path} (a {truth}) with tritonclient.http: the model ({MODEL_NAME} v{version}, int8) "
+        f"sent {image_path} (a {truth}) with tritonclient.http and an API key: "
+        f"the model ({MODEL_NAME} v{version}, int8) "
         f"answered [bold]{card.class_names[answer]}[/] with p={probs[answer]:.2f} in {ms:.1f} ms",
         soft_wrap=True,
     )
     out.print("server stopped")
+    out.print(f"  $ visionloop serve keys create app --models {MODEL_NAME}", soft_wrap=True)
     out.print(f"  $ visionloop serve {MODEL_NAME}@champion --precision int8", soft_wrap=True)
     return int(card.class_names[answer]), truth, float(probs[answer])
