@@ -146,20 +146,81 @@ def test_bench_refuses_it(registered_model: ModelKit, hostile: tuple[Path, Path]
     assert not marker.exists()
 
 
-def test_a_queue_job_on_it_fails_with_the_refusal(tmp_path: Path, hostile: tuple[Path, Path]) -> None:
+def test_the_queue_refuses_it_at_submit(tmp_path: Path, hostile: tuple[Path, Path]) -> None:
     dataset, marker = hostile
     spec = {"train": train_doc(dataset, epochs=None, steps=2), "max_restarts": 0, "team": "vision"}
     cfg = cluster_config(inventory=ONE_GPU, teams=TEAMS)
-    with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg) as cp:
-        with cp.client() as c:
+    with (
+        fresh_database("sqlite", tmp_path) as url,
+        control_plane(url, cfg, run_scheduler=False) as cp,
+        cp.client() as c,
+    ):
+        r = c.post("/v1/jobs", json={"spec": spec})
+        assert r.status_code == 422, r.text
+        assert_refused(r.json()["detail"], dataset)
+        assert c.get("/v1/jobs").json() == []
+    assert not marker.exists()
+
+
+def test_a_queued_job_whose_dataset_turns_hostile_fails_with_the_refusal(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
+    # Accepted while its dataset was sound; the shards are swapped before the job starts: the
+    # trainer's own check is the last line, and the job fails with the refusal in its log.
+    dataset, marker = tmp_path / "ds", tmp_path / "marker"
+    shutil.copytree(digits_dataset, dataset)
+    spec = {"train": train_doc(dataset, epochs=None, steps=2), "max_restarts": 0, "team": "vision"}
+    cfg = cluster_config(inventory=ONE_GPU, teams=TEAMS)
+    with fresh_database("sqlite", tmp_path) as url:
+        with control_plane(url, cfg, run_scheduler=False) as cp, cp.client() as c:
             r = c.post("/v1/jobs", json={"spec": spec})
             assert r.status_code == 201, r.text
             job = r.json()
-        show = cp.wait_job(job["id"], lambda j: j["state"] in ("succeeded", "failed"))
-        with cp.client() as c:
-            log = c.get(f"/v1/jobs/{job['id']}/logs").text
+        count = json.loads((dataset / "dataset.json").read_text())["splits"]["train"]["count"]
+        hostile_shards(dataset / "shards" / "train", marker, n=count)
+        with control_plane(url, cfg) as cp:
+            show = cp.wait_job(job["id"], lambda j: j["state"] in ("succeeded", "failed"))
+            with cp.client() as c:
+                log = c.get(f"/v1/jobs/{job['id']}/logs").text
     assert show["job"]["state"] == "failed"
     assert [a["outcome"] for a in show["attempts"]] == ["failed"]
     assert_refused(log, dataset)
     assert REFUSAL in show["transitions"][-1]["reason"]
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("shard_dir", ["/etc", "../other/shards/train", "shards/../../x", ".hidden"])
+def test_a_manifest_cannot_point_its_shards_outside_the_dataset(
+    tmp_path: Path, digits_dataset: Path, shard_dir: str
+) -> None:
+    from visionloop.data.shardcheck import check_dataset
+
+    dataset = tmp_path / "ds"
+    shutil.copytree(digits_dataset, dataset)
+    manifest = json.loads((dataset / "dataset.json").read_text())
+    manifest["splits"]["train"]["shard_dir"] = shard_dir
+    (dataset / "dataset.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError) as e:
+        check_dataset(dataset)
+    assert "shard_dir must be a relative path of plain names" in str(e.value)
+    assert repr(shard_dir) in str(e.value) and FIX in str(e.value)
+
+
+def test_a_shard_folder_linked_outside_the_dataset_is_refused(tmp_path: Path, digits_dataset: Path) -> None:
+    # Another team's dataset, reached through a link inside a dataset the submitter may read.
+    from visionloop.data.shardcheck import check_dataset
+
+    other, dataset = tmp_path / "other-team" / "ds", tmp_path / "mine" / "ds"
+    shutil.copytree(digits_dataset, other)
+    shutil.copytree(digits_dataset, dataset)
+    shutil.rmtree(dataset / "shards" / "train")
+    (dataset / "shards" / "train").symlink_to(other / "shards" / "train")
+    with pytest.raises(DataError) as e:
+        check_dataset(dataset)
+    assert "leads outside the dataset folder" in str(e.value) and FIX in str(e.value)
+    from visionloop.specs import validate_train_spec
+    from visionloop.train.api import train
+
+    doc = spec_doc(dataset, epochs=None, steps=2, data__workers=0)
+    with pytest.raises(DataError, match="leads outside the dataset folder"):
+        train(validate_train_spec(doc), tmp_path / "run", track=False)

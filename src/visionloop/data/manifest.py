@@ -8,10 +8,11 @@ images and labels, so "which data trained this model" has a one-word answer.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
@@ -22,6 +23,11 @@ DUPLICATES_NAME = "duplicates.jsonl"
 SHARDS_DIR = "shards"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
+# A manifest is a few KiB; a bigger file is not one, and must not be parsed into memory.
+MAX_MANIFEST_BYTES = 4 * 2**20
+# shard_dir is a relative path of plain names (none starts with a dot): never absolute, never
+# `..`, so a manifest can only point inside its own dataset folder.
+_PLAIN_RELATIVE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 
 SplitName = Literal["train", "val", "test"]
 
@@ -62,6 +68,16 @@ class SplitInfo(_Strict):
     per_class: dict[str, int]
     shard_dir: str = Field(description="litdata chunk folder, relative to the dataset folder")
     bytes: int
+
+    @field_validator("shard_dir")
+    @classmethod
+    def _inside(cls, v: str) -> str:
+        if not _PLAIN_RELATIVE.fullmatch(v):
+            raise ValueError(
+                f"shard_dir must be a relative path of plain names inside the dataset folder, like "
+                f"'shards/train', got {v!r}"
+            )
+        return v
 
 
 class ChannelStats(_Strict):
@@ -104,6 +120,18 @@ def manifest_path(dataset_dir: Path) -> Path:
     return Path(dataset_dir) / MANIFEST_NAME
 
 
+def shard_dir_of(dataset_dir: Path, info: SplitInfo) -> Path:
+    """The split's shard folder, refused when it resolves outside the dataset folder (a link
+    to another folder would let a dataset read shards that its owner may not)."""
+    path = Path(dataset_dir) / info.shard_dir
+    if not path.resolve().is_relative_to(Path(dataset_dir).resolve()):
+        raise DataError(
+            f"{path} leads outside the dataset folder {dataset_dir} (a symbolic link?); a dataset's "
+            "shards must lie inside it. Re-run `visionloop data ingest` to rebuild the dataset."
+        )
+    return path
+
+
 def write_manifest(dataset_dir: Path, manifest: DatasetManifest) -> None:
     atomic_write_text(manifest_path(dataset_dir), manifest.model_dump_json(indent=2) + "\n")
 
@@ -122,8 +150,15 @@ def read_manifest(dataset_dir: Path) -> DatasetManifest:
             f"`visionloop data ingest SOURCE --out {dataset_dir}`."
         )
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise DataError(
+                f"{path} is over {MAX_MANIFEST_BYTES // 2**20} MiB, far more than a dataset manifest "
+                "holds; it is not one. Re-run `visionloop data ingest`."
+            )
+        raw = json.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path} cannot be read as JSON ({e}); re-run `visionloop data ingest`.") from e
     if isinstance(raw, dict) and raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
         raise DataError(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import DataError
+from visionloop.data.manifest import DatasetManifest, read_manifest, shard_dir_of
 
 INDEX_NAME = "index.json"
 # A 32 MB chunk takes about 100 bytes of index; 16 MiB of index is petabytes of images.
@@ -247,3 +248,13 @@ def safe_serializers() -> dict[str, Any]:
             "cannot be opened safely; install the litdata version visionloop pins."
         )
     return table
+
+
+def check_dataset(dataset_dir: Path) -> DatasetManifest:
+    """The dataset's manifest, once every split's shard folder lies inside the dataset and
+    its index is exactly what ingest writes: what a control plane checks before it queues a
+    job, so a hostile or broken dataset is refused at submit, not when the job starts."""
+    manifest = read_manifest(dataset_dir)
+    for info in manifest.splits.values():
+        check_shard_index(shard_dir_of(dataset_dir, info))
+    return manifest

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from visionloop.core.errors import DataError
-from visionloop.data.manifest import DatasetManifest, read_manifest
+from visionloop.data.manifest import DatasetManifest, read_manifest, shard_dir_of
 from visionloop.data.shards import ShardReader
 from visionloop.models.card import ModelCard
 from visionloop.registry import ModelVersionInfo
@@ -32,7 +32,7 @@ class ModelDataset:
         info = self.manifest.splits.get(split)  # type: ignore[call-overload]
         if info is None or info.count == 0:
             return None
-        return ShardReader(self.path / info.shard_dir)
+        return ShardReader(shard_dir_of(self.path, info))
 
     def eval_split(self) -> tuple[str, ShardReader]:
         for split in ("val", "test"):

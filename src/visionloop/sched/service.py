@@ -45,9 +45,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from visionloop.core.errors import ExecutorError, ExecutorUnavailableError, NotFoundError, VisionloopError
+from visionloop.core.errors import (
+    DataError,
+    ExecutorError,
+    ExecutorUnavailableError,
+    NotFoundError,
+    VisionloopError,
+)
 from visionloop.core.fsutil import atomic_write_text
 from visionloop.core.settings import Settings
+from visionloop.data.shardcheck import check_dataset
 from visionloop.sched.config import DEFAULT_TEAM, ClusterConfig
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
 from visionloop.sched.placement import capacities
@@ -334,6 +341,12 @@ class ControlPlane:
                 f"data.dataset {dataset} is not a dataset folder (no dataset.json). "
                 "Make one with `visionloop data ingest SOURCE --out DIR`."
             )
+        try:
+            # Its manifest and shard indexes, exactly as ingest writes them: a dataset that would
+            # be refused when the job starts (or that tries to run code) is refused now.
+            check_dataset(dataset)
+        except DataError as e:
+            raise SubmitError(f"data.dataset: {e}") from e
 
     # ------------------------------------------------------------------ actions
 

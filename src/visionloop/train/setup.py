@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
 from visionloop.core.errors import DataError, TrainingError
-from visionloop.data.manifest import DatasetManifest, read_manifest
+from visionloop.data.manifest import DatasetManifest, read_manifest, shard_dir_of
 from visionloop.data.shards import ShardReader
 from visionloop.models import create_model
 from visionloop.models.registry import IMAGENET_MEAN, IMAGENET_STD
@@ -79,7 +79,7 @@ def open_split(manifest: DatasetManifest, dataset_dir: Path, split: str) -> Shar
     info = manifest.splits.get(split)  # type: ignore[call-overload]
     if info is None or info.count == 0:
         return None
-    return ShardReader(dataset_dir / info.shard_dir)
+    return ShardReader(shard_dir_of(dataset_dir, info))
 
 
 def check_input_size(model: nn.Module, spec: TrainSpec, num_classes: int, device: torch.device) -> None:
