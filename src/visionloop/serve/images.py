@@ -5,7 +5,7 @@ served image meets the same pixels an evaluation image did.
 What one request can make the server allocate is bounded here: the multipart form by its
 number of parts and header lines, the image by its pixel count (read from the header, before
 any pixel is decoded), and a large image is decoded *reduced* to about twice what the model
-card's resize needs (a JPEG's DCT scaling via `Image.draft`, else `Image.reduce` on the decoded
+card's resize needs (a JPEG's DCT scaling via `Image.draft`, then a box filter on the decoded
 pixels) before it becomes a tensor. An image that needs no reduction takes exactly the path
 it always did, so its pixels are unchanged.
 """
@@ -156,8 +156,10 @@ def decode(data: bytes, need: int | None = None, max_pixels: int = MAX_PIXELS) -
 
 
 def _reduce(im: Any, factor: int) -> Any:
-    """`im` shrunk by an integer factor (box average), in a mode `to_rgb` reads as it read the
-    original: the modes Image.reduce cannot average are converted first."""
+    """`im` shrunk by about an integer factor (box average), in a mode `to_rgb` reads as it
+    read the original: palettes, colour keys, 1-bit and 16-bit images are converted first."""
+    from PIL import Image
+
     mode = im.mode
     if mode == "1":
         im = im.convert("L")
@@ -168,7 +170,10 @@ def _reduce(im: Any, factor: int) -> Any:
         transparent = mode == "PA" or "transparency" in im.info
         im = im.convert("RGBA" if transparent else "RGB")
     info = im.info
-    reduced = im.reduce(factor)
+    # A box filter over the whole extent, not Image.reduce: reduce's last box is partial when
+    # the side is not a multiple of `factor`, which stretches the picture by up to 1/target.
+    w, h = im.size
+    reduced = im.resize((round(w / factor), round(h / factor)), Image.Resampling.BOX)
     reduced.info = {k: v for k, v in info.items() if k != "transparency"}  # keeps the EXIF orientation
     return reduced
 
