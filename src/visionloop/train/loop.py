@@ -297,6 +297,12 @@ class Loop:
                 losses, lrs, images_interval, t_interval = [], [], 0, now
             stop, due = self._should_stop_or_checkpoint()
             if due and not pos.pending_eval:  # the post-eval checkpoint covers the epoch boundary
+                if losses:
+                    # A resumed run replays only the steps after this checkpoint: the steps of
+                    # the open logging interval must be logged (and flushed) before it commits.
+                    now = time.perf_counter()
+                    self._log_steps(losses, lrs, images_interval / max(now - t_interval, 1e-9))
+                    losses, lrs, images_interval, t_interval = [], [], 0, now
                 self.save_checkpoint()
             if stop or end_of_epoch or finished:
                 break
