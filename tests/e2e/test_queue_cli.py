@@ -125,6 +125,22 @@ def test_submit_follow_spot_interrupt_and_cost_from_the_cli(
     assert "step" in _ok("jobs", "logs", str(job_id), "--attempt", "1").lower()
 
 
+def _wait_gone(pid: int, timeout: float = 60) -> None:
+    """Until `pid` has exited: gone, or a zombie (dead, its resources freed, not yet reaped by
+    whoever adopted it), with a bounded deadline instead of a guess at how long a kill takes."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"process {pid} still alive {timeout:.0f} s after SIGKILL"
+        time.sleep(0.05)
+
+
 def first_hours(attempt: dict[str, Any]) -> float:
     return float(attempt["ended_at"] - attempt["started_at"]) / 3600
 
@@ -137,7 +153,7 @@ def test_control_plane_sigkilled_mid_job_readopts_it(
     _wait(job_id, lambda j: j["state"] == "running")
     state = json.loads((vl_home / "control-plane.json").read_text())
     os.kill(state["pid"], signal.SIGKILL)
-    time.sleep(1.0)
+    _wait_gone(state["pid"])  # its port and locks are free before the restart binds them
     _ok("up", "--detach", "--port", up)  # same home, same store: it must find the running job
     show = _wait(job_id, lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
     assert show["job"]["state"] == "succeeded"
