@@ -759,21 +759,50 @@ def test_a_resync_marks_missing_gpus_down_and_brings_them_back_when_listed_again
     assert [g.id for g in store.sync_gpus(GPUS[:3], now=5.0)] == [g.id for g in GPUS[:3]]
 
 
-def test_opening_waits_for_a_writer_that_holds_a_database_not_yet_in_wal_mode(tmp_path: Path) -> None:
+def test_opening_waits_for_a_writer_that_holds_a_database_not_yet_in_wal_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SQLite skips the busy handler for `PRAGMA journal_mode = WAL`: while another connection
     held a write lock on a database not yet in WAL mode, opening the store failed at once with
     "database is locked" (a CI run: twenty stores opening a fresh file together)."""
     path = tmp_path / "state.db"
+    # The writer lets go only once the opener has run into its lock ("database is locked"),
+    # so the two overlap on any machine (a fixed delay could fire before the opener starts).
+    refused: list[str] = []
+    ran_into_the_lock = threading.Event()
+    real_enable_wal = db._enable_wal
+
+    class Cursor:
+        def __init__(self, cursor: Any) -> None:
+            self.cursor = cursor
+
+        def execute(self, sql: str) -> Any:
+            try:
+                return self.cursor.execute(sql)
+            except sqlite3.OperationalError as e:
+                refused.append(f"{sql}: {e}")
+                ran_into_the_lock.set()
+                raise
+
+    monkeypatch.setattr(db, "_enable_wal", lambda cursor: real_enable_wal(Cursor(cursor)))
     holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         holder.execute("CREATE TABLE other (x)")  # a database in rollback-journal mode
         holder.execute("BEGIN IMMEDIATE")
         holder.execute("INSERT INTO other VALUES (1)")
-        release = threading.Timer(0.5, holder.execute, args=("COMMIT",))
-        release.start()
-        with Store.open(f"sqlite:///{path}", runs_dir=tmp_path) as store:
-            assert store.upsert_team("vision", 1, now=1.0).name == "vision"
-        release.join()
+
+        def release() -> None:
+            ran_into_the_lock.wait(timeout=60)
+            holder.execute("COMMIT")
+
+        releaser = threading.Thread(target=release)
+        releaser.start()
+        try:
+            with Store.open(f"sqlite:///{path}", runs_dir=tmp_path) as store:
+                assert store.upsert_team("vision", 1, now=1.0).name == "vision"
+        finally:
+            releaser.join()
+        assert ran_into_the_lock.is_set() and "database is locked" in refused[0], refused
         assert holder.execute("SELECT x FROM other").fetchall() == [(1,)]  # the writer's row kept
         with closing(sqlite3.connect(path)) as fresh:
             assert fresh.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
