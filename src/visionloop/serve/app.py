@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from visionloop import __version__
-from visionloop.serve import auth, openapi
+from visionloop.serve import auth, openapi, routing
 from visionloop.serve.batcher import InferenceError
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.keys import ApiKey, KeyRing
@@ -129,6 +129,7 @@ def create_app(
     app.state.server = server
     _handlers(app, server)
     _routes(app, server)
+    routing.add_routes(app, server)
     return ServeApp(app, server, keys)
 
 
