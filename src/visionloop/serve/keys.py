@@ -8,9 +8,8 @@ from having equal hashes), in `<home>/serve/keys.json`, written atomically and o
 `hmac.compare_digest`.
 
 Each key names the models it may use (`*`: all) and its scopes: `read` (inference and
-metadata: every key has it) and `routing` (changing canary, shadow or rollback). The server
-has no routing-changing endpoint today (routing follows the registry's aliases), so nothing
-checks `routing` yet; an endpoint that changes routing must require it.
+metadata: every key has it) and `routing` (changing canary, shadow or rollback through
+`serve.routing`'s endpoints, which check it).
 
 The server reloads the file when it changes (inode, mtime or size; checked at most every
 `poll_s`), so `visionloop serve keys revoke` takes effect without a restart. A file that
