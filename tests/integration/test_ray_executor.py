@@ -18,12 +18,13 @@ import shlex
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from _execkit import log_text, require_ray, wait_exited, wait_log
+from _execkit import WAIT_S, log_text, require_ray, wait_exited, wait_log
 from _raykit import RayCluster
 from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
 from visionloop.sched.executors.base import LaunchRequest
@@ -173,19 +174,29 @@ def test_a_job_waiting_in_ray_reads_running_and_terminate_stops_it_when_it_would
     """Someone else's Ray job holds the GPUs the scheduler gave ours: ours waits in Ray's
     queue (reported running, "pending"). A stop cannot reach a job whose supervisor Ray has
     not scheduled yet; it takes effect the moment Ray would start it."""
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobStatus, JobSubmissionClient
 
     gpus = [g for g in ex.capacity() if not g.spot]
-    go = tmp_path / "go"
+    go, holding = tmp_path / "go", tmp_path / "holding"
+    hold = f"""
+import os, time
+open({str(holding)!r}, "w").close()
+while not os.path.exists({str(go)!r}):
+    time.sleep(0.05)
+"""
     client = JobSubmissionClient(cluster.address)
     squatter = client.submit_job(
-        entrypoint=shlex.join(
-            [PY, "-c", f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)"]
-        ),
+        entrypoint=shlex.join([PY, "-c", hold]),
         entrypoint_num_gpus=2,
         entrypoint_num_cpus=0.01,
         entrypoint_label_selector={"ray.io/node-id": ray_node_id(cluster, gpus[0])},
     )
+    # Ours must be launched while the squatter holds the GPUs: on a slow machine a squatter
+    # still in Ray's queue would let ours start first (and the test would stop a running job).
+    deadline = time.monotonic() + WAIT_S
+    while not (holding.exists() and client.get_job_status(squatter) == JobStatus.RUNNING):
+        assert time.monotonic() < deadline, f"the squatter never ran: {client.get_job_info(squatter)}"
+        time.sleep(0.2)
     handle = ex.launch(req(tmp_path, "import time; time.sleep(600)", gpus=gpus))
     status = ex.poll(handle)
     assert status.state == "running" and "pending" in status.detail, status
