@@ -339,3 +339,31 @@ def test_unsupported_mode_is_rejected_not_crashed() -> None:
 def test_image_extensions() -> None:
     assert is_image_name("a.JPG") and is_image_name("b.jpeg") and is_image_name("c.webp")
     assert not is_image_name("notes.txt") and not is_image_name("jpg") and not is_image_name("x.jpg.bak")
+
+
+@pytest.mark.parametrize("fmt", ["ICO", "TGA", "PCX", "EPS"])
+def test_only_the_formats_of_image_extensions_are_decoded(fmt: str) -> None:
+    # Pillow would try every decoder it has (EPS runs Ghostscript); ingest and the server
+    # hand an untrusted file only to the decoders of the formats they accept.
+    from visionloop.serve.images import decode
+    from visionloop.serve.protocol import ProtocolError
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(buf, format=fmt)
+    data = buf.getvalue()
+    assert Image.open(io.BytesIO(data)).format == fmt  # Pillow alone would decode it
+    result = normalise_bytes(data, WHITE)
+    assert isinstance(result, Rejection) and result.reason == RejectReason.NOT_AN_IMAGE
+    with pytest.raises(ProtocolError) as e:
+        decode(data)
+    assert e.value.status == 415
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF", "PPM"])
+def test_every_accepted_format_is_decoded(fmt: str) -> None:
+    from visionloop.serve.images import decode
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(buf, format=fmt)
+    assert isinstance(normalise_bytes(buf.getvalue(), WHITE), Normalised)
+    assert decode(buf.getvalue()).size == (8, 8)

@@ -34,6 +34,10 @@ IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
     | {".ppm", ".pgm", ".pbm", ".pnm"}
 )
+# The decoders Pillow may use on an untrusted file: the formats of IMAGE_EXTENSIONS, no
+# others. Pillow tries every plugin it has on bytes it does not recognise, and some of them
+# (EPS runs Ghostscript, for one) are no decoder to hand a stranger's file.
+DECODABLE_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP", "TIFF", "PPM")  # JPEG covers MPO
 # Formats whose pixels were already rounded by a lossy codec: re-encoding them losslessly
 # would only inflate the dataset, so they are re-encoded as JPEG at the policy's quality.
 _LOSSY_FORMATS = frozenset({"JPEG", "MPO", "WEBP"})
@@ -293,7 +297,7 @@ def normalise_bytes(data: bytes, policy: ImagePolicy) -> Normalised | Rejection:
         # our own limit below is the one that decides, checked before any pixel is allocated.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
+            im = Image.open(io.BytesIO(data), formats=DECODABLE_FORMATS)
     except Image.DecompressionBombError as e:
         # Only where Pillow's own limit is on (outside an ingest worker), and it is lower.
         return Rejection(

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from visionloop.data.imageio import DECODABLE_FORMATS
 from visionloop.models.card import EvalPreprocess, ModelCard
 from visionloop.serve.protocol import ProtocolError
 
@@ -132,7 +133,7 @@ def decode(data: bytes, need: int | None = None, max_pixels: int = MAX_PIXELS) -
     from PIL import Image, UnidentifiedImageError
 
     try:
-        im = Image.open(io.BytesIO(data))
+        im = Image.open(io.BytesIO(data), formats=DECODABLE_FORMATS)
         w, h = im.size
         if w * h > max_pixels:
             raise ProtocolError(
