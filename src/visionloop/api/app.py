@@ -279,7 +279,9 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
             "transitions": jsonable_encoder(plane.store.transitions(job_id)),
             "attempts": jsonable_encoder(plane.store.attempts(job_id)),
             "checkpoints": jsonable_encoder(plane.store.checkpoints(job_id)),
-            "cost": jsonable_encoder(cost_report(plane.store, plane.catalog, job_id=job_id)),
+            "cost": jsonable_encoder(
+                cost_report(plane.store, plane.catalog, job_id=job_id, now=plane.clock())
+            ),
         }
 
     @app.get("/v1/jobs/{job_id}/logs")
@@ -328,7 +330,8 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
             if team is not None and team != who.team:
                 raise HTTPException(403, f"your token belongs to team {who.team!r}.")
             team = who.team
-        return jsonable_encoder(cost_report(plane.store, plane.catalog, team=team, since=since))  # type: ignore[no-any-return]
+        report = cost_report(plane.store, plane.catalog, team=team, since=since, now=plane.clock())
+        return jsonable_encoder(report)  # type: ignore[no-any-return]
 
     @app.put("/v1/admin/teams/{name}")
     def set_team(name: str, body: TeamBody, _: Admin) -> dict[str, Any]:

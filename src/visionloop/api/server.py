@@ -242,7 +242,9 @@ def detach(
     if db_url:
         env[DB_URL_ENV] = db_url  # never in argv: every user can read a process's command line
     log_path = settings.home / "control-plane.log"
-    with open(log_path, "ab") as out:
+    # Owner-only from the first byte: the log can hold job specs, paths and error details.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as out:
         proc = subprocess.Popen(
             cmd,
             stdout=out,
