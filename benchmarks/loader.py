@@ -70,7 +70,7 @@ def visionloop_loader(dataset_dir: Path, workers: int, epochs: int) -> float:
     from visionloop.data.sampler import ResumableBatchSampler
     from visionloop.data.shards import ShardReader
     from visionloop.specs import AugmentSpec
-    from visionloop.tasks.classification.task import ShardClassificationDataset
+    from visionloop.tasks.classification.data import ShardClassificationDataset
     from visionloop.tasks.classification.transforms import TrainTransform
 
     m = read_manifest(dataset_dir)

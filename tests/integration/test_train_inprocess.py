@@ -38,21 +38,21 @@ class Recorder(Reporter):
 
 
 class ForwardSpy:
-    """Wraps the trainer's model factory: every forward of the model records the CPU autocast
-    state it ran under and the dtype of the logits it returned."""
+    """Wraps the model factory (which the task's `build_model` calls): every forward of the
+    model records the CPU autocast state it ran under and the dtype of the logits it returned."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import visionloop.train.setup as setup
+        import visionloop.models as models
 
         self.calls: list[tuple[bool, bool, torch.dtype, torch.dtype]] = []
-        real = setup.create_model
+        real = models.create_model
 
         def create(*args: object, **kwargs: object) -> torch.nn.Module:
             model = real(*args, **kwargs)  # type: ignore[arg-type]
             model.register_forward_hook(self._record)
             return model
 
-        monkeypatch.setattr(setup, "create_model", create)
+        monkeypatch.setattr(models, "create_model", create)
 
     def _record(self, _module: torch.nn.Module, _inputs: object, out: torch.Tensor) -> None:
         self.calls.append(

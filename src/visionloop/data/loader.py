@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,10 @@ def make_loader(
     workers: int,
     pin_memory: bool = False,
     seed: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader[Any]:
+    """A loader over `batch_sampler`'s batches; `collate_fn` is the task's (None: torch's
+    default collate)."""
     # An explicit generator keeps DataLoader from drawing its worker base seed from the global
     # RNG, which would otherwise shift dropout masks every time an iterator is created.
     g = torch.Generator()
@@ -42,4 +46,5 @@ def make_loader(
         prefetch_factor=4 if workers > 0 else None,
         worker_init_fn=_worker_init if workers > 0 else None,
         generator=g,
+        collate_fn=collate_fn,
     )

@@ -116,6 +116,20 @@ class DatasetManifest(_Strict):
         return len(self.classes)
 
 
+# The split every stage evaluates on: validation when the dataset has one, else test. Train's
+# per-epoch evaluation, export's gate and bench's accuracy must all measure the same images.
+EVAL_SPLIT_ORDER: tuple[SplitName, ...] = ("val", "test")
+
+
+def eval_split(manifest: DatasetManifest) -> SplitName | None:
+    """The split to evaluate on ("val", else "test"); None when the dataset has neither."""
+    for split in EVAL_SPLIT_ORDER:
+        info = manifest.splits.get(split)
+        if info is not None and info.count > 0:
+            return split
+    return None
+
+
 def manifest_path(dataset_dir: Path) -> Path:
     return Path(dataset_dir) / MANIFEST_NAME
 

@@ -1,9 +1,33 @@
-"""The contract between the task-agnostic trainer and a task (classification, detection, ...).
+"""The contract between the task-agnostic stages and a task (classification, detection, ...).
 
-A task decides what a sample is (image + target), how it is augmented, the loss, and what
-an evaluation measures. The trainer only moves batches, steps the optimizer, checkpoints and
-logs. Adding a task adds a subpackage here and one line to `get_task`; the trainer is not
-touched.
+A task decides everything that depends on what is being predicted: what a sample's target is
+(an integer label, a list of boxes), how samples are batched and augmented, how the model and
+its head are built and what its output must look like, the loss, what an evaluation measures
+and which metric is primary, how the model is exported and how an export is compared with
+eager PyTorch, how raw outputs become an answer, and what the prediction log records.
+
+The stages (train, export, bench, serve, track, the CLI) only move data and call these
+methods; they find the task by the name recorded in the dataset manifest or the model card:
+
+>>> from visionloop.tasks import get_task
+>>> task = get_task(manifest.task)
+>>> model = task.build_model(spec.model.arch, manifest.classes, kwargs=spec.model.kwargs)
+>>> evaluator = task.evaluator(manifest.classes)
+>>> evaluator.reset(); evaluator.update(outputs, targets, loss_sum); evaluator.compute()
+
+Adding a task adds a subpackage `tasks/<name>/` with a `Task` subclass decorated with
+`@register_task("<name>")`; no stage is touched. Shapes to keep in mind while implementing:
+
+- targets may be a tensor (classification: (N,) int64) or anything else the task's `collate`
+  makes (detection: a list of {"boxes", "labels"} dicts); the stages only hand them back to the
+  task (`targets_to`, the loss, the evaluator, the export comparison);
+- outputs may be one tensor or several (detection: boxes, scores, labels); exported models name
+  each (`output_names`), and served outputs arrive as a name → array mapping;
+- metrics may need every prediction before computing (mAP): the evaluator streams `update`
+  calls and computes once, and its state crosses DDP ranks through `state`/`load_state`.
+
+This module imports neither torch nor numpy at run time: the inference server uses the serving
+half of the contract without either training library.
 """
 
 from __future__ import annotations
@@ -12,22 +36,31 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
-from torch.utils.data import Dataset
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
 
-from visionloop.data.manifest import DatasetManifest
-from visionloop.data.shards import ShardReader
-from visionloop.models import ModelCard
-from visionloop.specs import TrainSpec
+    from visionloop.data.manifest import DatasetManifest
+    from visionloop.data.shards import Record, ShardReader
+    from visionloop.models import ModelCard
+    from visionloop.specs import TrainSpec
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (model outputs, targets) -> scalar loss. Outputs and targets are whatever the task's model
+# returns and its collate makes.
+LossFn = Callable[[Any, Any], "torch.Tensor"]
+Arrays = Mapping[str, "npt.NDArray[Any]"]
+# One image's answer: its items (top-k classes, detected boxes), each a JSON-safe dict.
+Answer = list[dict[str, Any]]
 
 
 @dataclass
 class EvalResult:
-    """Scalar metrics (logged as `val/<name>`), a JSON-safe report, and files to attach."""
+    """Scalar metrics (logged as `val/<name>`), a JSON-safe report, and a one-line summary."""
 
     metrics: dict[str, float]
     report: dict[str, Any] = field(default_factory=dict)
@@ -35,11 +68,21 @@ class EvalResult:
 
 
 class Evaluator(ABC):
-    """Accumulates one pass over an eval split. Its state is one tensor so that DDP ranks can
-    `all_reduce` it and every rank ends with the exact whole-split result."""
+    """Accumulates one pass over an eval split, batch by batch (detectron2's reset / process /
+    evaluate): `reset()`, `update()` per batch, `compute()` once at the end.
+
+    Its state is one tensor so that DDP ranks can `all_reduce` (sum) it and every rank ends
+    with the exact whole-split result. A metric that needs all predictions (mAP) keeps them and
+    encodes them in `state` so that a sum over ranks concatenates them (e.g. zero-padded slots
+    per rank)."""
 
     @abstractmethod
-    def update(self, outputs: torch.Tensor, targets: torch.Tensor, loss_sum: float) -> None: ...
+    def reset(self) -> None:
+        """Forget everything seen (the constructor calls it)."""
+
+    @abstractmethod
+    def update(self, outputs: Any, targets: Any, loss_sum: float) -> None:
+        """One batch: the model's outputs, the collated targets, and the batch's summed loss."""
 
     @abstractmethod
     def state(self) -> torch.Tensor: ...
@@ -55,14 +98,102 @@ class Evaluator(ABC):
         return []
 
 
-class Task(ABC):
-    name: str
+@dataclass(frozen=True)
+class GateMeasurement:
+    """An exported model against eager fp32 PyTorch on the same evaluation images.
+
+    `score` and `reference_score` are the task's gate metric as a fraction (top-1 accuracy for
+    classification, mAP for detection); the gate compares them in points (x 100).
+    `agreement` is the fraction of images whose post-processed answer is the same (top-1 class,
+    matched boxes); `max_abs_diff` the largest raw-output difference."""
+
+    metric: str
+    samples: int
+    score: float
+    reference_score: float
+    agreement: float
+    max_abs_diff: float
+
+    @property
+    def drop_points(self) -> float:
+        return (self.reference_score - self.score) * 100.0
+
+
+class ExportComparison(ABC):
+    """Streams (eager outputs, exported outputs, targets) batch by batch; `result()` at the end.
+    Outputs are sequences of tensors in `Task.output_names` order."""
 
     @abstractmethod
-    def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]: ...
+    def update(
+        self, reference: Sequence[torch.Tensor], exported: Sequence[torch.Tensor], targets: Any
+    ) -> None: ...
+
+    @abstractmethod
+    def result(self) -> GateMeasurement: ...
+
+
+class OutputScorer(ABC):
+    """The gate metric over host arrays (what a benchmark's runner returns), batch by batch."""
+
+    @abstractmethod
+    def update(self, outputs: Sequence[npt.NDArray[Any]], targets: Any) -> None: ...
+
+    @abstractmethod
+    def compute(self) -> float: ...
+
+
+class Task(ABC):
+    """One task. Stateless: `get_task(name)` hands out one shared instance."""
+
+    name: ClassVar[str]
+    # The metric that decides "best" (logged as val/<primary_metric>) and its direction.
+    primary_metric: ClassVar[str]
+    primary_mode: ClassVar[Literal["max", "min"]] = "max"
+    # The names of the exported model's outputs, in the order the export wrapper returns them.
+    output_names: ClassVar[tuple[str, ...]]
+    # The image endpoint's last path segment: POST /v2/models/NAME/<image_endpoint>.
+    image_endpoint: ClassVar[str]
+
+    # ------------------------------------------------------------------ data
+    @abstractmethod
+    def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
+        """Shard records → (uint8 image, target) samples, augmented per (seed, epoch, sample)."""
 
     @abstractmethod
     def eval_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]: ...
+
+    def collate(self, samples: list[Any]) -> tuple[torch.Tensor, Any]:
+        """A list of samples → (images (N, C, H, W), targets). Default: torch's default collate,
+        right for tensor targets; a task with per-image lists of boxes overrides it."""
+        from torch.utils.data import default_collate
+
+        images, targets = default_collate(samples)
+        return images, targets
+
+    def targets_to(self, targets: Any, device: torch.device) -> Any:
+        """Move collated targets to `device` (a tensor by default)."""
+        return targets.to(device, non_blocking=True)
+
+    @abstractmethod
+    def record_targets(self, records: Sequence[Record]) -> Any:
+        """The collated targets of raw shard records (the label schema ingest wrote), for
+        evaluating an exported model on the records of an eval split."""
+
+    # ------------------------------------------------------------------ model
+    @abstractmethod
+    def build_model(
+        self,
+        arch: str,
+        class_names: Sequence[str],
+        *,
+        pretrained: Path | None = None,
+        kwargs: Mapping[str, Any],
+    ) -> nn.Module:
+        """The registered architecture `arch` with this task's head for `class_names`."""
+
+    @abstractmethod
+    def check_output(self, outputs: Any, class_names: Sequence[str]) -> str | None:
+        """What is wrong with the outputs of one image (eval mode), or None when they are right."""
 
     @abstractmethod
     def loss_fn(self, spec: TrainSpec) -> LossFn: ...
@@ -83,10 +214,35 @@ class Task(ABC):
     ) -> ModelCard:
         """What a consumer of the final weights needs: preprocessing, labels, provenance."""
 
+    # ------------------------------------------------------------------ export
+    def export_module(self, model: nn.Module) -> nn.Module:
+        """The module to export: returns a tensor or a tuple in `output_names` order. Default:
+        the model itself."""
+        return model
 
-def get_task(name: str) -> Task:
-    if name == "classification":
-        from visionloop.tasks.classification.task import ClassificationTask
+    @abstractmethod
+    def export_comparison(self) -> ExportComparison:
+        """How an export is compared with eager PyTorch (parity and gate)."""
 
-        return ClassificationTask()
-    raise ValueError(f"unknown task {name!r}; known: classification")
+    @abstractmethod
+    def output_scorer(self) -> OutputScorer:
+        """The gate metric over raw host outputs (benchmarks report it per format)."""
+
+    # ------------------------------------------------------------------ serving (numpy only)
+    @abstractmethod
+    def postprocess(self, outputs: Arrays, class_names: Sequence[str], *, top_k: int) -> list[Answer]:
+        """Raw outputs of a batch → per image, its answer items (e.g. top-k classes with scores)."""
+
+    def served_answer(self, outputs: Arrays, class_names: Sequence[str], *, top_k: int) -> dict[str, Any]:
+        """The image endpoint's JSON body for one image (outputs of a batch of one), without
+        the model name and version, which the server adds."""
+        return {"predictions": self.postprocess(outputs, class_names, top_k=top_k)[0]}
+
+    @abstractmethod
+    def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
+        """Per image of a batch: what the prediction log records about the answer."""
+
+    @abstractmethod
+    def agreement(self, a: Arrays, b: Arrays) -> np.ndarray:
+        """Per image: whether two models' raw outputs give the same answer (bool array); the
+        shadow comparison counts it."""

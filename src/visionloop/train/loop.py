@@ -23,7 +23,7 @@ from visionloop.core.errors import CheckpointError, TrainingError
 from visionloop.data.loader import make_loader
 from visionloop.data.normalize import Normalizer
 from visionloop.data.sampler import EvalBatchSampler, ResumableBatchSampler
-from visionloop.tasks.base import EvalResult
+from visionloop.tasks import EvalResult
 from visionloop.train import dist
 from visionloop.train import rng as rng_state
 from visionloop.train.checkpoint import CheckpointManager
@@ -87,7 +87,12 @@ class Loop:
         )
         pin = self.device.type == "cuda"
         self.train_loader = make_loader(
-            c.train_dataset, self.sampler, workers=self.spec.data.workers, pin_memory=pin, seed=self.spec.seed
+            c.train_dataset,
+            self.sampler,
+            workers=self.spec.data.workers,
+            pin_memory=pin,
+            seed=self.spec.seed,
+            collate_fn=c.task.collate,
         )
         self.eval_loader = None
         if c.eval_dataset is not None:
@@ -103,6 +108,7 @@ class Loop:
                 workers=self.spec.data.workers,
                 pin_memory=pin,
                 seed=self.spec.seed,
+                collate_fn=c.task.collate,
             )
         self._last_ckpt_time = time.monotonic()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run holds
@@ -311,10 +317,10 @@ class Loop:
             self._log_steps(losses, lrs, None)
         return not stop
 
-    def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _step(self, x: torch.Tensor, y: Any) -> torch.Tensor:
         c = self.c
         x = self.normalize(x.to(self.device, non_blocking=True), self.spec.model.channels_last)
-        y = y.to(self.device, non_blocking=True)
+        y = c.task.targets_to(y, self.device)
         with self.precision.autocast(self.device):
             out = c.model(x)
             loss = c.loss_fn(out, y)
@@ -379,11 +385,13 @@ class Loop:
                     continue
                 x, y = batch
                 x = self.normalize(x.to(self.device, non_blocking=True), self.spec.model.channels_last)
-                y = y.to(self.device, non_blocking=True)
+                y = self.c.task.targets_to(y, self.device)
                 with self.precision.autocast(self.device):
                     out = model(x)
                     loss = self.c.loss_fn(out, y)
-                evaluator.update(out.float(), y, float(loss) * y.shape[0])
+                # The mean loss of the batch, summed back over its images (the evaluator
+                # divides by the images of the whole split).
+                evaluator.update(_to_float(out), y, float(loss) * x.shape[0])
                 self.reporter.eval_batch()
         evaluator.load_state(dist.all_reduce_sum(evaluator.state().to(self.device), self.info).cpu())
         result = evaluator.compute()
@@ -432,3 +440,15 @@ class Loop:
         if best is None:
             return True
         return metric > best if self.spec.checkpoint.best_mode == "max" else metric < best
+
+
+def _to_float(outputs: Any) -> Any:
+    """Outputs computed under autocast, in float32 for the evaluator (a tensor, or the tensors
+    of a tuple, list or dict — a detector returns several)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.float() if outputs.is_floating_point() else outputs
+    if isinstance(outputs, dict):
+        return {k: _to_float(v) for k, v in outputs.items()}
+    if isinstance(outputs, list | tuple):
+        return type(outputs)(_to_float(v) for v in outputs)
+    return outputs

@@ -18,12 +18,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
 from visionloop.core.errors import DataError, TrainingError
-from visionloop.data.manifest import DatasetManifest, read_manifest, shard_dir_of
+from visionloop.data.manifest import DatasetManifest, eval_split, read_manifest, shard_dir_of
 from visionloop.data.shards import ShardReader
-from visionloop.models import create_model
 from visionloop.models.registry import IMAGENET_MEAN, IMAGENET_STD
 from visionloop.specs import TrainSpec
-from visionloop.tasks.base import LossFn, Task, get_task
+from visionloop.tasks import LossFn, Task, get_task
 from visionloop.train.dist import DistInfo
 from visionloop.train.rundir import RunDir
 from visionloop.train.schedule import build_optimizer, build_scheduler
@@ -82,7 +81,9 @@ def open_split(manifest: DatasetManifest, dataset_dir: Path, split: str) -> Shar
     return ShardReader(shard_dir_of(dataset_dir, info))
 
 
-def check_input_size(model: nn.Module, spec: TrainSpec, num_classes: int, device: torch.device) -> None:
+def check_input_size(
+    model: nn.Module, spec: TrainSpec, task: Task, class_names: list[str], device: torch.device
+) -> None:
     """One tiny forward before anything else: an image size the architecture cannot take
     (ViT wants exactly 224, Inception at least 75, ...) fails here with advice, not as a
     stack trace after the loaders have started. Eval mode, no grad: no RNG, no BN update."""
@@ -101,27 +102,26 @@ def check_input_size(model: nn.Module, spec: TrainSpec, num_classes: int, device
         ) from e
     finally:
         model.train()
-    if tuple(out.shape) != (1, num_classes):
-        raise TrainingError(
-            f"{spec.model.arch} returned shape {tuple(out.shape)} for one image, expected "
-            f"(1, {num_classes}); check model.kwargs."
-        )
+    problem = task.check_output(out, class_names)
+    if problem is not None:
+        raise TrainingError(f"{spec.model.arch} {problem}; check model.kwargs.")
 
 
 def build(
     spec: TrainSpec, info: DistInfo, device: torch.device, run_dir: RunDir, spec_sha256: str
 ) -> Components:
     manifest = read_manifest(spec.data.dataset)
-    task = get_task(spec.task)
+    if spec.task != manifest.task:
+        raise DataError(
+            f"the spec's task is {spec.task!r} but {spec.data.dataset} holds a {manifest.task!r} "
+            f"dataset; set task: {manifest.task} or give a {spec.task} dataset."
+        )
+    task = get_task(manifest.task)
     train_reader = open_split(manifest, spec.data.dataset, "train")
     if train_reader is None:
         raise DataError(f"{spec.data.dataset} has no training images; re-ingest with a train split.")
-    eval_split, eval_reader = None, None
-    for split in ("val", "test"):
-        eval_reader = open_split(manifest, spec.data.dataset, split)
-        if eval_reader is not None:
-            eval_split = split
-            break
+    split = eval_split(manifest)
+    eval_reader = open_split(manifest, spec.data.dataset, split) if split is not None else None
 
     if spec.data.batch_size % info.world_size:
         fitting = spec.data.batch_size // info.world_size * info.world_size or info.world_size
@@ -137,11 +137,11 @@ def build(
         )
     total_steps = spec.steps or (spec.epochs or 1) * steps_per_epoch
 
-    model = create_model(
-        spec.model.arch, manifest.num_classes, pretrained=spec.model.pretrained, **spec.model.kwargs
+    model = task.build_model(
+        spec.model.arch, manifest.classes, pretrained=spec.model.pretrained, kwargs=spec.model.kwargs
     )
     model.to(device)
-    check_input_size(model, spec, manifest.num_classes, device)
+    check_input_size(model, spec, task, manifest.classes, device)
     if spec.model.channels_last:
         model.to(memory_format=torch.channels_last)
     num_params = sum(p.numel() for p in model.parameters())
@@ -163,7 +163,7 @@ def build(
         train_reader=train_reader,
         train_dataset=task.train_dataset(train_reader, spec),
         eval_dataset=task.eval_dataset(eval_reader, spec) if eval_reader is not None else None,
-        eval_split=eval_split,
+        eval_split=split,
         model=wrapped,
         optimizer=optimizer,
         scheduler=scheduler,

@@ -1,1 +1,5 @@
-"""tasks/classification."""
+"""tasks/classification: one integer label per image. Importing it registers the task."""
+
+from visionloop.tasks.classification.task import ClassificationTask
+
+__all__ = ["ClassificationTask"]
