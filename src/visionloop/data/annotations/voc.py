@@ -317,7 +317,9 @@ def write_voc(source: DetectionSource, out_dir: Path) -> Path:
     stems: set[str] = set()
     for sample in source.samples:
         name = flat_name(sample.rel)
-        stem = Path(name).stem if Path(name).stem not in stems else name.replace(".", "_")
+        # An id is one word in ImageSets lists: no white space in it.
+        stem = "_".join(Path(name).stem.split())
+        stem = stem if stem not in stems else "_".join(name.split()).replace(".", "_")
         stems.add(stem)
         place_image(sample.image, out_dir / "JPEGImages" / name)
         header = read_header(sample.image)

@@ -179,7 +179,9 @@ class _Reader:
         where = Where(self.yaml_path.name, annotation=f"{key}: {short(entry)}")
         target = self.root.resolve(entry)
         if isinstance(target, Refusal) and entry.replace("\\", "/").startswith("../"):
-            target = self.root.resolve(entry.replace("\\", "/")[3:])
+            retried = self.root.resolve(entry.replace("\\", "/")[3:])
+            if isinstance(retried, Path) and retried.exists():
+                target = retried
         if isinstance(target, Refusal):
             self.issues.add(target.reason, where, target.message)
             return []
