@@ -8,6 +8,14 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.io import ImageReadMode, decode_image
+
+
+def decode_rgb(data: bytes) -> torch.Tensor:
+    """A shard record's encoded image (PNG/JPEG bytes, as ingest wrote it) → uint8 (3, H, W)."""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out: torch.Tensor = decode_image(buf, mode=ImageReadMode.RGB)
+    return out
 
 
 def _worker_init(_: int) -> None:

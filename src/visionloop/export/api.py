@@ -8,7 +8,7 @@ import hashlib
 import json
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from visionloop.registry.api import passing_export
 from visionloop.registry.files import model_lock
 from visionloop.registry.history import now_iso
 from visionloop.registry.layout import EXPORT_REPORT_FILE, FAILED_EXPORT_REPORT_FILE, ONNX_FILE, export_dir
+from visionloop.tasks import GateMeasurement
 
 CARD_METADATA_KEY = "visionloop.model_card"
 DEFAULT_CALIBRATION_SIZE = 256
@@ -76,7 +77,8 @@ def export_model(
     ds = open_model_dataset(info, dataset)
     split, reader = ds.eval_split()
     positions = list(range(len(reader) if max_samples is None else min(max_samples, len(reader))))
-    model = card.create_model(info.weights).eval()
+    task = ds.task
+    model = task.export_module(card.create_model(info.weights)).eval()
     parity = DEFAULT_PARITY[precision]
     diff_limit = max_abs_diff if max_abs_diff is not None else parity.max_abs_diff
     agree_limit = min_top1_agreement if min_top1_agreement is not None else parity.min_top1_agreement
@@ -84,7 +86,9 @@ def export_model(
 
     with tempfile.TemporaryDirectory(prefix="visionloop-export-") as tmp:
         work = Path(tmp)
-        convert.export_fp32(model, card.input_size, work / "fp32.onnx", exporter=exporter)
+        convert.export_fp32(
+            model, card.input_size, work / "fp32.onnx", exporter=exporter, output_names=task.output_names
+        )
         built = work / "fp32.onnx"
         calibration_source: str | None = None
         n_calibration: int | None = None
@@ -100,11 +104,12 @@ def export_model(
             n_calibration = len(calibration_images)
             built = work / "int8.onnx"
             convert.to_int8(work / "fp32.onnx", built, calibration_images, work)
-        data = convert.set_metadata(built, _metadata(info, precision), doc=f"{info.ref} ({precision})")
+        metadata = _metadata(info, precision, task.output_names)
+        data = convert.set_metadata(built, metadata, doc=f"{info.ref} ({precision})")
 
     m = _measure(model, data, ds, reader, positions)
     parity_ok = m.agreement >= agree_limit and (diff_limit is None or m.max_abs_diff <= diff_limit)
-    drop = (m.reference_accuracy - m.accuracy) * 100.0
+    drop = m.drop_points
     gate_ok = drop <= threshold_points
     report = ExportReport(
         model=info.ref,
@@ -121,8 +126,8 @@ def export_model(
         max_abs_diff_threshold=diff_limit,
         top1_agreement_threshold=agree_limit,
         parity_passed=parity_ok,
-        accuracy=m.accuracy,
-        reference_accuracy=m.reference_accuracy,
+        accuracy=m.score,
+        reference_accuracy=m.reference_score,
         drop_points=drop,
         threshold_points=threshold_points,
         gate_passed=gate_ok,
@@ -157,63 +162,37 @@ def export_model(
     return report
 
 
-def _metadata(info: ModelVersionInfo, precision: str) -> dict[str, str]:
+def _metadata(info: ModelVersionInfo, precision: str, output_names: Sequence[str]) -> dict[str, str]:
     card = info.card()
     return {
         CARD_METADATA_KEY: card.model_dump_json(),
         "visionloop.model": info.ref,
         "visionloop.precision": precision,
         "visionloop.input": convert.INPUT_NAME,
-        "visionloop.output": convert.OUTPUT_NAME,
+        "visionloop.output": ",".join(output_names),
         "visionloop.class_names": json.dumps(card.class_names),
         "visionloop.weights_sha256": info.tags.get("visionloop.weights_sha256", ""),
     }
 
 
-class _Measured:
-    def __init__(self) -> None:
-        self.samples = 0
-        self.correct = 0
-        self.reference_correct = 0
-        self.agree = 0
-        self.max_abs_diff = 0.0
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / max(self.samples, 1)
-
-    @property
-    def reference_accuracy(self) -> float:
-        return self.reference_correct / max(self.samples, 1)
-
-    @property
-    def agreement(self) -> float:
-        return self.agree / max(self.samples, 1)
-
-
 def _measure(
     model: torch.nn.Module, onnx_bytes: bytes, ds: ModelDataset, reader: ShardReader, positions: list[int]
-) -> _Measured:
+) -> GateMeasurement:
     """Run the same validation batches through eager PyTorch (fp32, the reference) and the
-    exported model in ONNX Runtime."""
+    exported model in ONNX Runtime; the task compares them."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(onnx_bytes, providers=["CPUExecutionProvider"])
-    m = _Measured()
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = ds.batches(reader, positions)
+    task = ds.task
+    comparison = task.export_comparison()
+    names = list(task.output_names)
     with torch.no_grad():
-        for images, labels in batches:
+        for images, targets in ds.batches(reader, positions):
             reference = model(images)
-            got = torch.from_numpy(
-                session.run([convert.OUTPUT_NAME], {convert.INPUT_NAME: images.numpy()})[0]
-            )
-            got = got.float()
-            ref_top1, got_top1 = reference.argmax(1), got.argmax(1)
-            m.samples += len(labels)
-            m.correct += int((got_top1 == labels).sum())
-            m.reference_correct += int((ref_top1 == labels).sum())
-            m.agree += int((got_top1 == ref_top1).sum())
-            m.max_abs_diff = max(m.max_abs_diff, float((got - reference).abs().max()))
+            reference = list(reference) if isinstance(reference, tuple | list) else [reference]
+            got = session.run(names, {convert.INPUT_NAME: images.numpy()})
+            comparison.update(reference, [torch.from_numpy(g) for g in got], targets)
+    m = comparison.result()
     if m.samples == 0:
         raise ExportError(f"{ds.path}: the validation split is empty; nothing to check the export on.")
     return m

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,16 +24,24 @@ from visionloop.export.report import ExportError
 log = logging.getLogger(__name__)
 
 INPUT_NAME = "input"
+# What a bare `export_fp32` call names its one output; `export_model` names the outputs after
+# the task (`Task.output_names`).
 OUTPUT_NAME = "logits"
 OPSET = 17
 Exporter = Literal["torchscript", "dynamo"]
 
 
 def export_fp32(
-    model: nn.Module, input_size: tuple[int, int, int], out: Path, *, exporter: Exporter = "torchscript"
+    model: nn.Module,
+    input_size: tuple[int, int, int],
+    out: Path,
+    *,
+    exporter: Exporter = "torchscript",
+    output_names: Sequence[str] = (OUTPUT_NAME,),
 ) -> None:
-    """Write `model` (eval mode) as ONNX with input `input` (N, C, H, W) and output `logits`
-    (N, classes), N dynamic."""
+    """Write `model` (eval mode) as ONNX with input `input` (N, C, H, W) and one output per
+    name in `output_names` (what the model returns, in order), N dynamic on each."""
+    names = list(output_names)
     model.eval()
     # A batch of 2, not 1: a tracer must not be able to treat the batch size as a constant.
     example = torch.zeros(2, *input_size)
@@ -48,7 +56,7 @@ def export_fp32(
                     None,
                     dynamo=True,
                     input_names=[INPUT_NAME],
-                    output_names=[OUTPUT_NAME],
+                    output_names=names,
                     dynamic_shapes=({0: batch},),
                     opset_version=max(OPSET, 18),
                 )
@@ -62,8 +70,8 @@ def export_fp32(
                     str(out),
                     dynamo=False,
                     input_names=[INPUT_NAME],
-                    output_names=[OUTPUT_NAME],
-                    dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+                    output_names=names,
+                    dynamic_axes={INPUT_NAME: {0: "batch"}, **{n: {0: "batch"} for n in names}},
                     opset_version=OPSET,
                     do_constant_folding=True,
                 )

@@ -11,15 +11,17 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from visionloop.core.errors import DataError
-from visionloop.data.manifest import DatasetManifest, read_manifest, shard_dir_of
+from visionloop.data.loader import decode_rgb
+from visionloop.data.manifest import DatasetManifest, eval_split, read_manifest, shard_dir_of
 from visionloop.data.shards import ShardReader
 from visionloop.models.card import ModelCard
 from visionloop.registry import ModelVersionInfo
-from visionloop.tasks.classification.transforms import decode_rgb
+from visionloop.tasks import Task, get_task
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,15 @@ class ModelDataset:
             return None
         return ShardReader(shard_dir_of(self.path, info))
 
+    @property
+    def task(self) -> Task:
+        return get_task(self.card.task)
+
     def eval_split(self) -> tuple[str, ShardReader]:
-        for split in ("val", "test"):
-            reader = self.reader(split)
-            if reader is not None:
-                return split, reader
+        split = eval_split(self.manifest)
+        reader = self.reader(split) if split is not None else None
+        if split is not None and reader is not None:
+            return split, reader
         raise DataError(
             f"{self.path} has no val or test images to check an export on. Re-ingest it with a "
             "validation split (`visionloop data ingest SOURCE --out DIR --val-fraction 0.1`)."
@@ -46,14 +52,14 @@ class ModelDataset:
 
     def batches(
         self, reader: ShardReader, positions: list[int], batch_size: int = 64
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(images (B, C, H, W) float32 preprocessed, labels (B,)) in `positions` order."""
+    ) -> Iterator[tuple[torch.Tensor, Any]]:
+        """(images (B, C, H, W) float32 preprocessed, the task's targets) in `positions` order."""
         transform = self.card.eval_preprocess().to_transform()
+        task = self.task
         for start in range(0, len(positions), batch_size):
             records = reader.read_many(positions[start : start + batch_size])
             images = torch.stack([transform(decode_rgb(r["image"])) for r in records])
-            labels = torch.tensor([r["label"] for r in records], dtype=torch.int64)
-            yield images, labels
+            yield images, task.record_targets(records)
 
     def calibration_images(self, count: int, seed: int = 0) -> torch.Tensor:
         """`count` training images (a seeded random sample), preprocessed for the model."""
@@ -81,6 +87,8 @@ def open_model_dataset(info: ModelVersionInfo, dataset: Path | None = None) -> M
             f"{card.dataset_version[:12]}: its validation images would not measure the same thing. "
             "Pass the original dataset with --dataset DIR."
         )
+    if manifest.task != card.task:
+        raise DataError(f"{path} is a {manifest.task} dataset, {info.ref} a {card.task} model.")
     if list(manifest.classes) != list(card.class_names):
         raise DataError(f"{path} has classes {manifest.classes}, the model {card.class_names}.")
     return ModelDataset(path=path, manifest=manifest, card=card)

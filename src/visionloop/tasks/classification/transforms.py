@@ -18,17 +18,12 @@ import random
 from dataclasses import dataclass
 
 import torch
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
+from visionloop.data.loader import decode_rgb
 from visionloop.specs import AugmentSpec
 
-
-def decode_rgb(data: bytes) -> torch.Tensor:
-    """Encoded PNG/JPEG bytes → uint8 tensor (3, H, W)."""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out: torch.Tensor = decode_image(buf, mode=ImageReadMode.RGB)
-    return out
+__all__ = ["EvalTransform", "TrainTransform", "decode_rgb", "random_resized_crop_params", "sample_seed"]
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
