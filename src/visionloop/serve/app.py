@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -295,25 +294,9 @@ def _routes(app: FastAPI, server: Server) -> None:
             )
         req = InferRequest(None, {spec.name: x}, 1, [])
         result = await server.run(sv, req, shadow)
-        scores = result.outputs[sv.model.outputs[0].name].reshape(-1).astype(np.float64)
-        probs = np.exp(scores - scores.max())
-        probs /= probs.sum()
-        order = np.argsort(-probs, kind="stable")[:top_k]
+        answer = sv.task.served_answer(result.outputs, sv.labels, top_k=top_k)
         server.count(sv, "classify", started)
-        return _json(
-            {
-                "model_name": sv.name,
-                "model_version": str(sv.version),
-                "predictions": [
-                    {
-                        "label": sv.labels[i] if i < len(sv.labels) else str(i),
-                        "index": int(i),
-                        "score": float(probs[i]),
-                    }
-                    for i in order
-                ],
-            }
-        )
+        return _json({"model_name": sv.name, "model_version": str(sv.version), **answer})
 
     @app.post("/v2/models/{name}/classify", tags=["inference"], openapi_extra=openapi.CLASSIFY)
     async def classify_model(request: Request, name: str) -> Response:

@@ -23,9 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from visionloop.registry.layout import parse_ref
 from visionloop.serve.batcher import Arrays, Batcher, Job
 from visionloop.serve.config import ServeConfig
@@ -33,21 +30,12 @@ from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import PredictionLog
 from visionloop.serve.runtime import OnnxModel
 from visionloop.serve.source import ModelSource, ResolvedVersion
+from visionloop.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
 
 # A version that failed to load is retried this often, not at every poll.
 _RETRY_FAILED_S = 30.0
-
-
-def top1(scores: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-    """Per row: the top class and its softmax probability (the models output logits)."""
-    flat = scores.reshape(scores.shape[0], -1).astype(np.float32, copy=False)
-    idx = flat.argmax(axis=1)
-    shifted = flat - flat.max(axis=1, keepdims=True)
-    exp = np.exp(shifted)
-    conf = exp[np.arange(len(idx)), idx] / exp.sum(axis=1)
-    return idx, conf.astype(np.float32)
 
 
 @dataclass(eq=False)
@@ -69,6 +57,11 @@ class ServedVersion:
     @property
     def labels(self) -> list[str]:
         return self.resolved.card.class_names
+
+    @property
+    def task(self) -> Task:
+        """The task of the model card: what an answer is, and what the prediction log records."""
+        return get_task(self.resolved.card.task)
 
     def transform(self) -> Callable[[Any], Any]:
         if self._transform is None:
@@ -218,8 +211,8 @@ class Repository:
             m.queue.labels(*labels),
         )
         depth = m.queue_depth.labels(*labels)
-        first_output = sv.model.outputs[0].name
         class_names = sv.labels
+        task = sv.task
 
         def observe(jobs: list[Job], outputs: Arrays, rows: int, compute_s: float) -> None:
             batch_size.observe(rows)
@@ -229,21 +222,19 @@ class Repository:
                 queue.observe(j.queue_s)
             if self.predlog is None:
                 return
-            idx, conf = top1(outputs[first_output])
+            fields = task.log_fields(outputs, class_names)
             now = time.time()
             row = 0
             for j in jobs:
                 latency_ms = round((j.queue_s + compute_s) * 1000.0, 3)
                 for r in range(row, row + j.rows):
-                    k = int(idx[r])
                     self.predlog.put(
                         {
                             "time": now,
                             "model": sv.name,
                             "version": sv.version,
                             "latency_ms": latency_ms,
-                            "top_class": class_names[k] if k < len(class_names) else k,
-                            "confidence": round(float(conf[r]), 6),
+                            **fields[r],
                             "role": "primary" if "primary" in sv.roles else "challenger",
                         }
                     )

@@ -24,7 +24,7 @@ from visionloop.serve.images import image_bytes, needed_side, preprocess
 from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import PredictionLog
 from visionloop.serve.protocol import InferRequest, ProtocolError
-from visionloop.serve.repository import Repository, ServedModel, ServedVersion, UnknownModelError, top1
+from visionloop.serve.repository import Repository, ServedModel, ServedVersion, UnknownModelError
 from visionloop.serve.source import ModelSource
 
 T = TypeVar("T")
@@ -225,29 +225,27 @@ class Server:
         if name not in s.outputs:
             self.metrics.shadow_dropped.labels(primary.name).inc()
             return
-        a, _ = top1(p.outputs[name])
-        b, conf = top1(s.outputs[name])
-        agree = int((a == b).sum())
+        task = shadow.task
+        agrees = task.agreement(p.outputs, s.outputs)
+        agree = int(agrees.sum())
         counter = self.metrics.shadow
         pv, sv = str(primary.version), str(shadow.version)
         if agree:
             counter.labels(primary.name, pv, sv, "true").inc(agree)
-        if len(a) - agree:
-            counter.labels(primary.name, pv, sv, "false").inc(len(a) - agree)
+        if len(agrees) - agree:
+            counter.labels(primary.name, pv, sv, "false").inc(len(agrees) - agree)
         if self.predlog is not None:
-            for r in range(len(b)):
-                k = int(b[r])
-                labels = shadow.labels
+            fields = task.log_fields(s.outputs, shadow.labels)
+            for r in range(len(agrees)):
                 self.predlog.put(
                     {
                         "time": time.time(),
                         "model": shadow.name,
                         "version": shadow.version,
                         "latency_ms": round((s.queue_s + s.compute_s) * 1000.0, 3),
-                        "top_class": labels[k] if k < len(labels) else k,
-                        "confidence": round(float(conf[r]), 6),
+                        **fields[r],
                         "role": "shadow",
-                        "agrees": bool(a[r] == b[r]),
+                        "agrees": bool(agrees[r]),
                     }
                 )
 
