@@ -28,8 +28,11 @@ _SPEC_FILES = ("spec.resolved.yaml", "spec.yaml")
 @dataclass(frozen=True)
 class EvalSet:
     images: np.ndarray  # float32 (N, C, H, W), preprocessed and normalised
-    labels: np.ndarray  # int64 (N,)
+    # The task's targets for the N images, sliceable like them: int64 (N,) labels for
+    # classification; a list of per-image targets for a task whose targets are not one array.
+    labels: Any
     source: str  # e.g. "/data/digits-ds [val] 360 of 360 images"
+    task: str = "classification"
 
 
 def dataset_from_spec(model_dir: Path) -> Path | None:
@@ -64,7 +67,7 @@ def load_eval_set(card: ModelCard, dataset_dir: Path, *, max_images: int | None)
     and the accuracy an export was gated on are measured the same way."""
     import torch
 
-    from visionloop.data.manifest import read_manifest
+    from visionloop.data.manifest import eval_split, read_manifest
     from visionloop.export import ModelDataset
 
     manifest = read_manifest(dataset_dir)
@@ -80,22 +83,21 @@ def load_eval_set(card: ModelCard, dataset_dir: Path, *, max_images: int | None)
             "give the dataset the model was trained on with --dataset DIR, or run with --no-accuracy."
         )
     data = ModelDataset(path=dataset_dir, manifest=manifest, card=card)
-    for split in ("val", "test"):
-        reader = data.reader(split)
-        if reader is not None:
-            break
-    else:
+    split = eval_split(manifest)
+    reader = data.reader(split) if split is not None else None
+    if reader is None:
         raise BenchError(
             f"{dataset_dir} has no val or test images to measure accuracy on; re-ingest it with "
             "--val-fraction 0.1, or run with --no-accuracy."
         )
     positions = spread_positions(len(reader), max_images)
-    batches = list(data.batches(reader, positions))
-    images = torch.cat([x for x, _ in batches]).numpy().astype(np.float32, copy=False)
+    # One batch of them all: the task collates the targets of the whole set at once.
+    images, targets = next(data.batches(reader, positions, batch_size=max(len(positions), 1)))
     return EvalSet(
-        images=np.ascontiguousarray(images),
-        labels=torch.cat([y for _, y in batches]).numpy().astype(np.int64, copy=False),
+        images=np.ascontiguousarray(images.numpy().astype(np.float32, copy=False)),
+        labels=targets.numpy() if isinstance(targets, torch.Tensor) else targets,
         source=f"{dataset_dir} [{split}] {len(positions)} of {len(reader)} images",
+        task=card.task,
     )
 
 
@@ -106,10 +108,14 @@ def synthetic_inputs(card: ModelCard, count: int = 32, seed: int = 0) -> np.ndar
     return rng.standard_normal((count, *card.input_size), dtype=np.float32)
 
 
-def top1_accuracy(predict: Any, evalset: EvalSet, batch_size: int = 64) -> float:
-    """Top-1 accuracy of `predict` (float32 batch → logits) over the evaluation images."""
-    correct = 0
-    for start in range(0, len(evalset.labels), batch_size):
-        logits = predict(evalset.images[start : start + batch_size])
-        correct += int((np.argmax(logits, axis=1) == evalset.labels[start : start + batch_size]).sum())
-    return correct / len(evalset.labels)
+def score(predict: Any, evalset: EvalSet, batch_size: int = 64) -> float:
+    """The task's gate metric (top-1 accuracy for classification) of `predict` (float32 batch
+    → its raw output, or a sequence of outputs) over the evaluation images."""
+    from visionloop.tasks import get_task
+
+    scorer = get_task(evalset.task).output_scorer()
+    for start in range(0, len(evalset.images), batch_size):
+        out = predict(evalset.images[start : start + batch_size])
+        outputs = [out] if isinstance(out, np.ndarray) else list(out)
+        scorer.update(outputs, evalset.labels[start : start + batch_size])
+    return scorer.compute()

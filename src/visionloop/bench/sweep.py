@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visionloop.bench.evalset import EvalSet, load_eval_set, synthetic_inputs, top1_accuracy
+from visionloop.bench.evalset import EvalSet, load_eval_set, score, synthetic_inputs
 from visionloop.bench.result import (
     BatchPoint,
     BenchResult,
@@ -167,8 +167,8 @@ def bench_config(
     row.provider, row.memory_kind = runner.provider, runner.meter.kind  # type: ignore[assignment]
     try:
         if evalset is not None:
-            row.accuracy = top1_accuracy(runner.predict, evalset)
-            row.eval_images = len(evalset.labels)
+            row.accuracy = score(runner.predict, evalset)
+            row.eval_images = len(evalset.images)
         for batch_size in settings.batch_sizes:
             if progress:
                 progress(f"{row.label}: batch {batch_size}")
