@@ -26,7 +26,7 @@ def test_export_then_show_and_a_refused_export(onnx_model: ModelKit, tmp_path: P
     assert "max |logit diff|" in r.stderr and "accuracy" in r.stderr and "Traceback" not in r.stderr
 
     exports = kit.info().exports()
-    assert {k: v["passed"] for k, v in exports.items()} == {
+    assert {k: v.passed for k, v in exports.items()} == {
         "onnx-fp16": False,
         "onnx-fp32": True,
         "onnx-int8": True,

@@ -8,7 +8,6 @@ registry expects (exports/onnx-<precision>/model.onnx + export.json).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from visionloop.bench import (
     write_result,
 )
 from visionloop.bench.evalset import load_eval_set
+from visionloop.registry.export_record import ExportReport
 from visionloop.registry.layout import ONNX_FILE, export_dir
 
 BATCHES = (1, 4)
@@ -54,10 +54,35 @@ def export_onnx(version_dir: Path, precision: str = "fp32", *, passed: bool = Tr
         dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
         dynamo=False,
     )
-    report = {"format": "onnx", "precision": precision, "passed": passed, "size_bytes": path.stat().st_size}
-    if not passed:
-        report.update(drop_points=5.0, threshold_points=1.0)
-    (out / "export.json").write_text(json.dumps(report))
+    drop = 0.0 if passed else 5.0
+    report = ExportReport(
+        model=f"{version_dir.name}/1",
+        format="onnx",
+        precision=precision,  # type: ignore[arg-type]
+        path=str(path),
+        sha256=None,
+        size_bytes=path.stat().st_size,
+        opset=17,
+        exporter="torchscript",
+        samples=1,
+        max_abs_diff=0.0,
+        top1_agreement=1.0,
+        max_abs_diff_threshold=None,
+        top1_agreement_threshold=0.9,
+        parity_passed=True,
+        accuracy=1.0 - drop / 100,
+        reference_accuracy=1.0,
+        drop_points=drop,
+        threshold_points=1.0,
+        gate_passed=passed,
+        dataset_path="",
+        dataset_version=None,
+        split="val",
+        passed=passed,
+        created_at="2026-01-01T00:00:00+00:00",
+        duration_s=0.0,
+    )
+    (out / "export.json").write_text(report.model_dump_json())
     return path
 
 

@@ -18,7 +18,14 @@ import torch
 from _modelkit import ModelKit, onnx_model, registered_model  # noqa: F401  (session fixtures)
 from _trainkit import cli
 from visionloop.core.errors import DataError
-from visionloop.export import CARD_METADATA_KEY, ExportError, ExportGateError, convert, export_model
+from visionloop.export import (
+    CARD_METADATA_KEY,
+    ExportError,
+    ExportGateError,
+    ExportReport,
+    convert,
+    export_model,
+)
 from visionloop.export.data import open_model_dataset
 from visionloop.models import registry as archs
 from visionloop.models.card import ModelCard
@@ -127,8 +134,8 @@ def test_fp16_and_int8_of_the_trained_model_pass_the_gate(onnx_model: ModelKit, 
     assert tags["visionloop.export.onnx-int8.passed"] == "true"
     # `models show` names both: the kept export that passed, and the refusal beside it.
     info = kit.info()
-    assert info.exports()["onnx-int8"]["sha256"] == int8.sha256
-    assert info.exports(refused_reexports=True) == {"onnx-int8": refused}
+    assert info.exports()["onnx-int8"].sha256 == int8.sha256
+    assert info.exports(refused_reexports=True) == {"onnx-int8": ExportReport.model_validate(refused)}
     r = cli("models", "show", kit.ref, env=kit.env())
     assert r.returncode == 0, r.stderr
     (kept_row,) = [

@@ -8,7 +8,6 @@ reason it cannot be benchmarked, which the sweep turns into a "skipped" row.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from visionloop.bench.evalset import dataset_from_spec
 from visionloop.bench.result import PRECISIONS, BenchError
+from visionloop.registry.export_record import ExportReport, read_export_report
 from visionloop.registry.layout import CARD_FILE, EXPORT_REPORT_FILE, ONNX_FILE, WEIGHTS_FILE, export_dir
 
 if TYPE_CHECKING:
@@ -34,26 +34,14 @@ class BenchTarget:
     version: int | None = None
 
 
-def _reason(report: Any, precision: str, hint: str) -> str | None:
+def _reason(report: ExportReport | None, precision: str, hint: str) -> str | None:
     """Why an export that exists may not be benchmarked, from its export.json (None: usable)."""
-    if not isinstance(report, dict):
+    if report is None:
         return f"onnx {precision} export has no readable {EXPORT_REPORT_FILE}; re-export it (`{hint}`)"
-    if report.get("passed") is True:
+    if report.passed:
         return None
-    drop, limit = report.get("drop_points"), report.get("threshold_points")
-    detail = (
-        f" (accuracy drop {drop:.2f} points > {limit:.2f})"
-        if isinstance(drop, int | float) and isinstance(limit, int | float)
-        else ""
-    )
+    detail = f" (accuracy drop {report.drop_points:.2f} points > {report.threshold_points:.2f})"
     return f"onnx {precision} export failed its accuracy gate{detail}"
-
-
-def _read_report(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def onnx_exports(model_dir: Path, export_hint: str) -> dict[str, Path | str]:
@@ -66,7 +54,7 @@ def onnx_exports(model_dir: Path, export_hint: str) -> dict[str, Path | str]:
         if not model.is_file():
             found[precision] = f"no onnx {precision} export; make one with `{hint}`"
             continue
-        reason = _reason(_read_report(folder / EXPORT_REPORT_FILE), precision, hint)
+        reason = _reason(read_export_report(folder / EXPORT_REPORT_FILE), precision, hint)
         found[precision] = model if reason is None else reason
     return found
 

@@ -112,8 +112,8 @@ def show_cmd(
                 **_version_json(info),
                 "card": card.model_dump(mode="json"),
                 "lineage": lineage,
-                "exports": exports,
-                "refused_reexports": refused,
+                "exports": {k: r.model_dump(mode="json") for k, r in exports.items()},
+                "refused_reexports": {k: r.model_dump(mode="json") for k, r in refused.items()},
                 "versions": [_version_json(v) for v in versions],
                 "alias_history": [e.model_dump() for e in events],
             }
@@ -163,20 +163,18 @@ def show_cmd(
             title="exports",
         )
         # A refused re-export sits beside the earlier export that passed and is still served.
-        rows = [(key, r, "[green]yes[/]" if r.get("passed") else "[red]no[/]") for key, r in exports.items()]
-        rows += [
-            (key, r, f"[red]re-export refused[/] {r.get('created_at', '')}") for key, r in refused.items()
-        ]
+        rows = [(key, r, "[green]yes[/]" if r.passed else "[red]no[/]") for key, r in exports.items()]
+        rows += [(key, r, f"[red]re-export refused[/] {r.created_at}") for key, r in refused.items()]
         for key, r, passed in rows:
             table.add_row(
                 key,
                 passed,
-                _pct(r.get("accuracy")),
-                _pct(r.get("reference_accuracy")),
-                _num(r.get("drop_points"), ".2f"),
-                _num(r.get("max_abs_diff"), ".3g"),
-                _pct(r.get("top1_agreement")),
-                _size(r.get("size_bytes")),
+                _pct(r.accuracy),
+                _pct(r.reference_accuracy),
+                _num(r.drop_points, ".2f"),
+                _num(r.max_abs_diff, ".3g"),
+                _pct(r.top1_agreement),
+                _size(r.size_bytes),
             )
         print_wide(table)
     else:

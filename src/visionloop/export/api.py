@@ -29,6 +29,7 @@ from visionloop.export.report import (
 )
 from visionloop.registry import ModelRef, ModelVersionInfo, get_version, record_export
 from visionloop.registry.api import passing_export
+from visionloop.registry.export_record import write_export_report_text
 from visionloop.registry.files import model_lock
 from visionloop.registry.history import now_iso
 from visionloop.registry.layout import EXPORT_REPORT_FILE, FAILED_EXPORT_REPORT_FILE, ONNX_FILE, export_dir
@@ -214,7 +215,7 @@ def _store(out_dir: Path, data: bytes, report: ExportReport) -> bool:
     stays, and the refusal goes to FAILED_EXPORT_REPORT_FILE beside it. Returns whether an
     earlier passing export was kept that way."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = report.model_dump_json(indent=2) + "\n"
+    text = write_export_report_text(report)
     with model_lock(out_dir):
         if not report.passed and passing_export(out_dir) is not None:
             atomic_write_text(out_dir / FAILED_EXPORT_REPORT_FILE, text)

@@ -6,14 +6,22 @@ not: a failed export is explained, never served (`ModelVersionInfo.export_path` 
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from visionloop.core.errors import VisionloopError
+from visionloop.registry.export_record import ExportReport, Format, Precision
 
-Precision = Literal["fp32", "fp16", "int8"]
-Format = Literal["onnx"]
+__all__ = [
+    "DEFAULT_PARITY",
+    "PRECISIONS",
+    "ExportError",
+    "ExportGateError",
+    "ExportReport",
+    "Format",
+    "ParityThresholds",
+    "Precision",
+]
+
 PRECISIONS: tuple[Precision, ...] = ("fp32", "fp16", "int8")
 
 
@@ -36,51 +44,6 @@ DEFAULT_PARITY: dict[str, ParityThresholds] = {
     "fp16": ParityThresholds(max_abs_diff=0.1, min_top1_agreement=0.98),
     "int8": ParityThresholds(max_abs_diff=None, min_top1_agreement=0.90),
 }
-
-
-class ExportReport(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="NAME/VERSION")
-    format: Format
-    precision: Precision
-    path: str
-    sha256: str | None
-    size_bytes: int | None
-    opset: int
-    exporter: str
-    # parity with eager PyTorch (fp32) on the validation images
-    samples: int
-    max_abs_diff: float
-    top1_agreement: float
-    max_abs_diff_threshold: float | None
-    top1_agreement_threshold: float
-    parity_passed: bool
-    # accuracy gate
-    accuracy: float
-    reference_accuracy: float
-    drop_points: float = Field(description="(reference - exported accuracy) x 100")
-    threshold_points: float
-    gate_passed: bool
-    # int8 only
-    calibration_images: int | None = None
-    calibration_source: str | None = None
-    dataset_path: str
-    dataset_version: str | None
-    split: str
-    passed: bool
-    reason: str | None = None
-    created_at: str
-    duration_s: float
-
-    def summary(self) -> str:
-        verdict = "passed" if self.passed else "FAILED"
-        return (
-            f"{self.model} {self.format}-{self.precision} {verdict}: accuracy {self.accuracy:.2%} vs "
-            f"{self.reference_accuracy:.2%} fp32 PyTorch (drop {self.drop_points:.2f} points, allowed "
-            f"{self.threshold_points:g}); max |logit diff| {self.max_abs_diff:.3g}, top-1 agreement "
-            f"{self.top1_agreement:.2%} on {self.samples} {self.split} images"
-        )
 
 
 class ExportError(VisionloopError):

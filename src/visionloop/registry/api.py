@@ -22,6 +22,7 @@ from visionloop.core.settings import Settings, load_settings
 from visionloop.models.card import ModelCard
 from visionloop.registry import files, history, runsource
 from visionloop.registry import store as rstore
+from visionloop.registry.export_record import ExportReport, read_export_report
 from visionloop.registry.layout import (
     ALIAS_HISTORY_FILE,
     CARD_FILE,
@@ -85,12 +86,12 @@ class ModelVersionInfo:
 
     def export_report(
         self, fmt: str = "onnx", precision: str = "fp32", *, refused_reexport: bool = False
-    ) -> dict[str, Any] | None:
+    ) -> ExportReport | None:
         """The export's report (export.json) as written, passed or failed; None if never exported.
         With `refused_reexport`, the report of the latest re-export that the gate refused while an
         earlier passing export was kept (export.failed.json); None if there is none."""
         name = FAILED_EXPORT_REPORT_FILE if refused_reexport else EXPORT_REPORT_FILE
-        return _read_report(export_dir(self.dir, fmt, precision) / name)
+        return read_export_report(export_dir(self.dir, fmt, precision) / name)
 
     def export_path(self, fmt: str = "onnx", precision: str = "fp32") -> Path | None:
         """The exported model file if the export exists and passed its gate; else None.
@@ -99,11 +100,11 @@ class ModelVersionInfo:
         """
         return passing_export(export_dir(self.dir, fmt, precision))
 
-    def exports(self, *, refused_reexports: bool = False) -> dict[str, dict[str, Any]]:
+    def exports(self, *, refused_reexports: bool = False) -> dict[str, ExportReport]:
         """`<format>-<precision>` → report, for every export attempted on this version; with
         `refused_reexports`, the refused re-exports beside a kept export instead."""
         root = self.dir / "exports"
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, ExportReport] = {}
         if root.is_dir():
             for sub in sorted(root.iterdir()):
                 fmt, _, precision = sub.name.partition("-")
@@ -113,19 +114,11 @@ class ModelVersionInfo:
         return out
 
 
-def _read_report(path: Path) -> dict[str, Any] | None:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
 def passing_export(folder: Path) -> Path | None:
     """The model file of the export in `folder` if its report says it passed its gate and the
     file is the one the gate measured; else None."""
-    report = _read_report(folder / EXPORT_REPORT_FILE)
-    if report is None or report.get("passed") is not True:
+    report = read_export_report(folder / EXPORT_REPORT_FILE)
+    if report is None or not report.passed:
         return None
     model = folder / ONNX_FILE
     try:
@@ -133,7 +126,7 @@ def passing_export(folder: Path) -> Path | None:
     except OSError:
         return None
     # A truncated or replaced file is not the one the gate passed.
-    return model if report.get("size_bytes") == size else None
+    return model if report.size_bytes == size else None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,76 @@
+"""The export record: the one typed report that export writes (`exports/<format>-<precision>/
+export.json`) and the registry, bench, serve and the CLI read.
+
+It lives here, below `export/` in the package order, because the registry decides from it
+whether an export may be served (`passing_export`); `visionloop.export` re-exports it.
+A file that is missing, unreadable or not a valid record reads as None: never served.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Precision = Literal["fp32", "fp16", "int8"]
+Format = Literal["onnx"]
+
+
+class ExportReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="NAME/VERSION")
+    format: Format
+    precision: Precision
+    path: str
+    sha256: str | None
+    size_bytes: int | None
+    opset: int
+    exporter: str
+    # parity with eager PyTorch (fp32) on the evaluation images; `top1_agreement` is the task's
+    # agreement (`GateMeasurement.agreement`): the same top-1 class, for classification
+    samples: int
+    max_abs_diff: float
+    top1_agreement: float
+    max_abs_diff_threshold: float | None
+    top1_agreement_threshold: float
+    parity_passed: bool
+    # the gate, on the task's gate metric (`GateMeasurement`): top-1 accuracy for classification
+    accuracy: float
+    reference_accuracy: float
+    drop_points: float = Field(description="(reference - exported accuracy) x 100")
+    threshold_points: float
+    gate_passed: bool
+    # int8 only
+    calibration_images: int | None = None
+    calibration_source: str | None = None
+    dataset_path: str
+    dataset_version: str | None
+    split: str
+    passed: bool
+    reason: str | None = None
+    created_at: str
+    duration_s: float
+
+    def summary(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        return (
+            f"{self.model} {self.format}-{self.precision} {verdict}: accuracy {self.accuracy:.2%} vs "
+            f"{self.reference_accuracy:.2%} fp32 PyTorch (drop {self.drop_points:.2f} points, allowed "
+            f"{self.threshold_points:g}); max |logit diff| {self.max_abs_diff:.3g}, top-1 agreement "
+            f"{self.top1_agreement:.2%} on {self.samples} {self.split} images"
+        )
+
+
+def read_export_report(path: Path) -> ExportReport | None:
+    """The record at `path`; None when it is missing, unreadable or not a valid record."""
+    try:
+        return ExportReport.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None
+
+
+def write_export_report_text(report: ExportReport) -> str:
+    """The record as written to disk (indented JSON and a final newline)."""
+    return report.model_dump_json(indent=2) + "\n"
