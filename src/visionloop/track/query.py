@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from visionloop.core.errors import NotFoundError, TrackingError, VisionloopError
+from visionloop.core.errors import NotFoundError, SpecError, TrackingError, VisionloopError
 from visionloop.core.settings import Settings
 from visionloop.track import store
 
@@ -43,6 +43,11 @@ class RunSummary:
     val_accuracy: float | None
     dataset_version: str | None
     run_dir: str | None
+    # The run's task (its `visionloop.task` tag), the task's primary metric and its latest
+    # value (val/<primary_metric>): what "how good is this run" means whatever the task.
+    task: str | None = None
+    primary_metric: str | None = None
+    primary_value: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -104,6 +109,9 @@ class RunDetail:
         }
 
 
+TASK_TAG = "visionloop.task"  # set by the trainer (train.api) on every run
+
+
 def _int_tag(tags: dict[str, str], key: str) -> int | None:
     try:
         return int(tags[key])
@@ -123,6 +131,9 @@ def summarize(run: Run, experiment_names: dict[str, str], now: datetime | None =
     duration = (end_for_duration - start).total_seconds() if start and end_for_duration else None
     acc = latest.get("val/accuracy")
     tags = run.data.tags
+    task = tags.get(TASK_TAG)
+    primary = _primary_metric(task)
+    value = latest.get(f"val/{primary}") if primary is not None else None
     return RunSummary(
         run_id=info.run_id,
         name=info.run_name or "",
@@ -135,7 +146,23 @@ def summarize(run: Run, experiment_names: dict[str, str], now: datetime | None =
         val_accuracy=acc[0] if acc else None,
         dataset_version=tags.get(store.DATASET_VERSION_TAG),
         run_dir=tags.get(store.RUN_DIR_TAG),
+        task=task,
+        primary_metric=primary,
+        primary_value=value[0] if value else None,
     )
+
+
+def _primary_metric(task: str | None) -> str | None:
+    """The primary metric of `task`; None for a run without the tag, or of a task this
+    visionloop does not know (a listing must not fail on one foreign run)."""
+    if task is None:
+        return None
+    from visionloop.tasks import get_task
+
+    try:
+        return get_task(task).primary_metric
+    except SpecError:
+        return None
 
 
 def _experiment_names(client: MlflowClient) -> dict[str, str]:
