@@ -6,7 +6,7 @@ HTTP on loopback, the real store and the local executor."""
 
 from __future__ import annotations
 
-import json
+import shutil
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +25,19 @@ ONE_GPU = [{"node": "local", "type": "fake", "count": 1, "price_class": "owned"}
 OUTSIDE = "is outside the allowed roots"
 
 
+_DIGITS: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _real_dataset(digits_dataset: Path) -> None:
+    # Submit checks a dataset's manifest and shard indexes, so each folder is a real one.
+    _DIGITS[:] = [digits_dataset]
+
+
 def _dataset(folder: Path) -> Path:
-    """Enough of a dataset folder for submit (which looks for dataset.json only)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "dataset.json").write_text(json.dumps({"name": folder.name}))
+    """A copy of the real digits dataset at `folder`."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(_DIGITS[0], folder)
     return folder
 
 
