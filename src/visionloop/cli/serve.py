@@ -67,6 +67,9 @@ def serve(
 
     Promote or roll back in the registry: the server follows within a second, without a restart.
 
+    At run time: GET/PUT /v2/models/NAME/routing (canary and shadow share) and
+    POST /v2/models/NAME/rollback, with a key made with --routing.
+
     Also: /v2/models/NAME/classify takes an image file and returns labels; /metrics is Prometheus.
 
     API keys: `visionloop serve keys create NAME --models M` prints one; send `Authorization: Bearer KEY`.
