@@ -46,3 +46,18 @@ def test_bad_settings_files_are_explained(tmp_path: Path, text: str, expected: s
     (tmp_path / "visionloop.toml").write_text(text)
     with pytest.raises(ConfigError, match=expected):
         load_settings(cwd=tmp_path)
+
+
+def test_an_open_existing_home_gets_a_warning_and_a_private_one_none(tmp_path: Path) -> None:
+    from visionloop.core.settings import open_home_warning
+
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o755)
+    warning = open_home_warning(home)
+    assert warning is not None and "mode 0755" in warning and f"chmod 700 {home}" in warning
+    home.chmod(0o750)
+    assert "mode 0750" in (open_home_warning(home) or "")
+    home.chmod(0o700)
+    assert open_home_warning(home) is None
+    assert open_home_warning(tmp_path / "missing") is None

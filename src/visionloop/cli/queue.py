@@ -97,9 +97,11 @@ def up(
     the command line (other users can read it there).
     """
     from visionloop.api import server
-    from visionloop.core.settings import load_settings
+    from visionloop.core.settings import load_settings, open_home_warning
 
     settings = load_settings()
+    if (warning := open_home_warning(settings.home)) is not None:
+        err.print(warning, soft_wrap=True)
     config_path = (config or settings.home / "cluster.toml").expanduser().resolve()
     db_url = server.resolve_db_url(db, db_url_file)
     if detach:

@@ -83,7 +83,7 @@ def serve(
     HTTPS: --ssl-certfile and --ssl-keyfile, or a TLS-terminating reverse proxy (see the README).
     """
     from visionloop.core.errors import SpecError
-    from visionloop.core.settings import load_settings
+    from visionloop.core.settings import load_settings, open_home_warning
     from visionloop.serve.config import load_serve_config, validate_serve_config
     from visionloop.serve.server import check_exposure, check_tls, resolve_keys, serve_forever
     from visionloop.serve.source import RegistrySource
@@ -108,6 +108,8 @@ def serve(
             )
         cfg = validate_serve_config({k: v for k, v in overrides.items() if v is not None}, "the command line")
     settings = load_settings()
+    if (warning := open_home_warning(settings.home)) is not None:
+        err.print(warning, soft_wrap=True)
     if (ssl_certfile is None) != (ssl_keyfile is None):
         raise SpecError("pass both --ssl-certfile and --ssl-keyfile (or neither).")
     tls = (ssl_certfile, ssl_keyfile) if ssl_certfile is not None and ssl_keyfile is not None else None

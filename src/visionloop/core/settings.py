@@ -55,6 +55,21 @@ class Settings:
         return self
 
 
+def open_home_warning(home: Path) -> str | None:
+    """A warning when other users may enter an existing home (made before homes were created
+    0700, or widened by hand): its databases and logs are readable there. None when private."""
+    try:
+        mode = home.stat().st_mode & 0o777
+    except OSError:
+        return None
+    if not mode & 0o077:
+        return None
+    return (
+        f"warning: {home} is open to other users (mode {mode:04o}); it holds the job store, the "
+        f"tracking database and logs. Make it private: chmod 700 {home}"
+    )
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
