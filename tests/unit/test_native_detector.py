@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,6 +159,19 @@ def test_encoded_targets_decode_back_to_the_boxes_in_input_image_pixels() -> Non
         assert torch.allclose(det["scores"], torch.full_like(det["scores"], 0.999))
 
 
+def test_letterbox_scales_the_longer_side_and_pads_with_what_normalises_to_zero() -> None:
+    model = _model()
+    x, scales = model.transform(
+        [torch.full((3, 40, 80), 0.7), torch.full((3, 64, 64), 200, dtype=torch.uint8)]
+    )
+    assert x.shape == (2, 3, 64, 64)
+    assert torch.allclose(scales, torch.tensor([0.8, 1.0]))
+    content = (0.7 - 0.5) / 0.25
+    assert torch.allclose(x[0, :, :32, :], torch.full((3, 32, 64), content))
+    assert torch.equal(x[0, :, 32:, :], torch.zeros(3, 32, 64))  # padding: the mean, 0 once normalised
+    assert torch.allclose(x[1], torch.full((3, 64, 64), (200 / 255 - 0.5) / 0.25))  # uint8 → [0, 1]
+
+
 def test_labels_must_be_torchvision_one_based() -> None:
     model = _model().train()
     images, _ = _batch()
@@ -197,3 +212,40 @@ def test_optimising_one_batch_reduces_the_loss() -> None:
     losses = _train(_model(), 25)
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_forward_fixed_exports_to_onnx_and_runs_the_same_in_onnxruntime(tmp_path: Path) -> None:
+    ort = pytest.importorskip("onnxruntime", reason="export extra")
+    model = _model(topk=30).eval()
+    # Noise, and a heatmap head spread wider than at init (where every score is ~0.01): no
+    # near-tied scores for TopK to order differently in ONNX Runtime.
+    x = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.heatmap.out.weight.normal_(0.0, 1.0)
+        model.box.out.weight.normal_(0.0, 0.3)
+        ref = model.forward_fixed(x)
+    path = tmp_path / "det.onnx"
+
+    class Fixed(torch.nn.Module):  # what an export wrapper holds
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return self.model.forward_fixed(x)
+
+    torch.onnx.export(
+        Fixed(),
+        (x[:2],),
+        str(path),
+        input_names=["images"],
+        output_names=["boxes", "scores", "labels"],
+        dynamic_axes={name: {0: "batch"} for name in ("images", "boxes", "scores", "labels")},
+        dynamo=False,
+    )
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    boxes, scores, labels = session.run(None, {"images": x.numpy()})  # another batch size than traced
+    assert boxes.shape == (3, 30, 4)
+    assert np.allclose(scores, ref[1].numpy(), atol=1e-5)
+    assert np.array_equal(labels, ref[2].numpy())
+    assert np.allclose(boxes, ref[0].numpy(), atol=1e-3)

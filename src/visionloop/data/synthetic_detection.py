@@ -3,8 +3,9 @@ bundled 8×8 handwritten digits pasted onto procedurally textured backgrounds.
 
 What makes it a detection problem rather than a pasted-sprite lookup:
 - backgrounds mix smooth value noise, linear gradients, stripes of any angle and pixel noise;
-- each digit is scaled (`digit_size`, with ±15% aspect jitter) and drawn in a colour that
-  contrasts with the background under it, but otherwise random;
+- each digit is scaled (`digit_size`, with ±15% aspect jitter), sheared and rotated by up
+  to `rotate` degrees, and drawn in a colour that contrasts with the background under it,
+  but otherwise random;
 - clutter: ellipses, rectangles and strokes (straight and bent lines, the same kind of marks
   a digit is made of) before and after the digits; the ones after may partly occlude a digit;
 - 0..`max_objects` digits per image, with about `background_fraction` of the images empty.
@@ -160,6 +161,7 @@ def render_image(
     background_fraction: float,
     digit_size: tuple[int, int],
     exemplars: Exemplars,
+    rotate: float = 12.0,
 ) -> RenderedImage:
     """Draw one image from `rng` (see the module docstring for what is in it)."""
     w, h = image_size
@@ -187,8 +189,20 @@ def render_image(
         if dw > w or dh > h:
             continue
         # The 8x8 drawing's ink fills about 6x8 of its cells; the box is measured after pasting.
+        # A small rotation and shear make new handwriting out of the 1,797 drawings.
         sprite = Image.fromarray(drawing).resize((dw, dh), Image.Resampling.BILINEAR)
+        if rotate > 0:
+            shear = rng.uniform(-rotate, rotate) * math.pi / 180
+            sprite = sprite.transform(
+                sprite.size,
+                Image.Transform.AFFINE,
+                (1, shear, -shear * dh / 2, 0, 1, 0),
+                Image.Resampling.BILINEAR,
+            ).rotate(rng.uniform(-rotate, rotate), Image.Resampling.BILINEAR, expand=True)
         alpha_small = np.clip(np.asarray(sprite, dtype=np.float32), 0.0, 1.0)
+        dh, dw = alpha_small.shape
+        if dw > w or dh > h:
+            continue
         for _attempt in range(10):
             x0, y0 = int(rng.integers(0, w - dw + 1)), int(rng.integers(0, h - dh + 1))
             candidate = (float(x0), float(y0), float(x0 + dw), float(y0 + dh))
@@ -240,6 +254,7 @@ def generate_detection_dataset(
     background_fraction: float = 0.08,
     digit_size: tuple[int, int] = (14, 40),
     exemplars: Exemplars = "all",
+    rotate: float = 12.0,
     image_format: Literal["png", "jpeg"] = "png",
 ) -> Path:
     """Write `n_images` images to `out_dir/images/` and their boxes to `out_dir/instances.json`
@@ -247,9 +262,9 @@ def generate_detection_dataset(
 
     `classes` picks the digits (class names are the digits as strings, in the order given);
     `image_size` is `side` or `(width, height)`; `digit_size` the range of a digit's side in
-    pixels before the aspect jitter. PNG is lossless, so boxes match the written pixels
-    exactly; JPEG (quality 92) is smaller. Read it back with
-    `read_coco(out_dir / "images", out_dir / "instances.json")`.
+    pixels before the aspect jitter; `rotate` the largest shear and rotation, in degrees.
+    PNG is lossless, so boxes match the written pixels exactly; JPEG (quality 92) is
+    smaller. Read it back with `read_coco(out_dir / "images", out_dir / "instances.json")`.
     """
     size = (
         (image_size, image_size) if isinstance(image_size, int) else (int(image_size[0]), int(image_size[1]))
@@ -278,6 +293,7 @@ def generate_detection_dataset(
             background_fraction=background_fraction,
             digit_size=digit_size,
             exemplars=exemplars,
+            rotate=rotate,
         )
         path = images_dir / f"{i:06d}.{suffix}"
         image = Image.fromarray(rendered.pixels)

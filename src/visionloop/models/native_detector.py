@@ -18,8 +18,8 @@ it exactly where they would hold `fasterrcnn_resnet50_fpn`:
 
 Design (CenterNet's heatmap of object centres, with TTFNet's Gaussian-weighted box
 regression, which trains several times faster than regressing at the centre alone):
-1. `transform`: each image is letterboxed to `input_size`² (scaled so its longer side fits,
-   padded bottom/right), then normalised; the scale is kept to map boxes back.
+1. `letterbox` + `transform`: each image is letterboxed to `input_size`² (scaled so its longer
+   side fits, padded bottom/right), then normalised; the scale is kept to map boxes back.
 2. `forward_raw` (tensor in, fixed-shape tensors out: the part to export to ONNX): a 4-stage
    conv-BN-ReLU backbone (strides 2-16), a top-down neck back to stride 4, and two heads:
    class heatmap logits (B, C, H/4, W/4) and box regression (B, 4, H/4, W/4) = centre offset
@@ -27,6 +27,8 @@ regression, which trains several times faster than regressing at the centre alon
 3. `decode` (also fixed-shape, ONNX-expressible: MaxPool, TopK, Gather, Exp): peaks of the
    heatmap (a 3×3 max-pool keeps local maxima: CenterNet's NMS), the `topk` best over all
    classes, their boxes in letterboxed-input pixels: (B, K, 4), (B, K), (B, K).
+   `forward_fixed` is 2 + 3 behind the normalisation: a letterboxed [0, 1] batch in, the
+   fixed-shape decode out — the module to export (tests/unit export it to ONNX).
 4. `postprocess` (per image, variable length: Python, not exported): score threshold,
    `torchvision.ops.batched_nms`, boxes divided by the letterbox scale and clipped to the
    image, labels shifted to torchvision's 1-based ones.
@@ -145,12 +147,13 @@ class NativeDetector(nn.Module):
 
     # -- 1. images → letterboxed batch ---------------------------------------------------------
 
-    def transform(self, images: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """(B, 3, S, S) normalised batch and each image's scale (input pixels per image pixel)."""
+    def letterbox(self, images: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """(B, 3, S, S) batch in [0, 1] and each image's scale (input pixels per image pixel):
+        each image scaled so its longer side is S, at the top left, padded with the mean."""
         if len(images) == 0:
             raise ValueError("images is empty: pass a list of (3, H, W) tensors")
         s = self.input_size
-        batch = torch.zeros(len(images), 3, s, s, device=self.mean.device)
+        batch = self.mean.expand(len(images), 3, s, s).clone()
         scales = torch.empty(len(images), device=self.mean.device)
         for i, image in enumerate(images):
             if image.ndim != 3 or image.shape[0] != 3:
@@ -161,10 +164,14 @@ class NativeDetector(nn.Module):
             nh, nw = min(s, round(h * scale)), min(s, round(w * scale))
             if (nh, nw) != (h, w):
                 x = F.interpolate(x[None], size=(nh, nw), mode="bilinear", align_corners=False)[0]
-            # Pad with the mean: zero after normalisation, like the network's own zero padding.
-            batch[i] = self.mean[0]
-            batch[i, :, :nh, :nw] = x
+            # Padded with the mean: zero after normalisation, like the network's own zero padding.
+            batch[i, :, :nh, :nw] = x.to(batch.device)
             scales[i] = scale
+        return batch, scales
+
+    def transform(self, images: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """`letterbox`, normalised with the model's mean and std."""
+        batch, scales = self.letterbox(images)
         return (batch - self.mean) / self.std, scales
 
     # -- 2. the network: fixed shapes in and out (export this) ---------------------------------
@@ -209,6 +216,12 @@ class NativeDetector(nn.Module):
         boxes = self._boxes_from_reg(reg).reshape(b, h * w, 4)
         boxes = torch.gather(boxes, 1, cell[..., None].expand(b, k, 4))
         return boxes, scores, labels
+
+    def forward_fixed(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What to export: a letterboxed (B, 3, S, S) batch in [0, 1] (as `letterbox` makes it)
+        → `decode`'s fixed-shape boxes, scores and 0-based labels. Normalisation is inside."""
+        heat, reg = self.forward_raw((x - self.mean) / self.std)
+        return self.decode(heat, reg)
 
     # -- 4. post-processing: per image, variable length ----------------------------------------
 
