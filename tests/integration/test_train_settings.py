@@ -118,10 +118,10 @@ def smoothed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, eps: floa
 def test_the_logged_loss_is_cross_entropy_with_the_label_smoothing_asked_for(
     tmp_path: Path, digits_dataset: Path, monkeypatch: pytest.MonkeyPatch, eps: float
 ) -> None:
-    import visionloop.train.setup as setup
+    import visionloop.models as models
 
     logits: list[torch.Tensor] = []
-    real = setup.create_model
+    real = models.create_model  # the task builds the model through the architecture registry
 
     def create(*args: Any, **kwargs: Any) -> torch.nn.Module:
         model = real(*args, **kwargs)
@@ -130,7 +130,7 @@ def test_the_logged_loss_is_cross_entropy_with_the_label_smoothing_asked_for(
         )
         return model
 
-    monkeypatch.setattr(setup, "create_model", create)
+    monkeypatch.setattr(models, "create_model", create)
     doc = spec_doc(digits_dataset, epochs=None, steps=1, data__workers=0, loss={"label_smoothing": eps})
     rec = Steps()
     train(validate_train_spec(doc), tmp_path / "run", reporter=rec, track=False)
