@@ -139,6 +139,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rotate", type=float, default=12.0)
+    parser.add_argument(
+        "--val-exemplars",
+        choices=["holdout", "train"],
+        default="holdout",
+        help="holdout: handwriting never trained on; train: the training drawings on new images",
+    )
     parser.add_argument("--name", default="det_native")
     args = parser.parse_args()
 
@@ -156,7 +162,7 @@ def main() -> None:
             Path(tmp) / "train", args.train, seed=args.seed, exemplars="train", **kw
         )
         val_json = generate_detection_dataset(
-            Path(tmp) / "val", args.val, seed=args.seed + 1_000_003, exemplars="holdout", **kw
+            Path(tmp) / "val", args.val, seed=args.seed + 1_000_003, exemplars=args.val_exemplars, **kw
         )
         times["generate_s"] = time.perf_counter() - t0
 
