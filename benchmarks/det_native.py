@@ -18,7 +18,7 @@ Augmentation: none but fresh data. A horizontal flip is wrong for digits (a flip
 2, a flipped 3 is no digit) and the generator makes any number of new images for ~8 ms
 each, so more images do what augmentation would.
 
-    python benchmarks/det_native.py [--train 6000] [--val 400] [--epochs 7] [--threads 2] [--classes 0,...,9]
+    python benchmarks/det_native.py [--train 10000] [--val 400] [--epochs 4] [--threads 2] [--classes 0,...,9]
 """
 
 from __future__ import annotations
@@ -129,9 +129,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--train", type=int, default=6000)
+    parser.add_argument("--train", type=int, default=10000)
     parser.add_argument("--val", type=int, default=400)
-    parser.add_argument("--epochs", type=int, default=7)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=4e-3)
     parser.add_argument("--image-size", type=int, default=96)
