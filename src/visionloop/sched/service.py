@@ -329,13 +329,8 @@ class ControlPlane:
                 )
 
     def _check_dataset(self, train: TrainSpec) -> None:
+        # Runs after check_paths, which has refused a relative or out-of-roots data.dataset.
         dataset = Path(train.data.dataset)
-        if not dataset.is_absolute():
-            raise SubmitError(
-                f"data.dataset {dataset} is relative; the control plane cannot know relative to what. "
-                "Submit with `visionloop submit` (it resolves paths against the spec file) or give an "
-                "absolute path."
-            )
         if not (dataset / "dataset.json").is_file():
             raise SubmitError(
                 f"data.dataset {dataset} is not a dataset folder (no dataset.json). "
