@@ -104,8 +104,10 @@ class CheckpointSpec(_Spec):
     every_minutes: float | None = Field(10.0, gt=0.0, examples=[10])
     keep_last: int = Field(3, ge=1, examples=[3])
     keep_best: int = Field(1, ge=0, examples=[1])
-    best_metric: str = Field("val/accuracy", examples=["val/accuracy"])
-    best_mode: Literal["max", "min"] = Field("max", examples=["max"])
+    # None: the task's primary metric and its direction (val/accuracy max for
+    # classification, val/mAP max for detection).
+    best_metric: str | None = Field(None, examples=["val/accuracy", "val/mAP"])
+    best_mode: Literal["max", "min"] | None = Field(None, examples=["max"])
 
 
 class EvalSpec(_Spec):
@@ -124,7 +126,11 @@ class LossSpec(_Spec):
 
 
 class TrainSpec(_Spec):
-    task: Literal["classification"] = Field("classification", examples=["classification"])
+    # A registered task's name (`visionloop.tasks.list_tasks()`); the trainer checks it
+    # against the dataset's manifest and looks the task up there.
+    task: str = Field(
+        "classification", pattern=r"^[a-z][a-z0-9_]{0,63}$", examples=["classification", "detection"]
+    )
     data: DataSpec
     model: ModelSpec
     optimizer: OptimizerSpec = OptimizerSpec()

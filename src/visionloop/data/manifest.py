@@ -98,7 +98,8 @@ class SizeStats(_Strict):
 class DatasetManifest(_Strict):
     format_version: int = FORMAT_VERSION
     version: str = Field(description="content hash over images, labels and splits: the dataset's version")
-    task: Literal["classification"] = "classification"
+    # The registered task that reads this dataset (`visionloop.tasks.get_task`).
+    task: str = Field("classification", pattern=r"^[a-z][a-z0-9_]{0,63}$")
     classes: list[str]
     splits: dict[SplitName, SplitInfo]
     image_policy: ImagePolicy

@@ -7,8 +7,9 @@ whose `__reduce__` runs code would run that code in whichever process reads it: 
 export, bench, a queue job. So:
 
 1. `check_shard_index` accepts exactly the `index.json` that `ShardWriter` writes (records of
-   image bytes, label int, index int; no compression, no encryption, litdata's PyTree item
-   loader; plain chunk files in the folder, of the size the index says), and refuses anything
+   image bytes, label int, index int, and for detection boxes bytes; no compression, no
+   encryption, litdata's PyTree item loader; plain chunk files in the folder, of the size the
+   index says), and refuses anything
    else with a `DataError` that names the file, what it holds and what to do.
 2. `safe_serializers()` is the only serializer table a folder is opened with: `bytes` and `int`
    are litdata's own; every other name litdata knows (pickle, graph, json, tensor, ...) maps to
@@ -36,17 +37,40 @@ INDEX_NAME = "index.json"
 # A 32 MB chunk takes about 100 bytes of index; 16 MiB of index is petabytes of images.
 INDEX_MAX_BYTES = 16 * 1024 * 1024
 
-# What ShardWriter's litdata BinaryWriter writes for a record
-# {"image": bytes, "label": int, "index": int}, field for field.
-DATA_FORMAT = ["bytes", "int", "int"]
-TYPES = {"image": "bytes", "index": "int", "label": "int"}
+# The record layouts ShardWriter writes, field for field: {"image": bytes, "label": int,
+# "index": int}, and for detection the same plus "boxes": bytes (`data.boxes`).
 ITEM_LOADER = "PyTreeLoader"
-# torch's pytree spec of that dict (protocol 1): a dict with three leaves, keys in this order.
 _LEAF: dict[str, Any] = {"type": None, "context": None, "children_spec": []}
-DATA_SPEC = [
-    1,
-    {"type": "builtins.dict", "context": ["image", "label", "index"], "children_spec": [_LEAF] * 3},
-]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    fields: tuple[str, ...]
+    data_format: list[str]
+    types: dict[str, str]
+
+    @property
+    def data_spec(self) -> list[Any]:
+        # torch's pytree spec of the record dict (protocol 1): its leaves, keys in this order.
+        return [
+            1,
+            {
+                "type": "builtins.dict",
+                "context": list(self.fields),
+                "children_spec": [_LEAF] * len(self.fields),
+            },
+        ]
+
+
+_TYPE_OF = {"image": "bytes", "label": "int", "index": "int", "boxes": "bytes"}
+LAYOUTS: tuple[_Layout, ...] = tuple(
+    _Layout(fields, [_TYPE_OF[f] for f in fields], {f: _TYPE_OF[f] for f in sorted(fields)})
+    for fields in (("image", "label", "index"), ("image", "label", "index", "boxes"))
+)
+# The classification layout (kept under its old names for callers and tests).
+DATA_FORMAT = LAYOUTS[0].data_format
+TYPES = LAYOUTS[0].types
+DATA_SPEC = LAYOUTS[0].data_spec
 # Config fields that must be null: what they would switch on is not what ingest writes.
 _NULL_FIELDS = (
     "chunk_size",
@@ -70,6 +94,8 @@ class ShardIndex:
 
     chunk_sizes: list[int]
     digest: str
+    # The record's fields: ("image", "label", "index"), plus "boxes" for detection.
+    fields: tuple[str, ...] = ("image", "label", "index")
 
 
 def _refuse(index_file: Path, what: str) -> DataError:
@@ -107,17 +133,19 @@ def _is_int(value: Any) -> bool:
     return type(value) is int  # not bool, not float
 
 
-def _check_config(index_file: Path, config: Any) -> None:
+def _check_config(index_file: Path, config: Any) -> _Layout:
     if not isinstance(config, dict):
         raise _refuse(index_file, f"config is {_short(config)}, not an object")
     keys = set(config)
     if keys != _CONFIG_KEYS:
         extra, missing = sorted(keys - _CONFIG_KEYS), sorted(_CONFIG_KEYS - keys)
         raise _refuse(index_file, f"config has unexpected fields {extra} and lacks {missing}")
-    if config["data_format"] != DATA_FORMAT:
-        raise _refuse(index_file, f"data_format {_short(config['data_format'])} (expected {DATA_FORMAT})")
-    if config["types"] != TYPES:
-        raise _refuse(index_file, f"types {_short(config['types'])} (expected {TYPES})")
+    layout = next((lay for lay in LAYOUTS if config["data_format"] == lay.data_format), None)
+    if layout is None:
+        expected = " or ".join(str(lay.data_format) for lay in LAYOUTS)
+        raise _refuse(index_file, f"data_format {_short(config['data_format'])} (expected {expected})")
+    if config["types"] != layout.types:
+        raise _refuse(index_file, f"types {_short(config['types'])} (expected {layout.types})")
     if config["item_loader"] != ITEM_LOADER:
         raise _refuse(index_file, f"item_loader {_short(config['item_loader'])} (expected {ITEM_LOADER!r})")
     for name in _NULL_FIELDS:
@@ -133,8 +161,9 @@ def _check_config(index_file: Path, config: Any) -> None:
             parsed[1]["context"] = json.loads(context) if isinstance(context, str) else None
     except (ValueError, RecursionError):
         parsed = None
-    if parsed != DATA_SPEC:
-        raise _refuse(index_file, f"data_spec {_short(spec)} is not the image/label/index record")
+    if parsed != layout.data_spec:
+        raise _refuse(index_file, f"data_spec {_short(spec)} is not the {'/'.join(layout.fields)} record")
+    return layout
 
 
 def _check_chunks(index_file: Path, chunks: Any) -> list[int]:
@@ -199,8 +228,10 @@ def check_shard_index(shard_dir: Path) -> ShardIndex:
         raise _refuse(index_file, f"it has fields {sorted(keys)} (expected chunks, config, updated_at)")
     if not isinstance(index["updated_at"], str):
         raise _refuse(index_file, f"updated_at {_short(index['updated_at'])} is not a string")
-    _check_config(index_file, index["config"])
-    return ShardIndex(chunk_sizes=_check_chunks(index_file, index["chunks"]), digest=digest)
+    layout = _check_config(index_file, index["config"])
+    return ShardIndex(
+        chunk_sizes=_check_chunks(index_file, index["chunks"]), digest=digest, fields=layout.fields
+    )
 
 
 class RefusedSerializer:

@@ -2,7 +2,9 @@
 
 A record is `{"image": <encoded PNG or JPEG bytes>, "label": int, "index": int}` where
 `index` is the image's id, unique across the whole dataset (it seeds per-sample
-augmentation, so it must never change once written).
+augmentation, so it must never change once written). A detection record adds
+`"boxes": bytes` (`data.boxes.encode_boxes`: xyxy pixels of the stored image and class
+indices) and its `label` is the number of boxes. One folder holds one layout.
 
 Writing goes through litdata's `BinaryWriter`; reading through litdata's `StreamingDataset`
 with random access, after `shardcheck` has checked that the folder's `index.json` is exactly
@@ -19,7 +21,7 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from visionloop.core.errors import DataError
 from visionloop.data.shardcheck import check_shard_index, safe_serializers
@@ -32,6 +34,7 @@ class Record(TypedDict):
     image: bytes
     label: int
     index: int
+    boxes: NotRequired[bytes]
 
 
 class ShardWriter:
@@ -45,13 +48,22 @@ class ShardWriter:
         self._writer = BinaryWriter(str(out_dir), chunk_bytes=chunk_bytes)
         self._n = 0
         self.bytes = 0
+        self._with_boxes: bool | None = None
 
     def add(self, record: Record) -> None:
-        self._writer[self._n] = {
+        with_boxes = "boxes" in record
+        if self._with_boxes is None:
+            self._with_boxes = with_boxes
+        elif with_boxes != self._with_boxes:
+            raise ValueError("a shard folder holds one record layout: every record has boxes, or none")
+        item: dict[str, Any] = {
             "image": record["image"],
             "label": int(record["label"]),
             "index": int(record["index"]),
         }
+        if with_boxes:
+            item["boxes"] = bytes(record["boxes"])
+        self._writer[self._n] = item
         self._n += 1
         self.bytes += len(record["image"])
 
@@ -78,6 +90,7 @@ class ShardReader:
         checked = check_shard_index(self.shard_dir)
         self.chunk_sizes: list[int] = checked.chunk_sizes
         self._digest = checked.digest
+        self.has_boxes = "boxes" in checked.fields
         self._starts = list(itertools.accumulate(self.chunk_sizes, initial=0))
         self._len = self._starts[-1]
         self._ds: Any = None
@@ -125,4 +138,7 @@ class ShardReader:
 
         chunk = bisect.bisect_right(self._starts, i) - 1
         item = self._open()[ChunkedIndex(index=i, chunk_index=chunk)]
-        return Record(image=bytes(item["image"]), label=int(item["label"]), index=int(item["index"]))
+        record = Record(image=bytes(item["image"]), label=int(item["label"]), index=int(item["index"]))
+        if self.has_boxes:
+            record["boxes"] = bytes(item["boxes"])
+        return record

@@ -12,7 +12,7 @@ import json
 import math
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -129,7 +129,8 @@ class ModelCard(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     format_version: int = CARD_FORMAT_VERSION
-    task: Literal["classification"] = "classification"
+    # The registered task whose contract serves, exports and benchmarks this model.
+    task: str = Field("classification", pattern=r"^[a-z][a-z0-9_]{0,63}$")
     arch: str = Field(description="registry name, e.g. resnet18 or small_cnn")
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     num_classes: int = Field(ge=1)

@@ -153,6 +153,11 @@ class Task(ABC):
     output_names: ClassVar[tuple[str, ...]]
     # The image endpoint's last path segment: POST /v2/models/NAME/<image_endpoint>.
     image_endpoint: ClassVar[str]
+    # How reports and bench tables name the gate metric ("top-1", "mAP").
+    metric_label: ClassVar[str]
+    # True when the model normalises its own input (torchvision's detectors do): the trainer
+    # then hands it images scaled to [0, 1] only, and the model card says mean 0, std 1.
+    model_normalizes: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ data
     @abstractmethod
@@ -197,6 +202,22 @@ class Task(ABC):
 
     @abstractmethod
     def loss_fn(self, spec: TrainSpec) -> LossFn: ...
+
+    def train_loss(
+        self, model: nn.Module, images: torch.Tensor, targets: Any, loss_fn: LossFn
+    ) -> torch.Tensor:
+        """One training forward: the scalar loss to back-propagate. Default `loss_fn(model(x), y)`;
+        a model that computes its own losses from targets (torchvision's detectors:
+        `model(images, targets)` → a dict of losses) overrides it."""
+        return loss_fn(model(images), targets)
+
+    def eval_forward(
+        self, model: nn.Module, images: torch.Tensor, targets: Any, loss_fn: LossFn
+    ) -> tuple[Any, float]:
+        """One evaluation forward (eval mode, no grad): the outputs the evaluator takes, and the
+        batch's summed loss (0.0 where eval mode computes none, as for torchvision's detectors)."""
+        out = model(images)
+        return out, float(loss_fn(out, targets)) * images.shape[0]
 
     @abstractmethod
     def evaluator(self, class_names: Sequence[str]) -> Evaluator: ...

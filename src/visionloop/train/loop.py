@@ -70,12 +70,15 @@ class Loop:
         self.pos = Position()
         self.last_eval: EvalResult | None = None
         self.normalize = Normalizer(c.mean, c.std)
+        # Unset in the spec: the task's primary metric decides "best" (val/accuracy, val/mAP).
+        self.best_metric = self.spec.checkpoint.best_metric or f"val/{c.task.primary_metric}"
+        self.best_mode = self.spec.checkpoint.best_mode or c.task.primary_mode
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision.needs_scaler)
         self.ckpt = CheckpointManager(
             c.run_dir.checkpoints,
             keep_last=self.spec.checkpoint.keep_last,
             keep_best=self.spec.checkpoint.keep_best,
-            best_mode=self.spec.checkpoint.best_mode,
+            best_mode=self.best_mode,
         )
         self.sampler = ResumableBatchSampler(
             c.train_reader.chunk_sizes,
@@ -322,8 +325,7 @@ class Loop:
         x = self.normalize(x.to(self.device, non_blocking=True), self.spec.model.channels_last)
         y = c.task.targets_to(y, self.device)
         with self.precision.autocast(self.device):
-            out = c.model(x)
-            loss = c.loss_fn(out, y)
+            loss = c.task.train_loss(c.model, x, y, c.loss_fn)
         c.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
         if self.spec.optimizer.grad_clip_norm:
@@ -387,23 +389,21 @@ class Loop:
                 x = self.normalize(x.to(self.device, non_blocking=True), self.spec.model.channels_last)
                 y = self.c.task.targets_to(y, self.device)
                 with self.precision.autocast(self.device):
-                    out = model(x)
-                    loss = self.c.loss_fn(out, y)
-                # The mean loss of the batch, summed back over its images (the evaluator
-                # divides by the images of the whole split).
-                evaluator.update(_to_float(out), y, float(loss) * x.shape[0])
+                    # The batch's summed loss (the evaluator divides by the split's images).
+                    out, loss_sum = self.c.task.eval_forward(model, x, y, self.c.loss_fn)
+                evaluator.update(_to_float(out), y, loss_sum)
                 self.reporter.eval_batch()
         evaluator.load_state(dist.all_reduce_sum(evaluator.state().to(self.device), self.info).cpu())
         result = evaluator.compute()
         self.last_eval = result
         pos.pending_eval = False
         pos.evals_done += 1
-        metric_name = self.spec.checkpoint.best_metric.removeprefix("val/")
+        metric_name = self.best_metric.removeprefix("val/")
         metric = result.metrics.get(metric_name)
         if metric is None and not self._warned_metric:
             self._warned_metric = True
             names = ", ".join(f"val/{k}" for k in result.metrics if "/" not in k)
-            text = f"checkpoint.best_metric {self.spec.checkpoint.best_metric!r} is not measured ({names})"
+            text = f"checkpoint.best_metric {self.best_metric!r} is not measured ({names})"
             log.warning("%s; no checkpoint is kept as best", text)
             self.reporter.message(text + "; no checkpoint is kept as best")
         if metric is not None and self._is_better(metric):
@@ -439,7 +439,7 @@ class Loop:
         best = self.pos.best_metric
         if best is None:
             return True
-        return metric > best if self.spec.checkpoint.best_mode == "max" else metric < best
+        return metric > best if self.best_mode == "max" else metric < best
 
 
 def _to_float(outputs: Any) -> Any:

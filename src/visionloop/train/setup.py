@@ -152,7 +152,8 @@ def build(
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if spec.model.compile:
         wrapped = torch.compile(wrapped)  # type: ignore[assignment]
-    mean, std = normalization(spec, manifest)
+    # A model that normalises its own input gets [0, 1] images (and its card says so).
+    mean, std = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0)) if task.model_normalizes else normalization(spec, manifest)
     return Components(
         spec=spec,
         dist=info,

@@ -36,6 +36,7 @@ class ClassificationTask(Task):
     primary_mode = "max"
     output_names = ("logits",)
     image_endpoint = "classify"
+    metric_label = "top-1"
 
     # ------------------------------------------------------------------ data
     def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
