@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from visionloop.core.errors import SpecError
-from visionloop.tasks import Task, get_task, list_tasks, register_task
+from visionloop.tasks import AnswerOptions, Task, get_task, list_tasks, register_task
 from visionloop.tasks.registry import _REGISTRY
 
 NAMES = ["cat", "dog", "bird"]
@@ -39,9 +39,9 @@ def test_two_classes_under_one_name_are_refused() -> None:
 def test_the_server_half_needs_no_torch() -> None:
     code = (
         "import sys, numpy as np\n"
-        "from visionloop.tasks import get_task\n"
+        "from visionloop.tasks import AnswerOptions, get_task\n"
         "t = get_task('classification')\n"
-        "t.served_answer({'logits': np.zeros((1, 3), np.float32)}, ['a', 'b', 'c'], top_k=2)\n"
+        "t.served_answer({'logits': np.zeros((1, 3), np.float32)}, ['a', 'b', 'c'], options=AnswerOptions(top_k=2))\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -58,7 +58,7 @@ def test_check_output_wants_one_row_of_class_scores() -> None:
 def test_served_answer_is_softmax_top_k_in_order() -> None:
     task = get_task("classification")
     logits = np.array([[1.0, 3.0, 2.0]], dtype=np.float32)
-    answer = task.served_answer({"logits": logits}, NAMES, top_k=2)
+    answer = task.served_answer({"logits": logits}, NAMES, options=AnswerOptions(top_k=2))
     probs = np.exp(logits[0] - 3.0) / np.exp(logits[0] - 3.0).sum()
     assert [p["label"] for p in answer["predictions"]] == ["dog", "bird"]
     assert [p["index"] for p in answer["predictions"]] == [1, 2]

@@ -79,7 +79,7 @@ def export_model(
     split, reader = ds.eval_split()
     positions = list(range(len(reader) if max_samples is None else min(max_samples, len(reader))))
     task = ds.task
-    model = task.export_module(card.create_model(info.weights)).eval()
+    model = task.export_module(task.load_model(card, info.weights)).eval()
     parity = DEFAULT_PARITY[precision]
     diff_limit = max_abs_diff if max_abs_diff is not None else parity.max_abs_diff
     agree_limit = min_top1_agreement if min_top1_agreement is not None else parity.min_top1_agreement

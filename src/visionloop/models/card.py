@@ -12,7 +12,7 @@ import json
 import math
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -37,11 +37,21 @@ class ModelCardError(VisionloopError):
     """A model card is unreadable or inconsistent."""
 
 
-class EvalPreprocess(BaseModel):
-    """Eval-time preprocessing, as data: resize, centre-crop, scale to [0, 1], normalise.
+# Letterbox padding, as uint8 grey (0.5 after scaling to [0, 1]): the detection datasets,
+# the served preprocessing and the native detector all pad with it.
+LETTERBOX_FILL = 128
 
-    The short side is resized to `floor(crop / crop_pct)` (both sides, for a non-square crop),
-    then the centre `crop_size` is cut out — timm's and torchvision's eval recipe.
+
+class EvalPreprocess(BaseModel):
+    """Eval-time preprocessing, as data: resize, centre-crop (or letterbox), scale to [0, 1],
+    normalise.
+
+    `resize="crop"` (classification): the short side is resized to `floor(crop / crop_pct)`
+    (both sides, for a non-square crop), then the centre `crop_size` is cut out — timm's and
+    torchvision's eval recipe. `resize="letterbox"` (detection: nothing may be cut off): the
+    image is scaled so its longer side fits `crop_size` (`letterbox_scale`), placed at the top
+    left and padded bottom and right with `LETTERBOX_FILL`; a box in the input maps back to the
+    image by dividing by that scale.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -53,6 +63,7 @@ class EvalPreprocess(BaseModel):
     mean: tuple[float, ...]
     std: tuple[float, ...]
     alpha_background: tuple[int, int, int] = (255, 255, 255)
+    resize: Literal["crop", "letterbox"] = "crop"
 
     def to_transform(self) -> Callable[[Any], torch.Tensor]:
         """A torchvision v2 transform: PIL image or uint8 tensor (C, H, W) → normalised float.
@@ -67,17 +78,54 @@ class EvalPreprocess(BaseModel):
         mode = v2.InterpolationMode(self.interpolation)
         colour = v2.RGB() if self.channels == 3 else v2.Grayscale(num_output_channels=self.channels)
         size = self.resize_size if isinstance(self.resize_size, int) else list(self.resize_size)
+        geometry: list[Callable[[Any], Any]] = (
+            [Letterbox(self.crop_size, mode)]
+            if self.resize == "letterbox"
+            else [v2.Resize(size, interpolation=mode, antialias=True), v2.CenterCrop(list(self.crop_size))]
+        )
         transform: Callable[[Any], torch.Tensor] = v2.Compose(
             [
                 _IngestRGB(self.alpha_background),
                 colour,
-                v2.Resize(size, interpolation=mode, antialias=True),
-                v2.CenterCrop(list(self.crop_size)),
+                *geometry,
                 v2.ToDtype(torch.float32, scale=True),
                 v2.Normalize(list(self.mean), list(self.std)),
             ]
         )
         return transform
+
+
+def letterbox_scale(height: int, width: int, crop_size: tuple[int, int]) -> float:
+    """Input pixels per image pixel when an image of `height` x `width` is letterboxed into
+    `crop_size` (H, W): the largest scale at which the whole image fits."""
+    return min(crop_size[0] / height, crop_size[1] / width)
+
+
+def letterbox_shape(height: int, width: int, crop_size: tuple[int, int]) -> tuple[int, int]:
+    """The (H, W) the image is resized to before padding (never past `crop_size`)."""
+    s = letterbox_scale(height, width, crop_size)
+    return min(crop_size[0], max(1, round(height * s))), min(crop_size[1], max(1, round(width * s)))
+
+
+class Letterbox:
+    """uint8 tensor (C, H, W) → (C, *crop_size): resized to fit, top left, padded with
+    `LETTERBOX_FILL` bottom and right."""
+
+    def __init__(self, crop_size: tuple[int, int], interpolation: Any) -> None:
+        self.crop_size = (int(crop_size[0]), int(crop_size[1]))
+        self.interpolation = interpolation
+
+    def __call__(self, img: Any) -> Any:
+        import torch
+        from torchvision.transforms.v2 import functional as F
+
+        h, w = int(img.shape[-2]), int(img.shape[-1])
+        nh, nw = letterbox_shape(h, w, self.crop_size)
+        if (nh, nw) != (h, w):
+            img = F.resize(img, [nh, nw], interpolation=self.interpolation, antialias=True)
+        out = torch.full((img.shape[0], *self.crop_size), LETTERBOX_FILL, dtype=img.dtype)
+        out[:, :nh, :nw] = img
+        return out
 
 
 class _IngestRGB:
@@ -101,12 +149,18 @@ class _IngestRGB:
 
 
 def eval_preprocess(
-    defaults: ModelDefaults, alpha_background: tuple[int, int, int] = (255, 255, 255)
+    defaults: ModelDefaults,
+    alpha_background: tuple[int, int, int] = (255, 255, 255),
+    resize_mode: Literal["crop", "letterbox"] = "crop",
 ) -> EvalPreprocess:
     """The eval recipe for an input size, crop_pct, interpolation and mean/std."""
     c, h, w = defaults.input_size
-    if h == w:
-        resize: tuple[int, int] | int = math.floor(h / defaults.crop_pct)
+    resize: tuple[int, int] | int
+    if resize_mode == "letterbox":
+        # The longer side is what the letterbox fits; a decoder never needs more than that.
+        resize = max(h, w)
+    elif h == w:
+        resize = math.floor(h / defaults.crop_pct)
     else:
         resize = (math.floor(h / defaults.crop_pct), math.floor(w / defaults.crop_pct))
     return EvalPreprocess(
@@ -117,6 +171,7 @@ def eval_preprocess(
         mean=defaults.mean,
         std=defaults.std,
         alpha_background=alpha_background,
+        resize=resize_mode,
     )
 
 
@@ -142,6 +197,10 @@ class ModelCard(BaseModel):
     interpolation: Interpolation = "bilinear"
     alpha_background: tuple[int, int, int] = Field(
         (255, 255, 255), description="ingest composited transparent pixels onto this colour"
+    )
+    resize: Literal["crop", "letterbox"] = Field(
+        "crop",
+        description="crop: resize and centre-crop (classification); letterbox: fit and pad (detection)",
     )
     dataset_version: str | None = None
     created_at: str = Field(default_factory=_now)
@@ -235,7 +294,7 @@ class ModelCard(BaseModel):
         )
 
     def eval_preprocess(self) -> EvalPreprocess:
-        return eval_preprocess(self.defaults, self.alpha_background)
+        return eval_preprocess(self.defaults, self.alpha_background, self.resize)
 
     def create_model(self, weights: Path | None = None) -> nn.Module:
         """The architecture this card describes, with `weights` (a state dict file) loaded."""

@@ -38,6 +38,7 @@ from visionloop.serve.protocol import (
 )
 from visionloop.serve.source import ModelSource
 from visionloop.serve.state import INLINE_PARSE_BYTES, Server
+from visionloop.tasks.base import AnswerOptions
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ def _routes(app: FastAPI, server: Server) -> None:
             )
         req = InferRequest(None, {spec.name: x}, 1, [])
         result = await server.run(sv, req, shadow)
-        answer = sv.task.served_answer(result.outputs, sv.labels, top_k=top_k)
+        answer = sv.task.served_answer(result.outputs, sv.labels, options=AnswerOptions(top_k=top_k))
         server.count(sv, "classify", started)
         return _json({"model_name": sv.name, "model_version": str(sv.version), **answer})
 

@@ -6,10 +6,12 @@
 """
 
 from visionloop.tasks.base import (
+    AnswerOptions,
     EvalResult,
     Evaluator,
     ExportComparison,
     GateMeasurement,
+    ImageContext,
     LossFn,
     OutputScorer,
     Task,
@@ -17,10 +19,12 @@ from visionloop.tasks.base import (
 from visionloop.tasks.registry import get_task, list_tasks, register_task
 
 __all__ = [
+    "AnswerOptions",
     "EvalResult",
     "Evaluator",
     "ExportComparison",
     "GateMeasurement",
+    "ImageContext",
     "LossFn",
     "OutputScorer",
     "Task",

@@ -119,6 +119,28 @@ class GateMeasurement:
         return (self.reference_score - self.score) * 100.0
 
 
+@dataclass(frozen=True)
+class AnswerOptions:
+    """What a client may ask of the image endpoint (query parameters, checked by the server):
+    `top_k` items at most, and only those scoring at least `score_threshold` (None: the
+    task's default)."""
+
+    top_k: int = 5
+    score_threshold: float | None = None
+
+
+@dataclass(frozen=True)
+class ImageContext:
+    """The image an answer is about: its upright size as sent (`width`, `height`, pixels), and
+    the model input's (`input_height`, `input_width`). A task that answers in image
+    coordinates (boxes) maps the model's input-frame outputs back with it."""
+
+    width: int
+    height: int
+    input_height: int
+    input_width: int
+
+
 class ExportComparison(ABC):
     """Streams (eager outputs, exported outputs, targets) batch by batch; `result()` at the end.
     Outputs are sequences of tensors in `Task.output_names` order."""
@@ -196,6 +218,12 @@ class Task(ABC):
     ) -> nn.Module:
         """The registered architecture `arch` with this task's head for `class_names`."""
 
+    def load_model(self, card: ModelCard, weights: Path | None) -> nn.Module:
+        """The model a card describes with its trained `weights` (a safetensors or
+        `weights_only` state dict file) loaded, in eval mode: what export and bench run."""
+        model = self.build_model(card.arch, card.class_names, pretrained=weights, kwargs=card.model_kwargs)
+        return model.eval()
+
     @abstractmethod
     def check_output(self, outputs: Any, class_names: Sequence[str]) -> str | None:
         """What is wrong with the outputs of one image (eval mode), or None when they are right."""
@@ -254,10 +282,17 @@ class Task(ABC):
     def postprocess(self, outputs: Arrays, class_names: Sequence[str], *, top_k: int) -> list[Answer]:
         """Raw outputs of a batch → per image, its answer items (e.g. top-k classes with scores)."""
 
-    def served_answer(self, outputs: Arrays, class_names: Sequence[str], *, top_k: int) -> dict[str, Any]:
+    def served_answer(
+        self,
+        outputs: Arrays,
+        class_names: Sequence[str],
+        *,
+        options: AnswerOptions,
+        image: ImageContext | None = None,
+    ) -> dict[str, Any]:
         """The image endpoint's JSON body for one image (outputs of a batch of one), without
         the model name and version, which the server adds."""
-        return {"predictions": self.postprocess(outputs, class_names, top_k=top_k)[0]}
+        return {"predictions": self.postprocess(outputs, class_names, top_k=options.top_k)[0]}
 
     @abstractmethod
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ Every stage after ingest asks the registry for the task named in the dataset man
 model card, and then only talks to the `Task` contract (`visionloop.tasks.base`):
 
 >>> task = get_task(card.task)
->>> answer = task.served_answer(outputs, card.class_names, top_k=5)
+>>> answer = task.served_answer(outputs, card.class_names, options=AnswerOptions(top_k=5))
 
 A task registers itself with a class decorator in its own subpackage:
 
