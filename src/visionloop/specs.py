@@ -25,13 +25,21 @@ class _Spec(BaseModel):
 
 
 class AugmentSpec(_Spec):
-    """Training-time augmentation for classification (all randomness is seeded per sample)."""
+    """Training-time augmentation (all randomness is seeded per sample). Classification and
+    detection read the same fields; detection applies them to the boxes too (box-aware crops),
+    and reads `zoom_out` and `iou_crop`, which classification ignores."""
 
     random_resized_crop: bool = Field(True, examples=[True])
     scale: tuple[float, float] = Field((0.35, 1.0), examples=[[0.08, 1.0]])
     ratio: tuple[float, float] = Field((3 / 4, 4 / 3), examples=[[0.75, 1.333]])
     hflip: float = Field(0.5, ge=0.0, le=1.0, examples=[0.5])
     color_jitter: float = Field(0.0, ge=0.0, le=1.0, examples=[0.2])
+    zoom_out: float = Field(
+        0.0, ge=0.0, le=1.0, examples=[0.5], description="detection: probability of a zoom-out (SSD)"
+    )
+    iou_crop: bool = Field(
+        False, examples=[True], description="detection: SSD's IoU crop instead of a random resized crop"
+    )
 
     @field_validator("scale", "ratio")
     @classmethod
