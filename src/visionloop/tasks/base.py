@@ -180,8 +180,18 @@ class Task(ABC):
     # True when the model normalises its own input (torchvision's detectors do): the trainer
     # then hands it images scaled to [0, 1] only, and the model card says mean 0, std 1.
     model_normalizes: ClassVar[bool] = False
+    # A small architecture and input size that train on a CPU in seconds, on the data that
+    # `example_source` writes: what the contract tests over every task use.
+    example_arch: ClassVar[str] = ""
+    example_image_size: ClassVar[int] = 32
 
     # ------------------------------------------------------------------ data
+    def example_source(self, out_dir: Path, n_images: int, *, seed: int = 0) -> Path:
+        """Write a small labelled source of this task that `visionloop data ingest` reads,
+        generated in the process (no download), with a train and a val split; return the path
+        to ingest. The contract tests run every registered task on one."""
+        raise NotImplementedError(f"task {self.name!r} has no example source; implement example_source")
+
     @abstractmethod
     def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
         """Shard records → (uint8 image, target) samples, augmented per (seed, epoch, sample)."""

@@ -37,8 +37,26 @@ class ClassificationTask(Task):
     output_names = ("logits",)
     image_endpoint = "classify"
     metric_label = "top-1"
+    example_arch = "small_cnn"
+    example_image_size = 16
 
     # ------------------------------------------------------------------ data
+    def example_source(self, out_dir: Path, n_images: int, *, seed: int = 0) -> Path:
+        """scikit-learn's bundled 8x8 digits (upscaled to 16x16), `n_images` of them in
+        `train/<digit>/` and `val/<digit>/` folders (every fourth image to val)."""
+        from PIL import Image
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        order = np.random.default_rng(seed).permutation(len(digits.target))[:n_images]
+        pixels = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
+        for k, i in enumerate(order):
+            folder = out_dir / ("val" if k % 4 == 3 else "train") / str(int(digits.target[i]))
+            folder.mkdir(parents=True, exist_ok=True)
+            pic = Image.fromarray(pixels[i], mode="L").resize((16, 16), Image.Resampling.NEAREST)
+            pic.save(folder / f"{int(i):04d}.png")
+        return out_dir
+
     def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
         from visionloop.tasks.classification.data import ShardClassificationDataset
         from visionloop.tasks.classification.transforms import TrainTransform
