@@ -46,12 +46,31 @@ def _parse_rgb(value: str) -> tuple[int, int, int]:
         ) from None
 
 
-@app.command("ingest")
+_DETECTION_HELP = """\
+Detection sources (found by their layout; --format forces one):
+
+\b
+  coco          SOURCE/annotations/instances_train.json + SOURCE/train/ (images),
+                or SOURCE/instances.json + SOURCE/images/, or the .json file itself
+  yolo          SOURCE/data.yaml + SOURCE/images/... + SOURCE/labels/...
+  voc           SOURCE/Annotations/*.xml + SOURCE/JPEGImages/ (+ ImageSets/Main/<split>.txt)
+  label_studio  SOURCE/export.json (Label Studio's JSON export) + the images under SOURCE
+
+A detection dataset stores each image with its boxes, scaled with the image by --max-side and
+clipped to it. Boxes and images left out (out of bounds, unknown class, missing image, ...)
+are listed in DIR/rejected.jsonl with a reason; images with no box are kept as background.
+The split comes from the source when it names one (train/val/test files or folders), else it
+is seeded and stratified by each image's rarest class.
+"""
+
+
+@app.command("ingest", epilog=_DETECTION_HELP)
 def ingest_command(
     source: Path = typer.Argument(
         ...,
-        help="An ImageFolder (SOURCE/<class>/*.jpg, optionally under train/ val/ test/) "
-        "or a CSV file with the header path,label[,split].",
+        help="An ImageFolder (SOURCE/<class>/*.jpg, optionally under train/ val/ test/), "
+        "a CSV file with the header path,label[,split], or a detection source "
+        "(COCO, YOLO, Pascal VOC, Label Studio: see below).",
         show_default=False,
     ),
     out_dir: Path = typer.Option(
@@ -118,8 +137,18 @@ def ingest_command(
         help="Follow symbolic links that lead outside the source folder. Default: skip them "
         "(listed in rejected.jsonl as link_outside_source).",
     ),
+    format: str | None = typer.Option(
+        None,
+        "--format",
+        "-f",
+        help="Read SOURCE as this detection format: coco, yolo, voc or label_studio. Default: "
+        "detected from the layout; a source that is no detection source is read as an ImageFolder "
+        "or CSV (classification).",
+        show_default=False,
+    ),
 ) -> None:
-    """Build a dataset (shards + dataset.json) from labelled images.
+    """Build a dataset (shards + dataset.json) from labelled images: classification from an
+    ImageFolder or CSV, object detection from COCO, YOLO, Pascal VOC or Label Studio.
 
     Every image is decoded and checked; bad ones are listed in DIR/rejected.jsonl, not stored.
 
@@ -141,6 +170,7 @@ def ingest_command(
         alpha_background=_parse_rgb(alpha_background),
         lossy_quality=jpeg_quality,
         follow_links=follow_links,
+        format=format,
     )
     ingest_with_progress(source, out_dir, options)
 
@@ -179,6 +209,9 @@ def _line(text: str) -> None:
 
 
 def _print_summary(report: IngestReport) -> None:
+    if report.manifest.detection is not None:
+        _print_detection_summary(report)
+        return
     m = report.manifest
     splits = " · ".join(f"{s} {m.splits[s].count:,}" for s in _SPLITS if s in m.splits)
     _line(
@@ -205,6 +238,67 @@ def _print_summary(report: IngestReport) -> None:
             f"→ {escape(str(report.duplicates_file))}"
         )
     _line(f"  version     {m.version}")
+    for warning in report.warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    where = escape(str(report.out))
+    _line(f"Next: [bold]visionloop data info {where}[/]")
+    _line(f"      and point a train spec at it:  data: {{dataset: {where}}}")
+
+
+def _detection_table(m: DatasetManifest) -> Table:
+    """Per class and split: boxes, and images containing the class; then background images."""
+    assert m.detection is not None
+    splits = [s for s in _SPLITS if s in m.detection.splits and m.detection.splits[s].images]
+    det = m.detection.splits
+    t = Table(title="boxes (images) per split and class", title_justify="left", show_footer=True)
+    t.add_column("class", footer="images")
+    for s in splits:
+        t.add_column(s, justify="right", footer=f"{det[s].images:,}")
+    t.add_column("total", justify="right", footer=f"{sum(det[s].images for s in splits):,}")
+    for cls in m.classes:
+        boxes = [det[s].instances.get(cls, 0) for s in splits]
+        images = [m.splits[s].per_class.get(cls, 0) if s in m.splits else 0 for s in splits]
+        cells = [f"{b:,} ({n:,})" for b, n in zip(boxes, images, strict=True)]
+        t.add_row(escape(cls), *cells, f"{sum(boxes):,} ({sum(images):,})")
+    t.add_row(
+        "[italic]background[/]",
+        *(f"({det[s].background_images:,})" for s in splits),
+        f"({sum(det[s].background_images for s in splits):,})",
+    )
+    sizes = [det[s].box_sizes for s in splits]
+    t.add_row(
+        "[italic]small/medium/large[/]",
+        *(f"{z.small}/{z.medium}/{z.large}" for z in sizes),
+        f"{sum(z.small for z in sizes)}/{sum(z.medium for z in sizes)}/{sum(z.large for z in sizes)}",
+    )
+    return t
+
+
+def _print_detection_summary(report: IngestReport) -> None:
+    m = report.manifest
+    assert m.detection is not None
+    det = m.detection
+    boxes = sum(sum(s.instances.values()) for s in det.splits.values())
+    background = sum(s.background_images for s in det.splits.values())
+    splits = " · ".join(f"{s} {m.splits[s].count:,}" for s in _SPLITS if s in m.splits)
+    _line(
+        f"[bold green]Ingested[/] {report.kept:,} images with {boxes:,} boxes in {m.num_classes} classes "
+        f"from {escape(m.source.path)} ({m.source.kind}) in {report.seconds:.1f} s"
+    )
+    _line(f"  kept        {splits}" + ("  (split from the source)" if m.split_policy.from_source else ""))
+    _line(f"  background  {background:,} images with no box (kept)")
+    _line(f"  clipped     {det.clipped_boxes:,} boxes clipped to the image edges (kept)")
+    if m.rejected:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in report.rejected_by_reason.items())
+        _line(f"  rejected    {m.rejected:,} ({reasons}) → {escape(str(report.rejected_file))}")
+    else:
+        _line("  rejected    0")
+    if m.duplicates:
+        fate = "kept (--keep-duplicates)" if report.duplicates_kept else "dropped, first in path order kept"
+        where = escape(str(report.duplicates_file))
+        _line(f"  duplicates  {m.duplicates:,} byte-identical images; {fate} → {where}")
+    _line(f"  version     {m.version}")
+    out.print(_detection_table(m))
     for warning in report.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
     where = escape(str(report.out))
@@ -244,6 +338,7 @@ def _summary_table(m: DatasetManifest) -> Table:
         f"test {m.split_policy.test_fraction:g}"
     )
     t.add_row("version", m.version)
+    t.add_row("task", m.task)
     t.add_row("source", f"{m.source.kind}: {escape(m.source.path)} ({m.source.files_seen:,} files seen)")
     t.add_row("classes", f"{m.num_classes}: {shown}")
     t.add_row("split", split)
@@ -293,7 +388,7 @@ def info_command(
         typer.echo(m.model_dump_json(indent=2))
         return
     out.print(_summary_table(m))
-    out.print(_counts_table(m))
+    out.print(_counts_table(m) if m.detection is None else _detection_table(m))
 
     rejected = _read_jsonl(dataset / REJECTED_NAME)
     if m.rejected:

@@ -54,11 +54,13 @@ from visionloop.data.split import Duplicate, assign_splits, find_duplicates, wri
 
 __all__ = ["IngestOptions", "IngestReport", "ProgressFn", "default_workers", "ingest"]
 
+# Decode batches, shared with ingest_detection.
+BATCH_FILES = 64
+BATCH_BYTES = 4 * 1024 * 1024
+
 log = logging.getLogger(__name__)
-# A decode batch holds at most this many files or source bytes: enough to amortise the IPC
-# round trip, small enough that the batches in flight (3 per worker) never hold much memory.
-_BATCH_FILES = 64
-_BATCH_BYTES = 4 * 1024 * 1024
+# A decode batch holds at most BATCH_FILES files or BATCH_BYTES source bytes: enough to amortise
+# the IPC round trip, small enough that the batches in flight (3 per worker) never hold much memory.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,6 +79,13 @@ def _check_out(out: Path, listing: SourceListing, overwrite: bool) -> None:
             f"as a class folder. Choose a folder outside it, e.g. "
             f"--out {listing.root.parent / 'datasets' / listing.root.name}."
         )
+    check_out(out, listing.root, (c.path for c in listing.candidates), overwrite)
+
+
+def check_out(out: Path, root: Path, source_files: Iterable[str], overwrite: bool) -> None:
+    """Refuse an `out` that is a file, not empty without --overwrite, not a dataset, or that
+    holds the source (replacing it would delete source files)."""
+    out_s, root_s = str(out), str(root)
     if not out.exists():
         return
     if not out.is_dir():
@@ -92,7 +101,7 @@ def _check_out(out: Path, listing: SourceListing, overwrite: bool) -> None:
             f"--out {out} is not empty and is not a visionloop dataset (no {MANIFEST_NAME}); refusing to "
             "replace it even with --overwrite. Choose an empty or new folder."
         )
-    if _is_within(root_s, out_s) or any(_is_within(c.path, out_s) for c in listing.candidates):
+    if _is_within(root_s, out_s) or any(_is_within(path, out_s) for path in source_files):
         raise DataError(
             f"--out {out} contains source images; replacing it would delete them. Choose another --out."
         )
@@ -108,13 +117,20 @@ def ingest(
     options: IngestOptions | None = None,
     progress: ProgressFn | None = None,
 ) -> IngestReport:
-    """Build a dataset at `out` from an ImageFolder or CSV `source`.
+    """Build a dataset at `out` from an ImageFolder or CSV `source`, or from a detection
+    source (COCO, YOLO, Pascal VOC, Label Studio: `ingest_detection`) when `source` is one or
+    `options.format` names one.
 
     Raises `DataError` for an unusable source or `out` (before any work). Bad images never
     raise: they are listed in `out/rejected.jsonl`. On any exception (Ctrl-C included) `out`
     is left as it was.
     """
     options = options or IngestOptions()
+    # Imported here: ingest_detection builds on this module's helpers.
+    from visionloop.data.ingest_detection import ingest_detection, is_detection_source
+
+    if options.format is not None or is_detection_source(Path(source)):
+        return ingest_detection(source, out, options, progress)
     started = time.monotonic()
     notify = progress or (lambda stage, done, total: None)
     # resolve(): the containment checks below compare real paths, symlinks followed.
@@ -219,11 +235,11 @@ class _Run:
 
     def _batches(self, workers: int) -> Iterator[list[int]]:
         # At least ~4 batches per worker, so a small dataset still spreads over every worker.
-        max_files = max(1, min(_BATCH_FILES, len(self.order) // (4 * workers)))
+        max_files = max(1, min(BATCH_FILES, len(self.order) // (4 * workers)))
         batch: list[int] = []
         size = 0
         for i in self.order:
-            if batch and (len(batch) >= max_files or size + self.sizes[i] > _BATCH_BYTES):
+            if batch and (len(batch) >= max_files or size + self.sizes[i] > BATCH_BYTES):
                 yield batch
                 batch, size = [], 0
             batch.append(i)
@@ -317,9 +333,9 @@ class _Run:
     def finish(self) -> DatasetManifest:
         self._settle_duplicates()
         self.rejections.sort(key=lambda r: r["path"])
-        _write_jsonl(self.tmp / REJECTED_NAME, self.rejections)
+        write_jsonl(self.tmp / REJECTED_NAME, self.rejections)
         self.reported_duplicates.sort(key=lambda d: str(d["duplicate"]))
-        _write_jsonl(self.tmp / DUPLICATES_NAME, self.reported_duplicates)
+        write_jsonl(self.tmp / DUPLICATES_NAME, self.reported_duplicates)
         if self.stats.total == 0:
             head = "; ".join(r["message"] for r in self.rejections[:3])
             raise DataError(
@@ -366,7 +382,7 @@ class _Run:
         return manifest
 
 
-def _write_jsonl(path: Path, rows: Iterable[dict[str, object]] | Iterable[dict[str, str]]) -> None:
+def write_jsonl(path: Path, rows: Iterable[dict[str, object]] | Iterable[dict[str, str]]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -10,9 +10,17 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
 
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
@@ -30,6 +38,11 @@ MAX_MANIFEST_BYTES = 4 * 2**20
 _PLAIN_RELATIVE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 
 SplitName = Literal["train", "val", "test"]
+SourceKind = Literal["imagefolder", "csv", "coco", "yolo", "voc", "label_studio"]
+DETECTION_KINDS: tuple[SourceKind, ...] = ("coco", "yolo", "voc", "label_studio")
+# COCO's object size buckets, by box area in stored-image pixels: small < 32², medium < 96².
+SMALL_AREA = 32**2
+MEDIUM_AREA = 96**2
 
 
 class _Strict(BaseModel):
@@ -49,7 +62,7 @@ class ImagePolicy(_Strict):
 
 
 class SourceInfo(_Strict):
-    kind: Literal["imagefolder", "csv"]
+    kind: SourceKind
     path: str
     files_seen: int
 
@@ -95,6 +108,35 @@ class SizeStats(_Strict):
     max: tuple[int, int]
 
 
+class BoxSizes(_Strict):
+    """Boxes counted by COCO's area buckets, in pixels of the stored image (after --max-side)."""
+
+    small: int = Field(0, description="area < 32²")
+    medium: int = Field(0, description="32² <= area < 96²")
+    large: int = Field(0, description="area >= 96²")
+
+
+class DetectionSplitStats(_Strict):
+    images: int
+    background_images: int = Field(description="images stored with no box")
+    instances: dict[str, int] = Field(description="boxes per class name, every class listed")
+    box_sizes: BoxSizes
+    clipped_boxes: int = Field(0, description="boxes clipped to the image edges (kept)")
+    difficult_boxes: int = Field(
+        0, description="boxes the source flags difficult (VOC) or crowd (COCO), stored as ordinary boxes"
+    )
+
+
+class DetectionStats(_Strict):
+    """What a detection dataset holds beyond the image counts: per split, boxes by class and size."""
+
+    splits: dict[SplitName, DetectionSplitStats]
+    clipped_boxes: int = Field(0, description="boxes clipped to the image edges and kept, all splits")
+    dropped_boxes: int = Field(
+        0, description="boxes left out (outside the image, no area, unknown class, ...), see rejected.jsonl"
+    )
+
+
 class DatasetManifest(_Strict):
     format_version: int = FORMAT_VERSION
     version: str = Field(description="content hash over images, labels and splits: the dataset's version")
@@ -111,6 +153,16 @@ class DatasetManifest(_Strict):
     duplicates: int = 0
     created_at: str
     visionloop_version: str
+    # Detection datasets only (task "detection"). Left out of the JSON when None, so that a
+    # classification manifest is written exactly as before (older readers forbid extra keys).
+    detection: DetectionStats | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_detection(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("detection", 0) is None:
+            del data["detection"]
+        return data
 
     @property
     def num_classes(self) -> int:

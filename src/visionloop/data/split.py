@@ -81,6 +81,24 @@ def assign_splits(
     return splits
 
 
+BACKGROUND_GROUP = -1
+
+
+def rarest_class_groups(present: Sequence[Sequence[int]]) -> list[int]:
+    """For detection: each image's stratum for `assign_splits`, the class it contains that the
+    fewest images contain (ties to the lower index), or `BACKGROUND_GROUP` for an image with no
+    box. Stratifying on the rarest class keeps a rare class's few images in every split, which
+    stratifying on a common one (present almost everywhere) would not."""
+    images_with: dict[int, int] = {}
+    for labels in present:
+        for label in set(labels):
+            images_with[label] = images_with.get(label, 0) + 1
+    return [
+        min(set(labels), key=lambda c: (images_with[c], c)) if labels else BACKGROUND_GROUP
+        for labels in present
+    ]
+
+
 def write_order(n: int, seed: int) -> list[int]:
     """A seeded permutation of range(n): the order images are decoded and written in.
 

@@ -13,6 +13,7 @@ Layouts recognised (SOURCE is a folder unless said):
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from visionloop.core.errors import DataError
@@ -57,15 +58,43 @@ def _yaml_in(folder: Path) -> Path | None:
     return yamls[0] if len(yamls) == 1 else None
 
 
+_FILE_NAME = re.compile(rb'"file_name"\s*:\s*"([^"\\]{1,1000})"')
+
+
+def _coco_images_dir(js: Path, beside: Path) -> Path:
+    """The folder a COCO file's `file_name`s are relative to, when the file does not say: the
+    folder `beside` it, unless its first `file_name` (peeked from the file's head, no parse) is
+    missing there but present under `beside/images/` (the layout `generate_detection_dataset`
+    and many exporters write: `instances.json` + `images/`)."""
+    images = beside / "images"
+    if not images.is_dir():
+        return beside
+    try:
+        with open(js, "rb") as f:
+            head = f.read(65536)
+    except OSError:
+        return beside
+    match = _FILE_NAME.search(head)
+    if match is None:
+        return beside
+    name = match.group(1).decode("utf-8", "replace")
+    if (beside / name).is_file() or not (images / name).is_file():
+        return beside
+    return images
+
+
 def _coco_pairs(folder: Path) -> list[tuple[Path, Path]]:
     """(images folder, COCO json) pairs of a COCO-layout folder."""
     pairs: list[tuple[Path, Path]] = []
     jsons = sorted(folder.glob("annotations/instances*.json")) + sorted(folder.glob("instances*.json"))
     for js in jsons:
         name = js.stem.removeprefix("instances").lstrip("_-")
+        if not name:
+            # `instances.json` names no split folder: images/ or the folder itself.
+            pairs.append((_coco_images_dir(js, folder), js))
+            continue
         for candidate in (folder / name, folder / "images" / name, folder / "images", folder):
-            named = bool(name) or candidate in (folder / "images", folder)
-            if named and candidate.is_dir():
+            if candidate.is_dir():
                 pairs.append((candidate, js))
                 break
     for js in sorted([*folder.glob("*/_annotations.coco.json"), *folder.glob("_annotations.coco.json")]):
@@ -172,7 +201,7 @@ def read_detection_source(path: Path, format: str | None = None) -> DetectionSou
             )
         return read_label_studio(js, js.parent)
     if path.is_file():
-        return read_coco(path.parent, path)
+        return read_coco(_coco_images_dir(path, path.parent), path)
     pairs = _coco_pairs(path)
     if not pairs:
         raise DataError(f"{path} has no COCO instances*.json.\n{LAYOUTS}")
