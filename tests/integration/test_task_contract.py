@@ -132,7 +132,7 @@ def test_register_export_compare_and_serve(tmp_path: Path, task_dataset: tuple[s
     # An untrained model's score can be anything; the gate compares it with eager PyTorch on
     # the same images, so the fp32 export must match eager within the task's own parity.
     report = export_model(info, precision="fp32", settings=settings)
-    assert report.passed
+    assert report.passed, report.reason
     assert report.max_abs_diff < 1e-3
     assert abs(report.accuracy - report.reference_accuracy) * 100 <= 1.0
 
