@@ -225,13 +225,22 @@ class Task(ABC):
         *,
         pretrained: Path | None = None,
         kwargs: Mapping[str, Any],
+        image_size: int | None = None,
     ) -> nn.Module:
-        """The registered architecture `arch` with this task's head for `class_names`."""
+        """The registered architecture `arch` with this task's head for `class_names`.
+        `image_size` is the side of the square images it will see (`data.image_size`, the card's
+        input size): a detector sizes its anchors or heatmap from it; a classifier may ignore it."""
 
     def load_model(self, card: ModelCard, weights: Path | None) -> nn.Module:
         """The model a card describes with its trained `weights` (a safetensors or
         `weights_only` state dict file) loaded, in eval mode: what export and bench run."""
-        model = self.build_model(card.arch, card.class_names, pretrained=weights, kwargs=card.model_kwargs)
+        model = self.build_model(
+            card.arch,
+            card.class_names,
+            pretrained=weights,
+            kwargs=card.model_kwargs,
+            image_size=card.input_size[1],
+        )
         return model.eval()
 
     @abstractmethod

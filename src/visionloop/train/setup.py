@@ -138,7 +138,11 @@ def build(
     total_steps = spec.steps or (spec.epochs or 1) * steps_per_epoch
 
     model = task.build_model(
-        spec.model.arch, manifest.classes, pretrained=spec.model.pretrained, kwargs=spec.model.kwargs
+        spec.model.arch,
+        manifest.classes,
+        pretrained=spec.model.pretrained,
+        kwargs=spec.model.kwargs,
+        image_size=spec.data.image_size,
     )
     model.to(device)
     check_input_size(model, spec, task, manifest.classes, device)

@@ -83,6 +83,7 @@ class ClassificationTask(Task):
         *,
         pretrained: Path | None = None,
         kwargs: Mapping[str, Any],
+        image_size: int | None = None,
     ) -> nn.Module:
         from visionloop.models import create_model
 
