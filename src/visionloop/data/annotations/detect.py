@@ -12,6 +12,7 @@ Layouts recognised (SOURCE is a folder unless said):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -20,7 +21,7 @@ from visionloop.core.errors import DataError
 from visionloop.data.annotations.coco import read_coco
 from visionloop.data.annotations.common import Issues, Where, split_from_name
 from visionloop.data.annotations.label_studio import read_label_studio
-from visionloop.data.annotations.model import DetectionSample, DetectionSource, IssueReason
+from visionloop.data.annotations.model import DetectionSample, DetectionSource, Issue, IssueReason
 from visionloop.data.annotations.voc import read_voc
 from visionloop.data.annotations.yolo import read_yolo
 
@@ -142,6 +143,16 @@ def detect_format(path: Path) -> str:
     )
 
 
+def _rebase(issue: Issue, old_root: Path, root: Path) -> Issue:
+    if issue.image is None:
+        return issue
+    try:
+        rel = Path(os.path.normpath(Path(os.path.realpath(old_root)) / issue.image)).relative_to(root)
+    except ValueError:
+        return issue
+    return dataclasses.replace(issue, image=rel.as_posix())
+
+
 def merge(fmt: str, root: Path, sources: list[DetectionSource]) -> DetectionSource:
     """One source from several read from files under `root`: classes joined by name (in the
     order first seen), image paths made relative to `root`, an image read twice kept once."""
@@ -158,7 +169,9 @@ def merge(fmt: str, root: Path, sources: list[DetectionSource]) -> DetectionSour
                 index[name] = len(classes)
                 classes.append(name)
         remap = [index[name] for name in source.classes]
-        issues.items.extend(source.issues)
+        # Issues name their image relative to the file's own root: make it relative to `root`,
+        # as the samples' `rel` are, so rejected.jsonl and the dataset use one path per image.
+        issues.items.extend(_rebase(issue, source.root, root) for issue in source.issues)
         warnings.extend(source.warnings)
         for s in source.samples:
             rel = Path(os.path.realpath(s.image)).relative_to(root).as_posix()
