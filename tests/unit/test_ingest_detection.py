@@ -22,6 +22,7 @@ from visionloop.data.annotations import (
     DetectionSource,
     read_detection_source,
     write_coco,
+    write_label_studio,
     write_voc,
     write_yolo,
 )
@@ -107,26 +108,39 @@ def test_yolo_voc_and_coco_give_the_same_boxes(coco_src: Path, tmp_path: Path) -
         s.split = "val" if k % 4 == 0 else "train"
     yaml = write_yolo(src, tmp_path / "yolo")
     voc = write_voc(src, tmp_path / "voc")
+    shutil.copytree(coco_src / "images", tmp_path / "ls" / "images")
+    ls = DetectionSource(
+        "ls", tmp_path / "ls", src.classes, [_moved(s, tmp_path / "ls") for s in src.samples]
+    )
+    write_label_studio(ls, tmp_path / "ls" / "export.json", tmp_path / "ls")
     got = {}
-    for name, path in (("yolo", yaml.parent), ("voc", voc)):
+    for name, path in (("yolo", yaml.parent), ("voc", voc), ("label_studio", tmp_path / "ls")):
         report = ingest(path, tmp_path / f"ds_{name}", _opts())
         assert report.manifest.source.kind == name
-        assert report.manifest.split_policy.from_source is True
-        assert report.manifest.splits["val"].count == 8
+        if name != "label_studio":  # Label Studio has no splits: seeded
+            assert report.manifest.split_policy.from_source is True
+            assert report.manifest.splits["val"].count == 8
         by_image = {}
         for split, image, boxes, labels in _records(tmp_path / f"ds_{name}", 3).values():
             by_image[hashlib.sha256(image).hexdigest()] = (split, boxes, labels)
         got[name] = by_image
-    assert got["yolo"].keys() == got["voc"].keys() and len(got["yolo"]) == 30
+    assert got["yolo"].keys() == got["voc"].keys() == got["label_studio"].keys() and len(got["yolo"]) == 30
     for sample in src.samples:
         key = hashlib.sha256(sample.image.read_bytes()).hexdigest()  # PNG stored as is
         want = np.asarray(sample.boxes, dtype=np.float64).reshape(-1, 4)
-        for name in ("yolo", "voc"):
+        for name in ("yolo", "voc", "label_studio"):
             split, boxes, labels = got[name][key]
-            assert split == sample.split
-            # YOLO keeps 6 decimals of the image size, VOC 2 decimals of a pixel
+            assert split == sample.split or name == "label_studio"
+            # YOLO keeps 6 decimals of the image size, VOC 2 decimals of a pixel, Label Studio percents
             np.testing.assert_allclose(boxes, want, atol=0.01)
             assert labels.tolist() == sample.labels
+
+
+def _moved(sample: DetectionSample, root: Path) -> DetectionSample:
+    image = root / "images" / sample.image.name
+    return DetectionSample(
+        image, image.relative_to(root).as_posix(), sample.width, sample.height, sample.boxes, sample.labels
+    )
 
 
 def _hostile_coco(root: Path) -> Path:

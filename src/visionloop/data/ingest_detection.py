@@ -31,13 +31,9 @@ from functools import partial
 from pathlib import Path
 from typing import cast
 
-import numpy as np
-import numpy.typing as npt
-
 from visionloop import __version__
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import DetectionSample, DetectionSource, IssueReason, read_detection_source
-from visionloop.data.annotations.common import EPS_PX
+from visionloop.data.annotations import DetectionSource, IssueReason, read_detection_source
 from visionloop.data.boxes import MAX_BOXES, encode_boxes
 from visionloop.data.imageio import (
     Normalised,
@@ -48,6 +44,14 @@ from visionloop.data.imageio import (
     target_size,
 )
 from visionloop.data.ingest import BATCH_BYTES, BATCH_FILES, check_out, write_jsonl
+from visionloop.data.ingest_detection_support import (
+    BOX_REASONS,
+    IMAGE_REASONS,
+    TOO_MANY_BOXES,
+    clipped_per_image,
+    is_detection_source,
+    scale_boxes,
+)
 from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
 from visionloop.data.ingest_pool import chunks, hash_files, ordered_map, worker_context
 from visionloop.data.ingest_stats import (
@@ -71,53 +75,9 @@ from visionloop.data.publish import building, publish
 from visionloop.data.shards import Record, ShardWriter
 from visionloop.data.split import Duplicate, assign_splits, find_duplicates, rarest_class_groups, write_order
 
-__all__ = ["TOO_MANY_BOXES", "ingest_detection", "is_detection_source"]
+__all__ = ["TOO_MANY_BOXES", "ingest_detection", "is_detection_source", "scale_boxes"]
 
 log = logging.getLogger(__name__)
-
-TOO_MANY_BOXES = "too_many_boxes"  # rejected.jsonl reason: an image over boxes.MAX_BOXES
-# Reasons that leave out one box (the others leave out an image or a whole file).
-_BOX_REASONS = frozenset(
-    {
-        IssueReason.BOX_ZERO_AREA,
-        IssueReason.BOX_INVERTED,
-        IssueReason.BOX_NOT_FINITE,
-        IssueReason.BOX_OUTSIDE_IMAGE,
-        IssueReason.BOX_ROTATED,
-        IssueReason.DUPLICATE_BOX,
-        IssueReason.UNKNOWN_CLASS,
-        IssueReason.MALFORMED_ANNOTATION,
-    }
-)
-_IMAGE_REASONS = frozenset(
-    {
-        IssueReason.MISSING_IMAGE,
-        IssueReason.DUPLICATE_IMAGE,
-        IssueReason.AMBIGUOUS_IMAGE,
-        IssueReason.UNREADABLE_IMAGE,
-        IssueReason.IMAGE_SIZE_MISMATCH,
-        IssueReason.PATH_OUTSIDE_SOURCE,
-        IssueReason.LINK_OUTSIDE_SOURCE,
-    }
-)
-
-
-def is_detection_source(path: Path) -> bool:
-    """True when `path` has the layout of a detection source (or of several: reading it then
-    asks for --format). An ImageFolder or CSV has none of these markers."""
-    from visionloop.data.annotations import detect
-
-    path = Path(path)
-    if path.is_file():
-        return path.suffix.lower() in (".json", ".yaml", ".yml")
-    if not path.is_dir():
-        return False
-    return bool(
-        detect._yaml_in(path) is not None
-        or (path / "Annotations").is_dir()
-        or detect._coco_pairs(path)
-        or detect._label_studio_json(path) is not None
-    )
 
 
 def ingest_detection(
@@ -161,32 +121,6 @@ def ingest_detection(
     )
 
 
-def scale_boxes(
-    sample: DetectionSample, width: int, height: int
-) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], list[int], int]:
-    """The sample's boxes on the stored `width x height` image: scaled per axis by exactly the
-    factor the image was resized by, clipped to its edges. Returns (boxes, labels, positions
-    of the source boxes that kept an area, how many were clipped by more than float noise)."""
-    if not sample.boxes:
-        return np.zeros((0, 4)), np.zeros(0, dtype=np.int64), [], 0
-    sx, sy = width / sample.width, height / sample.height
-    raw = np.asarray(sample.boxes, dtype=np.float64).reshape(-1, 4) * np.array([sx, sy, sx, sy])
-    limit = np.array([width, height, width, height], dtype=np.float64)
-    clipped = np.clip(raw, 0.0, limit)
-    moved = int((np.abs(clipped - raw).max(axis=1) > EPS_PX).sum())
-    # What the shard will hold is float32: the box must keep an area there too.
-    f32 = clipped.astype(np.float32)
-    keep = (
-        (clipped[:, 2] - clipped[:, 0] >= EPS_PX)
-        & (clipped[:, 3] - clipped[:, 1] >= EPS_PX)
-        & (f32[:, 2] > f32[:, 0])
-        & (f32[:, 3] > f32[:, 1])
-    )
-    kept = [int(i) for i in np.flatnonzero(keep)]
-    labels = np.asarray(sample.labels, dtype=np.int64)
-    return clipped[keep], labels[keep], kept, moved
-
-
 class _Run:
     """State of one detection ingest: the plan, the writers, the rows of rejected.jsonl."""
 
@@ -209,27 +143,10 @@ class _Run:
         self.warnings = list(src.warnings)
         self.stats = StatsAccumulator(src.classes)
         self.boxes = DetectionAccumulator(src.classes)
-        self.dropped_boxes = sum(1 for i in src.issues if i.reason in _BOX_REASONS and not i.kept)
+        self.dropped_boxes = sum(1 for i in src.issues if i.reason in BOX_REASONS and not i.kept)
         self.versioned: list[tuple[str, str, bytes]] = []
-        self._clips = self._clipped_per_image()
+        self._clips = clipped_per_image(src)
         self._clips_placed = 0
-
-    def _clipped_per_image(self) -> Counter[str]:
-        """Reader clips per sample `rel`. An issue names its image relative to the file it was
-        read from, which for a merged source (COCO per split) is a suffix of the sample's rel."""
-        by_suffix: dict[str, str | None] = {}
-        for s in self.src.samples:
-            parts = s.rel.split("/")
-            for k in range(len(parts)):
-                suffix = "/".join(parts[k:])
-                by_suffix[suffix] = s.rel if by_suffix.get(suffix, s.rel) == s.rel else None
-        clips: Counter[str] = Counter()
-        for issue in self.src.issues:
-            if issue.reason == IssueReason.BOX_CLIPPED and issue.image is not None:
-                rel = by_suffix.get(issue.image)
-                if rel is not None:
-                    clips[rel] += 1
-        return clips
 
     def _reject(self, i: int, reason: str, message: str) -> None:
         s = self.src.samples[i]
@@ -443,7 +360,7 @@ class _Run:
         all_clips = sum(1 for i in self.src.issues if i.reason == IssueReason.BOX_CLIPPED)
         placed_anywhere = sum(self._clips.values())
         images_seen = len(self.src.samples) + sum(
-            1 for i in self.src.issues if i.reason in _IMAGE_REASONS and not i.kept
+            1 for i in self.src.issues if i.reason in IMAGE_REASONS and not i.kept
         )
         manifest = DatasetManifest(
             version=detection_version(self.policy, self.src.classes, self.versioned),
