@@ -8,6 +8,7 @@ still describes every body, for clients and for schemathesis.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import secrets
 import time
@@ -38,7 +39,8 @@ from visionloop.serve.protocol import (
 )
 from visionloop.serve.source import ModelSource
 from visionloop.serve.state import INLINE_PARSE_BYTES, Server
-from visionloop.tasks.base import AnswerOptions
+from visionloop.tasks import get_task, list_tasks
+from visionloop.tasks.base import AnswerOptions, ImageContext
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ _INFER_PATH = re.compile(r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^
 
 class ServeApp:
     """What uvicorn serves: a POST to an infer route goes straight to its handler, everything
-    else (health, metadata, classify, /metrics, OpenAPI, lifespan) through FastAPI.
+    else (health, metadata, the image endpoint, /metrics, OpenAPI, lifespan) through FastAPI.
 
     Why: at saturation FastAPI's routing, middleware and dependency solving took about 40% of
     the event loop per infer request, as much as the request's own work (py-spy, small
@@ -130,6 +132,8 @@ def create_app(
     _handlers(app, server)
     _routes(app, server)
     routing.add_routes(app, server)
+    # Last: `/v2/models/{name}/{endpoint}` would otherwise take the routing API's POSTs.
+    _image_routes(app, server)
     return ServeApp(app, server, keys)
 
 
@@ -271,50 +275,113 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def infer_version(request: Request, name: str, version: str) -> Response:
         return await _infer(server, request, name, version)
 
-    async def classify(request: Request, name: str, version: str | None) -> Response:
-        started = time.perf_counter()
-        m = server.model(request, name)
-        v = server.version(m, version)
-        top_k = _top_k(request.query_params.get("top_k"), cfg.top_k)
-        body = await server.body(request)
-        sv, shadow = server.pick(m, v)
-        # The form's parse, the decode and the resize: in the bounded decode pool.
-        data, x = await server.decode(body, request.headers.get("content-type", ""), sv)
-        if sv.batcher.closed:  # promoted away while decoding: ask again (same card, or redo)
-            old, (sv, shadow) = sv, server.pick(m, v)
-            if sv.resolved.card.eval_preprocess() != old.resolved.card.eval_preprocess():
-                _, x = await server.decode(data, "", sv)
-        spec = sv.model.inputs[0]
-        if len(sv.model.inputs) != 1 or any(
-            w >= 0 and w != g for w, g in zip(spec.shape[1:], x.shape[1:], strict=False)
-        ):
-            raise ProtocolError(
-                f"{sv.name}/{sv.version} takes {[t.metadata() for t in sv.model.inputs]}, which the image "
-                "endpoint cannot build from its model card; use the infer endpoint",
-                status=400,
-            )
-        req = InferRequest(None, {spec.name: x}, 1, [])
-        result = await server.run(sv, req, shadow)
-        answer = sv.task.served_answer(result.outputs, sv.labels, options=AnswerOptions(top_k=top_k))
-        server.count(sv, "classify", started)
-        return _json({"model_name": sv.name, "model_version": str(sv.version), **answer})
-
-    @app.post("/v2/models/{name}/classify", tags=["inference"], openapi_extra=openapi.CLASSIFY)
-    async def classify_model(request: Request, name: str) -> Response:
-        return await classify(request, name, None)
-
-    @app.post(
-        "/v2/models/{name}/versions/{version}/classify", tags=["inference"], openapi_extra=openapi.CLASSIFY
-    )
-    async def classify_version(request: Request, name: str, version: str) -> Response:
-        return await classify(request, name, version)
-
     @app.get("/metrics", tags=["metrics"])
     async def metrics() -> Response:
         for m in server.repo.models.values():
             for sv in m.loaded().values():
                 server.metrics.queue_depth.labels(sv.name, str(sv.version)).set(sv.batcher.depth)
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _image_routes(app: FastAPI, server: Server) -> None:
+    """The image endpoint, `POST /v2/models/NAME[/versions/V]/<endpoint>`, where <endpoint> is
+    the served model's task's (`Task.image_endpoint`: classify, detect). Each registered
+    task's endpoint is a documented route; any other last segment reaches the same handler,
+    which answers with the endpoint the model does have."""
+    endpoints = sorted({get_task(t).image_endpoint for t in list_tasks()})
+
+    async def handle(request: Request, name: str, version: str | None, endpoint: str) -> Response:
+        return await _image(server, request, name, version, endpoint, endpoints)
+
+    for endpoint in endpoints:
+        extra = openapi.image_endpoint(endpoint)
+
+        def model_route(endpoint: str = endpoint) -> Callable[[Request, str], Any]:
+            async def route(request: Request, name: str) -> Response:
+                return await handle(request, name, None, endpoint)
+
+            return route
+
+        def version_route(endpoint: str = endpoint) -> Callable[[Request, str, str], Any]:
+            async def route(request: Request, name: str, version: str) -> Response:
+                return await handle(request, name, version, endpoint)
+
+            return route
+
+        app.post(
+            f"/v2/models/{{name}}/{endpoint}",
+            tags=["inference"],
+            openapi_extra=extra,
+            operation_id=f"{endpoint}_model",
+            summary=f"{endpoint.capitalize()} an image",
+        )(model_route())
+        app.post(
+            f"/v2/models/{{name}}/versions/{{version}}/{endpoint}",
+            tags=["inference"],
+            openapi_extra=extra,
+            operation_id=f"{endpoint}_version",
+            summary=f"{endpoint.capitalize()} an image with one version",
+        )(version_route())
+
+    @app.post("/v2/models/{name}/{endpoint}", include_in_schema=False)
+    async def other_model(request: Request, name: str, endpoint: str) -> Response:
+        return await handle(request, name, None, endpoint)
+
+    @app.post("/v2/models/{name}/versions/{version}/{endpoint}", include_in_schema=False)
+    async def other_version(request: Request, name: str, version: str, endpoint: str) -> Response:
+        return await handle(request, name, version, endpoint)
+
+
+async def _image(
+    server: Server, request: Request, name: str, version: str | None, endpoint: str, known: list[str]
+) -> Response:
+    """One image in, the task's answer out (`Task.served_answer`), for the served model whose
+    task answers at `endpoint`."""
+    cfg = server.config
+    started = time.perf_counter()
+    m = server.model(request, name)
+    v = server.version(m, version)
+    # Checked before the body is read: the endpoint is the primary's task's (a challenger of
+    # another task is not served through the image endpoint; see pick below).
+    target = m.primary if v is None else m.loaded()[v]
+    want = target.task.image_endpoint
+    if endpoint != want:
+        prefix = f"/v2/models/{name}" + ("" if v is None else f"/versions/{v}")
+        hint = f"{name} is a {target.task.name} model: POST {prefix}/{want} with the image"
+        if endpoint in known:
+            raise ProtocolError(f"{name} has no /{endpoint} endpoint; {hint}", status=400)
+        raise ProtocolError(f"no such endpoint: POST {request.url.path}; {hint}", status=404)
+    options = _answer_options(request, cfg.top_k)
+    body = await server.body(request)
+    sv, shadow = server.pick(m, v)
+    # The form's parse, the decode and the resize: in the bounded decode pool.
+    data, x, size = await server.decode(body, request.headers.get("content-type", ""), sv)
+    if sv.batcher.closed:  # promoted away while decoding: ask again (same card, or redo)
+        old, (sv, shadow) = sv, server.pick(m, v)
+        if sv.resolved.card.eval_preprocess() != old.resolved.card.eval_preprocess():
+            _, x, size = await server.decode(data, "", sv)
+    if sv.task.image_endpoint != endpoint:
+        # A canary of another task (or an alias moved to one) cannot answer this request.
+        raise ProtocolError(
+            f"{sv.name}/{sv.version} answers at /{sv.task.image_endpoint}, not /{endpoint}; retry", 409
+        )
+    spec = sv.model.inputs[0]
+    if len(sv.model.inputs) != 1 or any(
+        w >= 0 and w != g for w, g in zip(spec.shape[1:], x.shape[1:], strict=False)
+    ):
+        raise ProtocolError(
+            f"{sv.name}/{sv.version} takes {[t.metadata() for t in sv.model.inputs]}, which the image "
+            "endpoint cannot build from its model card; use the infer endpoint",
+            status=400,
+        )
+    req = InferRequest(None, {spec.name: x}, 1, [])
+    result = await server.run(sv, req, shadow)
+    image = ImageContext(
+        width=size[0], height=size[1], input_height=int(x.shape[2]), input_width=int(x.shape[3])
+    )
+    answer = sv.task.served_answer(result.outputs, sv.labels, options=options, image=image)
+    server.count(sv, endpoint, started)
+    return _json({"model_name": sv.name, "model_version": str(sv.version), **answer})
 
 
 async def _infer(server: Server, request: Request, name: str, version: str | None) -> Response:
@@ -345,9 +412,32 @@ async def _infer(server: Server, request: Request, name: str, version: str | Non
     )
 
 
-def _top_k(value: str | None, default: int) -> int:
+def _answer_options(request: Request, default_top_k: int | None) -> AnswerOptions:
+    """The image endpoint's query parameters: `top_k` (1 to 1000; else the serving config's,
+    else the task's default) and `score_threshold` (0 to 1; else the task's default)."""
+    query = request.query_params
+    top_k = _top_k(query.get("top_k"), default_top_k)
+    threshold = _score_threshold(query.get("score_threshold"))
+    if top_k is None:
+        return AnswerOptions(score_threshold=threshold)
+    return AnswerOptions(top_k=top_k, score_threshold=threshold)
+
+
+def _top_k(value: str | None, default: int | None) -> int | None:
     if value is None:
         return default
     if not value.isdigit() or not 1 <= int(value) <= 1000:
         raise ProtocolError(f"top_k must be a whole number from 1 to 1000, got {value!r}")
     return int(value)
+
+
+def _score_threshold(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        threshold = float(value)
+    except ValueError:
+        threshold = math.nan
+    if not 0.0 <= threshold <= 1.0:  # also refuses nan
+        raise ProtocolError(f"score_threshold must be a number from 0 to 1, like 0.5; got {value!r}")
+    return threshold

@@ -68,7 +68,14 @@ class ServeConfig(BaseModel):
     )
 
     max_body_bytes: int = Field(32 * 2**20, ge=1024, examples=[33554432])
-    top_k: int = Field(5, ge=1, le=1000, examples=[5], description="labels returned by the image endpoint")
+    top_k: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        examples=[5],
+        description="items (classes, boxes) the image endpoint returns when a request gives no top_k; "
+        "none: the task's default",
+    )
     max_image_pixels: int = Field(
         24_000_000, ge=1, le=1_000_000_000, examples=[24000000], description="largest image decoded"
     )

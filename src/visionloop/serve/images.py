@@ -127,9 +127,24 @@ def needed_side(pre: EvalPreprocess) -> int:
     return size if isinstance(size, int) else max(size)
 
 
+# EXIF orientations that turn the picture a quarter (transpose, 90, transverse, 270): the
+# upright image's width is the stored height.
+_QUARTER_TURNS = frozenset({5, 6, 7, 8})
+_ORIENTATION = 0x0112
+
+
 def decode(data: bytes, need: int | None = None, max_pixels: int = MAX_PIXELS) -> Any:
     """The decoded PIL image, reduced while decoding when it is much larger than `need`
     (see the module docstring); a 413 past `max_pixels`, a 400/415 for what is not an image."""
+    return decode_sized(data, need, max_pixels)[0]
+
+
+def decode_sized(
+    data: bytes, need: int | None = None, max_pixels: int = MAX_PIXELS
+) -> tuple[Any, tuple[int, int]]:
+    """`decode`, and the upright (width, height) of the image *as sent*: its stored size before
+    any reduction, swapped when its EXIF orientation turns it a quarter. An answer in image
+    pixels (a detector's boxes) is given in that frame, whatever the decoder reduced."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -147,13 +162,16 @@ def decode(data: bytes, need: int | None = None, max_pixels: int = MAX_PIXELS) -
         im.load()
         if target is not None and min(im.size) >= 2 * target:
             im = _reduce(im, min(im.size) // target)
+        # Read from the decoded image, which keeps the EXIF block through a reduction: the
+        # transform applies this same orientation (ImageOps.exif_transpose).
+        orientation = im.getexif().get(_ORIENTATION)
     except UnidentifiedImageError:
         raise ProtocolError(
             "the body is not an image the server can decode; send a JPEG or PNG file", status=415
         ) from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise ProtocolError(f"the image cannot be decoded ({e}); send an intact JPEG or PNG file") from None
-    return im
+    return im, ((h, w) if orientation in _QUARTER_TURNS else (w, h))
 
 
 def _reduce(im: Any, factor: int) -> Any:
@@ -187,9 +205,20 @@ def preprocess(
     max_pixels: int = MAX_PIXELS,
 ) -> npt.NDArray[Any]:
     """Image bytes → a (1, C, H, W) array of `dtype`, or a 400/413/415 naming the problem."""
-    im = decode(data, need, max_pixels)
+    return preprocess_sized(data, transform, dtype, need, max_pixels)[0]
+
+
+def preprocess_sized(
+    data: bytes,
+    transform: Callable[[Any], Any],
+    dtype: np.dtype[Any],
+    need: int | None = None,
+    max_pixels: int = MAX_PIXELS,
+) -> tuple[npt.NDArray[Any], tuple[int, int]]:
+    """`preprocess`, and the upright (width, height) of the image as sent (`decode_sized`)."""
+    im, size = decode_sized(data, need, max_pixels)
     tensor = transform(im)
-    return np.ascontiguousarray(tensor.numpy()[None], dtype=dtype)
+    return np.ascontiguousarray(tensor.numpy()[None], dtype=dtype), size
 
 
 def card_transform(card: ModelCard) -> Callable[[Any], Any]:

@@ -57,7 +57,7 @@ INFER: dict[str, Any] = {
     ],
 }
 
-CLASSIFY: dict[str, Any] = {
+_IMAGE_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "content": {
@@ -72,7 +72,39 @@ CLASSIFY: dict[str, Any] = {
             },
         },
     },
-    "parameters": [
-        {"name": "top_k", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1}}
-    ],
 }
+
+
+def image_endpoint(endpoint: str) -> dict[str, Any]:
+    """The image endpoint `endpoint` (classify, detect): an image file in, the task's answer
+    out. `top_k` caps the items (classes, boxes); `score_threshold` drops those scoring less."""
+    return {
+        **_IMAGE_BODY,
+        "description": (
+            f"POST an image (raw JPEG/PNG body, or a multipart form's file field) to /{endpoint}; it is "
+            "preprocessed as the model card says. A classifier answers at /classify with "
+            '{"predictions": [{"label", "index", "score"}]}; a detector at /detect with '
+            '{"detections": [{"label", "index", "score", "box": [x1, y1, x2, y2]}], "counts": {label: n}}, '
+            "boxes in pixels of the image as sent. Another endpoint than the model's task's is refused "
+            "with the right one named."
+        ),
+        "parameters": [
+            {
+                "name": "top_k",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+                "description": "at most this many items (default: the task's)",
+            },
+            {
+                "name": "score_threshold",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "number", "minimum": 0, "maximum": 1},
+                "description": "only items scoring at least this (default: the task's, 0.25 for boxes)",
+            },
+        ],
+    }
+
+
+CLASSIFY: dict[str, Any] = image_endpoint("classify")

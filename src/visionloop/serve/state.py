@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from visionloop.serve.batcher import BatcherClosedError, InferenceError, QueueFullError, Result
 from visionloop.serve.config import ServeConfig
-from visionloop.serve.images import image_bytes, needed_side, preprocess
+from visionloop.serve.images import image_bytes, needed_side, preprocess_sized
 from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import PredictionLog
 from visionloop.serve.protocol import InferRequest, ProtocolError
@@ -153,17 +153,20 @@ class Server:
 
     async def decode(
         self, body: bytes, content_type: str, sv: ServedVersion
-    ) -> tuple[bytes, npt.NDArray[Any]]:
-        """An image request's body → (the image file, the model's input (1, C, H, W)), in the
-        decode pool: the multipart form is split, the image decoded (reduced to what the card's
-        resize needs) and preprocessed there, a bounded number at a time."""
+    ) -> tuple[bytes, npt.NDArray[Any], tuple[int, int]]:
+        """An image request's body → (the image file, the model's input (1, C, H, W), the
+        image's upright (width, height) as sent), in the decode pool: the multipart form is
+        split, the image decoded (reduced to what the card's resize needs) and preprocessed
+        there, a bounded number at a time."""
         cfg = self.config
 
-        def work() -> tuple[bytes, npt.NDArray[Any]]:
+        def work() -> tuple[bytes, npt.NDArray[Any], tuple[int, int]]:
             data = image_bytes(body, content_type)
             need = needed_side(sv.resolved.card.eval_preprocess())
-            x = preprocess(data, sv.transform(), sv.model.inputs[0].dtype, need, cfg.max_image_pixels)
-            return data, x
+            x, size = preprocess_sized(
+                data, sv.transform(), sv.model.inputs[0].dtype, need, cfg.max_image_pixels
+            )
+            return data, x, size
 
         return await asyncio.get_running_loop().run_in_executor(self._decodes, work)
 
@@ -221,11 +224,12 @@ class Server:
         except (asyncio.CancelledError, TimeoutError, BatcherClosedError, InferenceError):
             self.metrics.shadow_dropped.labels(primary.name).inc()
             return
-        name = primary.model.outputs[0].name
-        if name not in s.outputs:
+        task = shadow.task
+        # Comparable only as the same task with the same outputs (a challenger of another
+        # task, or one missing an output, cannot agree or disagree).
+        if task is not primary.task or any(t.name not in s.outputs for t in primary.model.outputs):
             self.metrics.shadow_dropped.labels(primary.name).inc()
             return
-        task = shadow.task
         agrees = task.agreement(p.outputs, s.outputs)
         agree = int(agrees.sum())
         counter = self.metrics.shadow

@@ -13,7 +13,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from visionloop.tasks.base import Answer, Arrays, Evaluator, ExportComparison, LossFn, OutputScorer, Task
+from visionloop.tasks.base import (
+    Answer,
+    AnswerOptions,
+    Arrays,
+    Evaluator,
+    ExportComparison,
+    ImageContext,
+    LossFn,
+    OutputScorer,
+    Task,
+)
 from visionloop.tasks.classification import answer
 from visionloop.tasks.registry import register_task
 
@@ -87,6 +97,7 @@ class ClassificationTask(Task):
     ) -> nn.Module:
         from visionloop.models import create_model
 
+        # A classifier's head does not depend on the image size (adaptive pooling).
         return create_model(arch, len(class_names), pretrained=pretrained, **kwargs)
 
     def check_output(self, outputs: Any, class_names: Sequence[str]) -> str | None:
@@ -149,6 +160,21 @@ class ClassificationTask(Task):
     def postprocess(self, outputs: Arrays, class_names: Sequence[str], *, top_k: int) -> list[Answer]:
         scores = _logits(outputs)
         return [answer.top_k(row, class_names, top_k) for row in scores]
+
+    def served_answer(
+        self,
+        outputs: Arrays,
+        class_names: Sequence[str],
+        *,
+        options: AnswerOptions,
+        image: ImageContext | None = None,
+    ) -> dict[str, Any]:
+        # The top-k classes; with a score threshold, only those whose probability reaches it.
+        # The image's size does not change a class.
+        preds = answer.top_k(_logits(outputs)[0], class_names, options.top_k)
+        if options.score_threshold is not None:
+            preds = [p for p in preds if p["score"] >= options.score_threshold]
+        return {"predictions": preds}
 
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
         return answer.log_fields(_logits(outputs), class_names)
