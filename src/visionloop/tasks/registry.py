@@ -30,7 +30,7 @@ _TaskT = TypeVar("_TaskT", bound="type[Task]")
 
 # Modules that register the built-in tasks when imported. A task under development registers
 # itself the same way once its module is listed here (or imported by whoever uses it).
-_BUILTIN_MODULES: tuple[str, ...] = ("visionloop.tasks.classification",)
+_BUILTIN_MODULES: tuple[str, ...] = ("visionloop.tasks.classification", "visionloop.tasks.detection")
 
 _REGISTRY: dict[str, type[Task]] = {}
 _INSTANCES: dict[str, Task] = {}

@@ -1,0 +1,317 @@
+"""Object detection: per image, a list of boxes with class labels.
+
+Imports stay light (no torch at import time): the inference server uses the serving half of
+this task (`answer`, numpy only). The training half imports its modules when first called.
+
+Frames and labels, everywhere in the task:
+- every image is letterboxed to S x S (S = `data.image_size`; the model card's `Letterbox`),
+  and a sample's boxes are xyxy in those input pixels; each target carries its letterbox
+  `scale`, by which the evaluators divide to measure in stored-image pixels;
+- labels are 0-based dataset class indices, except inside the torchvision-API model, which
+  counts background as 0: `train_loss` adds 1 on the way in, `eval_forward` subtracts 1 on
+  the way out.
+
+The model's input size S: `build_model` takes it as `image_size` (keyword, or
+`model.kwargs.image_size`); `load_model` takes it from the card's `input_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from visionloop.core.errors import SpecError
+from visionloop.tasks.base import (
+    Answer,
+    AnswerOptions,
+    Arrays,
+    Evaluator,
+    ExportComparison,
+    ImageContext,
+    LossFn,
+    OutputScorer,
+    Task,
+)
+from visionloop.tasks.registry import register_task
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from visionloop.data.manifest import DatasetManifest
+    from visionloop.data.shards import Record, ShardReader
+    from visionloop.models import ModelCard
+    from visionloop.specs import TrainSpec
+
+
+def sum_losses(losses: Mapping[str, torch.Tensor], _targets: Any = None) -> torch.Tensor:
+    """A torchvision detector's loss dict → the scalar to back-propagate (their sum, in the
+    dict's order, so the sum is the same on every run)."""
+    values = list(losses.values())
+    if not values:
+        raise SpecError("the detector returned no losses in training mode; check model.kwargs")
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
+
+
+def _image_size(kwargs: Mapping[str, Any], image_size: int | None) -> tuple[int, dict[str, Any]]:
+    kw = dict(kwargs)
+    given = kw.pop("image_size", None)
+    if image_size is not None and given is not None and int(given) != int(image_size):
+        raise SpecError(
+            f"model.kwargs.image_size is {given} but the images are {image_size}x{image_size}; "
+            f"drop model.kwargs.image_size or set it to data.image_size ({image_size})"
+        )
+    size = image_size if image_size is not None else given
+    if size is None:
+        raise SpecError(
+            "a detector needs its input size: set model.kwargs.image_size to data.image_size "
+            "(e.g. image_size: 320)"
+        )
+    return int(size), kw
+
+
+@register_task("detection")
+class DetectionTask(Task):
+    """Boxes with class labels; torchvision's detection model API (`archs.build_detector`)."""
+
+    primary_metric = "mAP"
+    primary_mode = "max"
+    output_names = ("boxes", "scores", "labels")
+    image_endpoint = "detect"
+    metric_label = "mAP"
+    model_normalizes = True
+    # How export reports name `GateMeasurement.agreement` (see evaluate.DetectionComparison).
+    agreement_label = "matched boxes (IoU ≥ 0.99)"
+
+    # ------------------------------------------------------------------ data
+    def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
+        from visionloop.data.manifest import read_manifest
+        from visionloop.tasks.detection.data import ShardDetectionDataset
+        from visionloop.tasks.detection.transforms import DetectionTrainTransform
+
+        _check_spec(spec, reader)
+        t = DetectionTrainTransform(size=spec.data.image_size, augment=spec.data.augment, seed=spec.seed)
+        return ShardDetectionDataset(reader, t, read_manifest(spec.data.dataset).classes)
+
+    def eval_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
+        from visionloop.data.manifest import read_manifest
+        from visionloop.tasks.detection.data import ShardDetectionDataset
+        from visionloop.tasks.detection.transforms import DetectionEvalTransform
+
+        _check_spec(spec, reader)
+        t = DetectionEvalTransform(spec.data.image_size)
+        return ShardDetectionDataset(reader, t, read_manifest(spec.data.dataset).classes)
+
+    def collate(self, samples: list[Any]) -> tuple[torch.Tensor, Any]:
+        """Images (all S x S) stacked into (N, 3, S, S); targets stay a list of dicts."""
+        import torch
+
+        images = torch.stack([image for image, _ in samples])
+        return images, [target for _, target in samples]
+
+    def targets_to(self, targets: Any, device: torch.device) -> Any:
+        import torch
+
+        return [
+            {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in t.items()}
+            for t in targets
+        ]
+
+    def record_targets(
+        self, records: Sequence[Record], image_size: int | None = None
+    ) -> list[dict[str, Any]]:
+        """The targets of raw records as the eval dataset makes them: boxes in the pixels of
+        the image letterboxed to `image_size` (the card's input side), with the scale.
+
+        `image_size` is required for detection; the base contract has no such argument, so
+        a caller that does not pass it gets an error that says so, not targets in a
+        different frame than the model's boxes."""
+        if image_size is None:
+            raise SpecError(
+                "detection targets depend on the model's input size: call "
+                "record_targets(records, image_size=card.input_size[1])"
+            )
+        from visionloop.models.card import letterbox_scale
+        from visionloop.tasks.detection.data import make_target, record_boxes
+
+        out = []
+        for r in records:
+            h, w = _image_hw(r["image"])
+            scale = letterbox_scale(h, w, (image_size, image_size))
+            # No class count at hand: decode_boxes still checks the rows are whole and finite.
+            boxes, labels = record_boxes(r, 2**24)
+            scaled = (boxes * scale).clamp(0.0, float(image_size))
+            out.append(make_target(scaled, labels, scale, r["index"], (h, w)))
+        return out
+
+    # ------------------------------------------------------------------ model
+    def build_model(
+        self,
+        arch: str,
+        class_names: Sequence[str],
+        *,
+        pretrained: Path | None = None,
+        kwargs: Mapping[str, Any],
+        image_size: int | None = None,
+    ) -> nn.Module:
+        """`archs.build_detector(arch, len(class_names), image_size=S, ...)`. S is `image_size`
+        when given (the trainer's `data.image_size`, the card's input side), else
+        `kwargs["image_size"]`; the rest of `kwargs` goes to the architecture."""
+        from visionloop.tasks.detection.archs import build_detector
+
+        size, kw = _image_size(kwargs, image_size)
+        return build_detector(arch, len(class_names), image_size=size, pretrained=pretrained, **kw)
+
+    def load_model(self, card: ModelCard, weights: Path | None) -> nn.Module:
+        model = self.build_model(
+            card.arch,
+            card.class_names,
+            pretrained=weights,
+            kwargs=card.model_kwargs,
+            image_size=card.input_size[1],
+        )
+        return model.eval()
+
+    def check_output(self, outputs: Any, class_names: Sequence[str]) -> str | None:
+        if not isinstance(outputs, list | tuple) or len(outputs) != 1 or not isinstance(outputs[0], Mapping):
+            return f"returned {type(outputs).__name__} for one image, expected a list of one dict"
+        d = outputs[0]
+        missing = [k for k in ("boxes", "scores", "labels") if k not in d]
+        if missing:
+            return f"returned a dict without {missing} (expected boxes, scores, labels)"
+        boxes, scores, labels = (tuple(getattr(d[k], "shape", ())) for k in ("boxes", "scores", "labels"))
+        if len(boxes) != 2 or boxes[1] != 4 or scores != boxes[:1] or labels != boxes[:1]:
+            return f"returned boxes {boxes}, scores {scores}, labels {labels}; expected (K, 4), (K,), (K,)"
+        return None
+
+    def loss_fn(self, spec: TrainSpec) -> LossFn:
+        return sum_losses
+
+    def train_loss(
+        self, model: nn.Module, images: torch.Tensor, targets: Any, loss_fn: LossFn
+    ) -> torch.Tensor:
+        # torchvision's detectors count background as class 0.
+        model_targets = [{"boxes": t["boxes"], "labels": t["labels"] + 1} for t in targets]
+        return loss_fn(model(list(images), model_targets), targets)
+
+    def eval_forward(
+        self, model: nn.Module, images: torch.Tensor, targets: Any, loss_fn: LossFn
+    ) -> tuple[Any, float]:
+        out = model(list(images))
+        # The input image rides along (a view, no copy) so the evaluator can draw a few.
+        dets = [
+            {"boxes": d["boxes"], "scores": d["scores"], "labels": d["labels"] - 1, "image": image}
+            for d, image in zip(out, images, strict=True)
+        ]
+        return dets, 0.0
+
+    def evaluator(self, class_names: Sequence[str]) -> Evaluator:
+        from visionloop.tasks.detection.evaluate import DetectionTaskEvaluator
+
+        return DetectionTaskEvaluator(class_names)
+
+    def model_card(
+        self,
+        manifest: DatasetManifest,
+        spec: TrainSpec,
+        *,
+        mean: Sequence[float],
+        std: Sequence[float],
+        metrics: Mapping[str, float],
+        run_uid: str | None,
+    ) -> ModelCard:
+        from visionloop.models import ModelCard
+
+        size = spec.data.image_size
+        kwargs = dict(spec.model.kwargs)
+        kwargs.pop("image_size", None)  # the card's input_size says it
+        # Built directly: ModelCard.from_manifest consults the classification arch registry.
+        return ModelCard(
+            task="detection",
+            arch=spec.model.arch,
+            model_kwargs=kwargs,
+            num_classes=manifest.num_classes,
+            class_names=list(manifest.classes),
+            input_size=(3, size, size),
+            mean=tuple(mean),
+            std=tuple(std),
+            crop_pct=1.0,
+            interpolation="bilinear",  # what Letterbox resizes with in the eval dataset
+            alpha_background=manifest.image_policy.alpha_background,
+            resize="letterbox",
+            dataset_version=manifest.version,
+            metrics={k: float(v) for k, v in metrics.items() if "/" not in k},
+            run_uid=run_uid,
+        )
+
+    # ------------------------------------------------------------------ export
+    def export_module(self, model: nn.Module) -> nn.Module:
+        from visionloop.tasks.detection.archs import export_module
+
+        return export_module(model)
+
+    def export_comparison(self) -> ExportComparison:
+        from visionloop.tasks.detection.evaluate import DetectionComparison
+
+        return DetectionComparison()
+
+    def output_scorer(self) -> OutputScorer:
+        from visionloop.tasks.detection.evaluate import MapScorer
+
+        return MapScorer()
+
+    # ------------------------------------------------------------------ serving (numpy only)
+    def postprocess(self, outputs: Arrays, class_names: Sequence[str], *, top_k: int) -> list[Answer]:
+        from visionloop.tasks.detection import answer
+
+        return answer.detections(outputs, class_names, options=AnswerOptions(top_k=top_k))
+
+    def served_answer(
+        self,
+        outputs: Arrays,
+        class_names: Sequence[str],
+        *,
+        options: AnswerOptions,
+        image: ImageContext | None = None,
+    ) -> dict[str, Any]:
+        from visionloop.tasks.detection import answer
+
+        return answer.served(outputs, class_names, options=options, image=image)
+
+    def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
+        from visionloop.tasks.detection import answer
+
+        return answer.log_fields(outputs, class_names)
+
+    def agreement(self, a: Arrays, b: Arrays) -> np.ndarray:
+        from visionloop.tasks.detection import answer
+
+        return answer.agreement(a, b)
+
+
+def _check_spec(spec: TrainSpec, reader: ShardReader) -> None:
+    from visionloop.core.errors import DataError
+
+    if not reader.has_boxes:
+        raise DataError(
+            f"{reader.shard_dir} holds no boxes: it is not a detection split. Ingest a COCO, YOLO, VOC "
+            "or Label Studio source to train a detector."
+        )
+    _image_size(spec.model.kwargs, spec.data.image_size)
+
+
+def _image_hw(data: bytes) -> tuple[int, int]:
+    """(height, width) of an encoded image, from its header (no pixel decode)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        w, h = im.size
+    return int(h), int(w)
