@@ -151,7 +151,11 @@ class ConfigResult(BaseModel):
     reason: str | None = None
     model_path: str | None = None
     size_bytes: int | None = None
-    accuracy: float | None = Field(None, description="top-1 on the evaluation images, 0..1")
+    accuracy: float | None = Field(
+        None,
+        description="the task's gate metric on the evaluation images, 0..1 (BenchResult.metric names it: "
+        "top-1 accuracy, or mAP)",
+    )
     eval_images: int | None = None
     provider: str | None = Field(None, description="what ran it: torch, or the ONNX Runtime provider")
     memory_kind: Literal["rss", "cuda"] | None = None
@@ -184,6 +188,8 @@ class BenchResult(BaseModel):
     machine: dict[str, str | int | float | None] = Field(default_factory=dict)
     settings: SweepSettings
     eval_source: str | None = Field(None, description="dataset split the accuracy was measured on")
+    # How the task names the gate metric in the accuracy column (Task.metric_label).
+    metric: str = "top-1"
     eval_images: int = 0
     configs: list[ConfigResult] = Field(default_factory=list)
 

@@ -6,7 +6,9 @@ A runner takes a float32 batch as numpy (N, C, H, W) and does two jobs:
   That call is what gets timed: CUDA kernels are asynchronous, so eager CUDA ends with
   `torch.cuda.synchronize()`; ONNX Runtime with io binding ends with `synchronize_outputs()`;
   ONNX Runtime's plain `run` and CPU PyTorch are synchronous on return.
-- `predict(batch)` returns float32 logits on the host, for accuracy.
+- `predict(batch)` returns every output of the model on the host, in the model's output order
+  (the task's `output_names`: logits; or boxes, scores, labels), for the task's gate metric.
+  Floating outputs come back as float32; integer ones (a detector's labels) keep their type.
 
 Latency is therefore the compute of one batch already in device memory, as timm's benchmark
 measures it; copying a request to the device is the server's cost, not the model's.
@@ -37,7 +39,13 @@ class Runner(Protocol):
 
     def prepare(self, batch: np.ndarray) -> Callable[[], object]: ...
 
-    def predict(self, batch: np.ndarray) -> np.ndarray: ...
+    def predict(self, batch: np.ndarray) -> list[np.ndarray]: ...
+
+
+def _host(out: np.ndarray) -> np.ndarray:
+    """A runner's output as the scorer reads it: floating point as float32, integers as they are."""
+    out = np.asarray(out)
+    return out.astype(np.float32, copy=False) if np.issubdtype(out.dtype, np.floating) else out
 
 
 def cuda_available() -> tuple[bool, str]:
@@ -55,7 +63,9 @@ def _meter(device: str, *, torch_allocator: bool) -> PeakMeter:
 
 
 class TorchRunner:
-    """Eager PyTorch from the card and final weights, in eval mode under inference_mode."""
+    """Eager PyTorch from the card and final weights, in eval mode under inference_mode: the
+    module the task exports (`task.export_module(task.load_model(card, weights))`), so its
+    outputs line up one for one with the ONNX model's."""
 
     def __init__(self, card: ModelCard, weights: Path, *, precision: str, device: str) -> None:
         import torch
@@ -67,7 +77,10 @@ class TorchRunner:
         self.meter = _meter(device, torch_allocator=True)
         self.device = torch.device(device)
         self.dtype = torch.float16 if precision == "fp16" else torch.float32
-        model = card.create_model(weights).eval().to(self.device, self.dtype)
+        from visionloop.tasks import get_task
+
+        task = get_task(card.task)
+        model = task.export_module(task.load_model(card, weights)).eval().to(self.device, self.dtype)
         self.model = model
         self.provider = "torch-cuda" if device == "cuda" else "torch-cpu"
 
@@ -91,12 +104,13 @@ class TorchRunner:
 
         return call
 
-    def predict(self, batch: np.ndarray) -> np.ndarray:
+    def predict(self, batch: np.ndarray) -> list[np.ndarray]:
         import torch
 
         with torch.inference_mode():
             out = self.model(torch.from_numpy(batch).to(self.device, self.dtype))
-        return out.float().cpu().numpy()  # type: ignore[no-any-return]
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        return [_host((o.float() if o.is_floating_point() else o).cpu().numpy()) for o in outs]
 
 
 _ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -131,7 +145,8 @@ class OrtRunner:
         self.device = device
         inp = self.session.get_inputs()[0]
         self.input_name: str = inp.name
-        self.output_name: str = self.session.get_outputs()[0].name
+        # Every output, in the model's order (a detector has three).
+        self.output_names: list[str] = [o.name for o in self.session.get_outputs()]
         # An fp16 export may keep fp16 inputs (onnxconverter-common without keep_io_types).
         self.input_dtype: Any = np.float16 if inp.type == "tensor(float16)" else np.float32
 
@@ -139,7 +154,7 @@ class OrtRunner:
         x = np.ascontiguousarray(batch, dtype=self.input_dtype)
         if self.device == "cpu":
             feed = {self.input_name: x}
-            return lambda: self.session.run([self.output_name], feed)
+            return lambda: self.session.run(self.output_names, feed)
         import onnxruntime as ort
 
         # io binding: the input lives in device memory and the output stays there, so a call
@@ -147,7 +162,8 @@ class OrtRunner:
         value = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
         binding = self.session.io_binding()
         binding.bind_ortvalue_input(self.input_name, value)
-        binding.bind_output(self.output_name, "cuda", 0)
+        for name in self.output_names:
+            binding.bind_output(name, "cuda", 0)
 
         def call() -> object:
             self.session.run_with_iobinding(binding)
@@ -156,7 +172,6 @@ class OrtRunner:
 
         return call
 
-    def predict(self, batch: np.ndarray) -> np.ndarray:
+    def predict(self, batch: np.ndarray) -> list[np.ndarray]:
         x = np.ascontiguousarray(batch, dtype=self.input_dtype)
-        out = self.session.run([self.output_name], {self.input_name: x})[0]
-        return np.asarray(out, dtype=np.float32)
+        return [_host(o) for o in self.session.run(self.output_names, {self.input_name: x})]

@@ -1,8 +1,9 @@
 """The sweep: every (device, format, precision) of a model, timed at every batch size.
 
-For each configuration: load it (a failure to load is that row's "failed"), measure top-1
-accuracy on the evaluation images, then per batch size warm up (first calls allocate buffers,
-pick kernels and, on CUDA, initialise the context), time calls that each end synchronised,
+For each configuration: load it (a failure to load is that row's "failed"), measure the
+task's gate metric (top-1 accuracy, mAP: `Task.metric_label`) on the evaluation images, then
+per batch size warm up (first calls allocate buffers, pick kernels and, on CUDA, initialise
+the context), time calls that each end synchronised,
 and read the peak memory. Configurations run one after another in this process, never
 concurrently: two would compete for the same cores and both numbers would be wrong.
 """
@@ -32,6 +33,7 @@ from visionloop.bench.result import (
 from visionloop.bench.runners import OrtRunner, Runner, SkippedError, TorchRunner, cuda_available
 from visionloop.bench.stats import summarize
 from visionloop.bench.target import BenchTarget
+from visionloop.tasks import get_task
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +229,7 @@ def run_sweep(
         settings=settings,
         eval_source=eval_source,
         eval_images=0 if evalset is None else len(evalset.labels),
+        metric=get_task(target.card.task).metric_label,
     )
     for device in settings.devices:
         for fmt in settings.formats:

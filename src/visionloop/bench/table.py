@@ -43,7 +43,7 @@ def _table(result: BenchResult) -> Table:
     title = f"{result.model} ({result.arch}, input {'x'.join(map(str, result.input_size))})"
     # No outer edge: two columns fewer, so the whole table fits 120 columns.
     table = Table(title=escape(title), title_justify="left", show_edge=False)
-    for name in ("format", "precision", "device", "status", "size", "accuracy"):
+    for name in ("format", "precision", "device", "status", "size", result.metric):
         table.add_column(name, no_wrap=True)
     for name in ("batch", "p50 ms", "p90 ms", "p99 ms", "images/s", "peak mem"):
         table.add_column(name, justify="right", no_wrap=True)

@@ -40,8 +40,8 @@ def _reason(report: ExportReport | None, precision: str, hint: str) -> str | Non
         return f"onnx {precision} export has no readable {EXPORT_REPORT_FILE}; re-export it (`{hint}`)"
     if report.passed:
         return None
-    detail = f" (accuracy drop {report.drop_points:.2f} points > {report.threshold_points:.2f})"
-    return f"onnx {precision} export failed its accuracy gate{detail}"
+    detail = f" ({report.metric} drop {report.drop_points:.2f} points > {report.threshold_points:.2f})"
+    return f"onnx {precision} export failed its {report.metric} gate{detail}"
 
 
 def onnx_exports(model_dir: Path, export_hint: str) -> dict[str, Path | str]:

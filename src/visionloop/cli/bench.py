@@ -137,7 +137,7 @@ def bench(
         result = run_sweep(target, settings, progress=progress)
     print_wide(result_table(result))
     if result.eval_source:
-        out.print(f"accuracy measured on {escape(result.eval_source)}")
+        out.print(f"{escape(result.metric)} measured on {escape(result.eval_source)}")
     where = (out_dir or default_out_dir(vl.home, result)).expanduser().resolve()
     written = write_result(result, where, budget_ms=latency_budget)
     for path in written.values():

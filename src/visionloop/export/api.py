@@ -1,5 +1,7 @@
 """`export_model`: a registered version → ONNX (fp32, fp16 or int8), checked against eager
-PyTorch and gated on validation accuracy, stored with the version in the registry."""
+PyTorch and gated on the task's metric on the validation split (top-1 accuracy for
+classification, mAP for detection: `GateMeasurement.metric`), stored with the version in the
+registry."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from visionloop.registry.export_record import write_export_report_text
 from visionloop.registry.files import model_lock
 from visionloop.registry.history import now_iso
 from visionloop.registry.layout import EXPORT_REPORT_FILE, FAILED_EXPORT_REPORT_FILE, ONNX_FILE, export_dir
-from visionloop.tasks import GateMeasurement
+from visionloop.tasks import GateMeasurement, Task
 
 CARD_METADATA_KEY = "visionloop.model_card"
 DEFAULT_CALIBRATION_SIZE = 256
@@ -57,9 +59,11 @@ def export_model(
     """Export `ref` and gate it. Returns the report of a passed export; raises ExportGateError
     (after writing the failed report) when parity or accuracy is off.
 
-    Parity: max |logit - eager PyTorch logit| and top-1 agreement on the validation images,
-    thresholds per precision (`report.DEFAULT_PARITY`) unless given. Gate: validation accuracy
-    may fall at most `threshold_points` (percentage points) below eager fp32 PyTorch's.
+    Parity: the largest raw-output difference from eager PyTorch and the task's agreement
+    (the same top-1 class; the same boxes, one to one at IoU >= 0.99) on the validation
+    images, thresholds per precision (`report.DEFAULT_PARITY`) unless given. Gate: the task's
+    metric on the validation split (top-1 accuracy, mAP) may fall at most `threshold_points`
+    (percentage points) below eager fp32 PyTorch's.
     int8 is calibrated on `calibration_size` training images, or on `calibration_images`
     (preprocessed, (N, C, H, W)) when given.
     """
@@ -70,7 +74,9 @@ def export_model(
     if precision not in PRECISIONS:
         raise ExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
     if threshold_points < 0:
-        raise ExportError(f"the allowed accuracy drop must be >= 0 points, got {threshold_points}.")
+        raise ExportError(
+            f"the allowed metric drop (--max-drop) must be >= 0 points, got {threshold_points}."
+        )
     if calibration_size < 1:
         raise ExportError(f"--calibration-size must be at least 1, got {calibration_size}.")
     info = ref if isinstance(ref, ModelVersionInfo) else get_version(ref, settings)
@@ -138,9 +144,13 @@ def export_model(
         dataset_version=ds.manifest.version,
         split=split,
         passed=parity_ok and gate_ok,
-        reason=None if parity_ok and gate_ok else _reason(parity_ok, gate_ok),
+        reason=None if parity_ok and gate_ok else _reason(parity_ok, gate_ok, m.metric),
         created_at=now_iso(),
         duration_s=round(time.monotonic() - started, 3),
+        metric=m.metric,
+        agreement_label=_agreement_label(task),
+        # One output called logits (a classifier), else the outputs at large (boxes, scores, ...).
+        output_label="logit" if tuple(task.output_names) == ("logits",) else "output",
     )
     kept = _store(out_dir, data, report)
     if kept:
@@ -153,6 +163,7 @@ def export_model(
             "precision": precision,
             "passed": str(report.passed).lower(),
             "accuracy": f"{report.accuracy:.6g}",
+            "metric": report.metric,
             "drop_points": f"{report.drop_points:.4g}",
             "sha256": report.sha256 or "",
         },
@@ -199,12 +210,19 @@ def _measure(
     return m
 
 
-def _reason(parity_ok: bool, gate_ok: bool) -> str:
+def _agreement_label(task: Task) -> str:
+    """How reports name the task's agreement: the task's `agreement_label` where it declares
+    one ("matched boxes (IoU ≥ 0.99)"), else "<metric label> agreement" ("top-1 agreement")."""
+    label = getattr(task, "agreement_label", None)
+    return label if isinstance(label, str) and label else f"{task.metric_label} agreement"
+
+
+def _reason(parity_ok: bool, gate_ok: bool, metric: str = "accuracy") -> str:
     reasons = []
     if not parity_ok:
         reasons.append("parity with eager PyTorch is off")
     if not gate_ok:
-        reasons.append("accuracy dropped more than allowed")
+        reasons.append(f"{metric} dropped more than allowed")
     return "; ".join(reasons)
 
 
@@ -240,14 +258,15 @@ def _failure_message(r: ExportReport, out_dir: Path, *, kept: bool = False) -> s
         )
     within = "more than" if not r.gate_passed else "within"
     lines.append(
-        f"  accuracy {r.accuracy:.2%} against {r.reference_accuracy:.2%} for fp32 PyTorch on "
+        f"  {r.metric} {r.accuracy:.2%} against {r.reference_accuracy:.2%} for fp32 PyTorch on "
         f"{r.samples} {r.split} images: a drop of {r.drop_points:.2f} points, "
         f"{within} the {r.threshold_points:g} allowed (--max-drop)."
     )
     if not r.parity_passed:
         limit = "not checked" if r.max_abs_diff_threshold is None else f"limit {r.max_abs_diff_threshold:g}"
         lines.append(
-            f"  max |logit diff| {r.max_abs_diff:.4g} ({limit}), top-1 agreement {r.top1_agreement:.2%} "
+            f"  max |{r.output_label} diff| {r.max_abs_diff:.4g} ({limit}), {r.agreement_label} "
+            f"{r.top1_agreement:.2%} "
             f"(limit {r.top1_agreement_threshold:.2%})."
         )
     hint = {

@@ -29,14 +29,16 @@ class ExportReport(BaseModel):
     opset: int
     exporter: str
     # parity with eager PyTorch (fp32) on the evaluation images; `top1_agreement` is the task's
-    # agreement (`GateMeasurement.agreement`): the same top-1 class, for classification
+    # agreement (`GateMeasurement.agreement`): the same top-1 class for classification, the
+    # same boxes (one to one, IoU >= 0.99) for detection; `agreement_label` says which
     samples: int
     max_abs_diff: float
     top1_agreement: float
     max_abs_diff_threshold: float | None
     top1_agreement_threshold: float
     parity_passed: bool
-    # the gate, on the task's gate metric (`GateMeasurement`): top-1 accuracy for classification
+    # the gate, on the task's gate metric (`GateMeasurement.metric`, named by `metric`): top-1
+    # accuracy for classification, mAP for detection; the field names stay for old readers
     accuracy: float
     reference_accuracy: float
     drop_points: float = Field(description="(reference - exported accuracy) x 100")
@@ -52,14 +54,18 @@ class ExportReport(BaseModel):
     reason: str | None = None
     created_at: str
     duration_s: float
+    # Defaults: what every report written before detection measured.
+    metric: str = Field("accuracy", description="what accuracy and reference_accuracy hold: accuracy, mAP")
+    agreement_label: str = Field("top-1 agreement", description="what top1_agreement counts")
+    output_label: str = Field("logit", description="what max_abs_diff is the difference of")
 
     def summary(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
         return (
-            f"{self.model} {self.format}-{self.precision} {verdict}: accuracy {self.accuracy:.2%} vs "
+            f"{self.model} {self.format}-{self.precision} {verdict}: {self.metric} {self.accuracy:.2%} vs "
             f"{self.reference_accuracy:.2%} fp32 PyTorch (drop {self.drop_points:.2f} points, allowed "
-            f"{self.threshold_points:g}); max |logit diff| {self.max_abs_diff:.3g}, top-1 agreement "
-            f"{self.top1_agreement:.2%} on {self.samples} {self.split} images"
+            f"{self.threshold_points:g}); max |{self.output_label} diff| {self.max_abs_diff:.3g}, "
+            f"{self.agreement_label} {self.top1_agreement:.2%} on {self.samples} {self.split} images"
         )
 
 
