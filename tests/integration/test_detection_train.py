@@ -102,7 +102,7 @@ def det_doc(dataset: Path, **top: Any) -> dict[str, Any]:
         },
         "model": {
             "arch": "native_detector",
-            "kwargs": {"image_size": SIZE, "widths": [8, 16, 16, 24], "neck": 16},
+            "kwargs": {"widths": [8, 16, 16, 24], "neck": 16},
         },
         "optimizer": {"name": "adamw", "lr": 0.003},
         "schedule": {"name": "cosine", "warmup_steps": 2},

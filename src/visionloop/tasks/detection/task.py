@@ -11,8 +11,9 @@ Frames and labels, everywhere in the task:
   counts background as 0: `train_loss` adds 1 on the way in, `eval_forward` subtracts 1 on
   the way out.
 
-The model's input size S: `build_model` takes it as `image_size` (keyword, or
-`model.kwargs.image_size`); `load_model` takes it from the card's `input_size`.
+The model's input size S reaches `build_model` as `image_size`: the trainer passes
+`data.image_size`, `load_model` the card's input side (`model.kwargs.image_size`, when a
+caller gives no `image_size`, stands in for it and must agree with it otherwise).
 """
 
 from __future__ import annotations
@@ -88,8 +89,20 @@ class DetectionTask(Task):
     model_normalizes = True
     # How export reports name `GateMeasurement.agreement` (see evaluate.DetectionComparison).
     agreement_label = "matched boxes (IoU ≥ 0.99)"
+    example_arch = "native_detector"
+    example_image_size = 64
 
     # ------------------------------------------------------------------ data
+    def example_source(self, out_dir: Path, n_images: int, *, seed: int = 0) -> Path:
+        """`n_images` rendered handwritten digits 0-2 (64x64, up to two per image, COCO json
+        + PNGs: `data.synthetic_detection`); ingest splits off the val images."""
+        from visionloop.data.synthetic_detection import generate_detection_dataset
+
+        generate_detection_dataset(
+            out_dir, n_images, image_size=64, seed=seed, classes=(0, 1, 2), max_objects=2, digit_size=(16, 30)
+        )
+        return out_dir
+
     def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
         from visionloop.data.manifest import read_manifest
         from visionloop.tasks.detection.data import ShardDetectionDataset
@@ -167,16 +180,6 @@ class DetectionTask(Task):
 
         size, kw = _image_size(kwargs, image_size)
         return build_detector(arch, len(class_names), image_size=size, pretrained=pretrained, **kw)
-
-    def load_model(self, card: ModelCard, weights: Path | None) -> nn.Module:
-        model = self.build_model(
-            card.arch,
-            card.class_names,
-            pretrained=weights,
-            kwargs=card.model_kwargs,
-            image_size=card.input_size[1],
-        )
-        return model.eval()
 
     def check_output(self, outputs: Any, class_names: Sequence[str]) -> str | None:
         if not isinstance(outputs, list | tuple) or len(outputs) != 1 or not isinstance(outputs[0], Mapping):
