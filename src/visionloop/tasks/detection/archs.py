@@ -35,7 +35,14 @@ Weights are never downloaded: torchvision builders get `weights=None, weights_ba
   is fine-tuning from COCO weights. Any other disagreement is an error naming the keys.
 - `weights_backbone=PATH` loads an ImageNet classifier's state dict (torchvision's
   `mobilenet_v3_large` or `resnet50` keys) into the backbone's body, strictly: the classifier
-  head (`fc.*`, `classifier.*`) is dropped and every other key must match.
+  head (`fc.*`, `classifier.*`) is dropped and every other key must match. Unlike
+  torchvision's own `weights_backbone=`, the body keeps ordinary, trainable BatchNorm (a
+  FrozenBatchNorm2d body would change the state dict's keys between training and serving).
+  SSDlite takes none (see `load_backbone`).
+
+Labels: RetinaNet and FCOS score the background class like any other, so untrained they
+predict label 0; here they are built as `RetinaNetNoBackground` / `FCOSNoBackground` (same
+modules and state dict), which never do, as every torchvision detector's API promises.
 """
 
 from __future__ import annotations
