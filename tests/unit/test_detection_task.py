@@ -366,6 +366,15 @@ def test_export_comparison_identical_and_perturbed() -> None:
     assert w.max_abs_diff == pytest.approx(4.0)
     assert w.reference_score == pytest.approx(1.0) and w.score < 0.9 and w.drop_points > 10
 
+    # Rows of (nearly) tied scores may come out of two runtimes' top-K in either order: the
+    # same detections, no difference.
+    order = torch.arange(8).flip(0)
+    shuffled = [ref[0][:, order], ref[1][:, order], ref[2][:, order]]
+    tied = DetectionComparison()
+    tied.update(ref, shuffled, targets)
+    t = tied.result()
+    assert (t.max_abs_diff, t.agreement, t.drop_points) == (0.0, 1.0, 0.0)
+
     scorer = MapScorer()
     scorer.update([t.numpy() for t in moved], targets)
     assert scorer.compute() == pytest.approx(w.score)
