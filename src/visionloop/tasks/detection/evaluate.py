@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from visionloop.tasks.base import EvalResult, Evaluator, ExportComparison, GateMeasurement, OutputScorer
-from visionloop.tasks.detection.metrics import DetectionEvaluator, slot_state_for_sum
+from visionloop.tasks.detection.metrics import DetectionEvaluator, DetectionReport, slot_state_for_sum
 
 # Post-processing of raw (fixed-shape, pre-NMS) outputs before mAP: COCO's evaluation wants
 # low-scoring detections too (they add recall), so the threshold is low.
@@ -77,6 +77,7 @@ class DetectionTaskEvaluator(Evaluator):
         self.inner.reset()
         self.loss_sum = 0.0
         self.grid: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]] = []
+        self.report: DetectionReport | None = None  # the last compute()'s, for the plots
 
     def update(self, outputs: Any, targets: Any, loss_sum: float) -> None:
         preds, tgts = [], []
@@ -113,16 +114,14 @@ class DetectionTaskEvaluator(Evaluator):
         summary = "  ".join(
             f"{k} {ordered[k]:.3f}" for k in ("mAP", "mAP50", "mAP75", "AR100") if k in ordered
         )
-        details = report.to_dict()
-        details["images"] = self.inner.num_images
         return EvalResult(
-            metrics=out, report=details, summary=summary or f"no boxes in {report.num_images} images"
+            metrics=out, report=report.to_dict(), summary=summary or f"no boxes in {report.num_images} images"
         )
 
     def write_artifacts(self, result: EvalResult, out_dir: Path) -> list[Path]:
         from visionloop.tasks.detection.plots import plot_detection_grid, write_plots
 
-        report = getattr(self, "report", None) or self.inner.report()
+        report = self.report or self.inner.report()
         written = write_plots(self.inner, report, out_dir)
         if self.grid:
             images, preds, targets = zip(*self.grid, strict=True)

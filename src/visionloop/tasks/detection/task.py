@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from visionloop.core.errors import SpecError
+from visionloop.core.errors import SpecError, TrainingError
 from visionloop.tasks.base import (
     Answer,
     AnswerOptions,
@@ -53,7 +53,7 @@ def sum_losses(losses: Mapping[str, torch.Tensor], _targets: Any = None) -> torc
     dict's order, so the sum is the same on every run)."""
     values = list(losses.values())
     if not values:
-        raise SpecError("the detector returned no losses in training mode; check model.kwargs")
+        raise TrainingError("the detector returned no losses in training mode; check model.kwargs")
     total = values[0]
     for v in values[1:]:
         total = total + v
@@ -71,8 +71,8 @@ def _image_size(kwargs: Mapping[str, Any], image_size: int | None) -> tuple[int,
     size = image_size if image_size is not None else given
     if size is None:
         raise SpecError(
-            "a detector needs its input size: set model.kwargs.image_size to data.image_size "
-            "(e.g. image_size: 320)"
+            "a detector needs its input size: pass image_size (the trainer passes data.image_size), "
+            "or set model.kwargs.image_size (e.g. image_size: 320)"
         )
     return int(size), kw
 
