@@ -83,14 +83,15 @@ class DetectionTrainTransform:
                     brightness=(1 - j, 1 + j), contrast=(1 - j, 1 + j), saturation=(1 - j, 1 + j), p=0.5
                 )
                 img, target = distort(img, target)
-            zoom_out = float(getattr(a, "zoom_out", 0.0))
-            if zoom_out:
+            if a.zoom_out:
                 zoom = v2.RandomZoomOut(
-                    fill={tv_tensors.Image: LETTERBOX_FILL, "others": 0}, side_range=ZOOM_OUT_SIDE, p=zoom_out
+                    fill={tv_tensors.Image: LETTERBOX_FILL, "others": 0},
+                    side_range=ZOOM_OUT_SIDE,
+                    p=a.zoom_out,
                 )
                 img, target = zoom(img, target)
             # IoU crop needs boxes to measure overlaps with: a background image skips it.
-            if getattr(a, "iou_crop", False) and len(target["boxes"]):
+            if a.iou_crop and len(target["boxes"]):
                 img, target = v2.RandomIoUCrop()(img, target)
             elif a.random_resized_crop:
                 h, w = int(img.shape[-2]), int(img.shape[-1])
