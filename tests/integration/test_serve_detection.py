@@ -337,3 +337,25 @@ def test_metrics_prediction_log_and_shadow_count_detections(
         assert rec["counts"] == want["counts"]
         assert rec["max_score"] == pytest.approx(want["max_score"], abs=1e-5)
     assert all(r["agrees"] is True and r["version"] == 2 for r in shadow)
+
+
+def test_the_detector_converts_to_fp16_and_keeps_its_outputs(onnx_file: Path, tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    from visionloop.export.convert import to_fp16
+
+    to_fp16(onnx_file, tmp_path / "fp16.onnx")
+    session = ort.InferenceSession(str(tmp_path / "fp16.onnx"), providers=["CPUExecutionProvider"])
+    assert [(o.name, o.type) for o in session.get_outputs()] == [
+        ("boxes", "tensor(float)"),
+        ("scores", "tensor(float)"),
+        ("labels", "tensor(int64)"),
+    ]
+    x = CARD.eval_preprocess().to_transform()(_picture(90, 60, seed=7)).numpy()[None].astype(np.float32)
+    got = dict(zip(answer.OUTPUT_NAMES, session.run(list(answer.OUTPUT_NAMES), {"input": x}), strict=True))
+    ref = _ort(onnx_file, x)
+    assert got["boxes"].shape == ref["boxes"].shape == (1, 100, 4)
+    # fp16 keeps about three digits of each score: the best detections stay the best.
+    assert np.sort(got["scores"][0])[::-1][:10] == pytest.approx(
+        np.sort(ref["scores"][0])[::-1][:10], abs=5e-3
+    )

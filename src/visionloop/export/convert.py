@@ -96,7 +96,30 @@ def to_fp16(src: Path, out: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one "truncated to 1e-07" warning per tiny weight
         converted = float16.convert_float_to_float16(model, keep_io_types=True)
+    _fix_float_types(converted, {o.name for o in model.graph.output if o.type.tensor_type.elem_type == 1})
     onnx.save(converted, str(out))
+
+
+def _fix_float_types(model: Any, float_outputs: set[str]) -> None:
+    """Two slips of onnxconverter-common's conversion on a detector's graph, mended in place:
+    a Cast to float inside the converted graph (`mask.to(heat.dtype)`) keeps `to=FLOAT` while
+    its output is retyped float16 (ONNX Runtime refuses the file); and an output fed by TopK
+    (`scores`) comes out float16 despite keep_io_types. The first casts to float16; the second
+    casts back to float, so clients get the fp32 model's output types."""
+    from onnx import TensorProto
+
+    graph = model.graph
+    for output in graph.output:
+        if output.name in float_outputs:
+            output.type.tensor_type.elem_type = TensorProto.FLOAT
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.output]}
+    for node in graph.node:
+        if node.op_type != "Cast":
+            continue
+        want = TensorProto.FLOAT if node.output[0] in float_outputs else types.get(node.output[0])
+        for attr in node.attribute:
+            if attr.name == "to" and attr.i in (TensorProto.FLOAT, TensorProto.FLOAT16) and want is not None:
+                attr.i = want
 
 
 class _Calibration:
