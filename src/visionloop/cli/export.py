@@ -1,4 +1,5 @@
-"""`visionloop export MODEL`: ONNX export with a parity check and an accuracy gate."""
+"""`visionloop export MODEL`: ONNX export with a parity check and a gate on the task's metric
+(top-1 accuracy for a classifier, mAP for a detector)."""
 
 from __future__ import annotations
 
@@ -21,17 +22,22 @@ def export(
     fmt: str = typer.Option("onnx", "--format", "-f", help="Export format: onnx."),
     precision: str = typer.Option("fp32", "--precision", "-p", help="fp32, fp16 or int8."),
     max_drop: float = typer.Option(
-        1.0, "--max-drop", help="Refuse the export if validation accuracy falls more than this many points."
+        1.0,
+        "--max-drop",
+        help="Refuse the export if the validation metric (top-1 accuracy, mAP) falls more than this many "
+        "points.",
     ),
     max_abs_diff: float | None = typer.Option(
         None,
         "--max-abs-diff",
-        help="Largest allowed |logit difference| from PyTorch (default per precision).",
+        help="Largest allowed |output difference| (logits; boxes, scores) from PyTorch (default per "
+        "precision).",
     ),
     min_agreement: float | None = typer.Option(
         None,
         "--min-agreement",
-        help="Smallest allowed top-1 agreement with PyTorch, 0-1 (default per precision).",
+        help="Smallest allowed agreement with PyTorch (same top-1 class; matched boxes), 0-1 (default "
+        "per precision).",
     ),
     calibration_size: int = typer.Option(
         256, "--calibration-size", help="int8: training images to calibrate on."
@@ -42,11 +48,11 @@ def export(
     exporter: str = typer.Option("torchscript", "--exporter", help="torchscript (default) or dynamo."),
     as_json: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
 ) -> None:
-    """Export a registered model to ONNX (fp32, fp16 or int8) behind a parity check and an accuracy gate.
+    """Export a registered model to ONNX (fp32, fp16 or int8) behind a parity check and a metric gate.
 
     The export is compared with eager PyTorch on the model's validation images and stored with
     the model version. One that fails the check keeps its report (export.json), is never
-    served, and the command exits 1 printing both accuracies.
+    served, and the command exits 1 printing both scores (accuracy, or mAP).
     """
     from visionloop.export import PRECISIONS, ExportError, export_model
 
