@@ -43,6 +43,7 @@ TARGET_MAP50 = 0.9
 # five classes of unseen handwriting; ten need about twice the training (BENCHMARKS.md).
 CLASSES = (0, 1, 2, 3, 4)
 IMAGE_SIZE = 96
+EPOCHS = 5
 DEMO_SPEC = """\
 # The detection demo's train spec: the native detector on 96x96 synthetic digit scenes.
 task: detection
@@ -129,6 +130,11 @@ def _generate_with_progress(root: Path, n_train: int, n_val: int) -> None:
         bar.update(task, completed=n_train + n_val)
     if failure:
         raise failure[0]
+
+
+def run_demo(settings: Settings, *, images: int, epochs: int | None, workers: int) -> None:
+    """What `visionloop demo --task detection` runs (`epochs` None: the demo's default)."""
+    run_detection_demo(settings, n_train=images, n_val=300, epochs=epochs or EPOCHS, workers=workers)
 
 
 def run_detection_demo(

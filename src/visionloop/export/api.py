@@ -35,7 +35,7 @@ from visionloop.registry.export_record import write_export_report_text
 from visionloop.registry.files import model_lock
 from visionloop.registry.history import now_iso
 from visionloop.registry.layout import EXPORT_REPORT_FILE, FAILED_EXPORT_REPORT_FILE, ONNX_FILE, export_dir
-from visionloop.tasks import GateMeasurement, Task
+from visionloop.tasks import GateMeasurement
 
 CARD_METADATA_KEY = "visionloop.model_card"
 DEFAULT_CALIBRATION_SIZE = 256
@@ -148,7 +148,7 @@ def export_model(
         created_at=now_iso(),
         duration_s=round(time.monotonic() - started, 3),
         metric=m.metric,
-        agreement_label=_agreement_label(task),
+        agreement_label=task.agreement_label,
         # One output called logits (a classifier), else the outputs at large (boxes, scores, ...).
         output_label="logit" if tuple(task.output_names) == ("logits",) else "output",
     )
@@ -208,13 +208,6 @@ def _measure(
     if m.samples == 0:
         raise ExportError(f"{ds.path}: the validation split is empty; nothing to check the export on.")
     return m
-
-
-def _agreement_label(task: Task) -> str:
-    """How reports name the task's agreement: the task's `agreement_label` where it declares
-    one ("matched boxes (IoU ≥ 0.99)"), else "<metric label> agreement" ("top-1 agreement")."""
-    label = getattr(task, "agreement_label", None)
-    return label if isinstance(label, str) and label else f"{task.metric_label} agreement"
 
 
 def _reason(parity_ok: bool, gate_ok: bool, metric: str = "accuracy") -> str:

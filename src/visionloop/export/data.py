@@ -8,9 +8,8 @@ exactly what a served image meets.
 from __future__ import annotations
 
 import functools
-import inspect
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ class ModelDataset:
     ) -> Iterator[tuple[torch.Tensor, Any]]:
         """(images (B, C, H, W) float32 preprocessed, the task's targets) in `positions` order."""
         transform = self.card.eval_preprocess().to_transform()
-        targets_of = _record_targets(self.task, self.card)
+        targets_of = functools.partial(self.task.record_targets, image_size=self.card.input_size[1])
         for start in range(0, len(positions), batch_size):
             records = reader.read_many(positions[start : start + batch_size])
             images = torch.stack([transform(decode_rgb(r["image"])) for r in records])
@@ -70,16 +69,6 @@ class ModelDataset:
             raise DataError(f"{self.path} has no training images to calibrate int8 on.")
         positions = sorted(random.Random(seed).sample(range(len(reader)), min(count, len(reader))))
         return torch.cat([x for x, _ in self.batches(reader, positions)])
-
-
-def _record_targets(task: Task, card: ModelCard) -> Callable[[list[Any]], Any]:
-    """`task.record_targets`, given the card's input side where the task takes one: a
-    detector's targets are boxes in the letterboxed input's pixels, which the base contract's
-    `record_targets(records)` cannot place. (A bridge until the contract passes the size.)"""
-    fn: Any = task.record_targets
-    if "image_size" in inspect.signature(fn).parameters:
-        return functools.partial(fn, image_size=card.input_size[1])
-    return fn  # type: ignore[no-any-return]
 
 
 def open_model_dataset(info: ModelVersionInfo, dataset: Path | None = None) -> ModelDataset:

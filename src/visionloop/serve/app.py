@@ -418,8 +418,6 @@ def _answer_options(request: Request, default_top_k: int | None) -> AnswerOption
     query = request.query_params
     top_k = _top_k(query.get("top_k"), default_top_k)
     threshold = _score_threshold(query.get("score_threshold"))
-    if top_k is None:
-        return AnswerOptions(score_threshold=threshold)
     return AnswerOptions(top_k=top_k, score_threshold=threshold)
 
 

@@ -123,9 +123,9 @@ class GateMeasurement:
 class AnswerOptions:
     """What a client may ask of the image endpoint (query parameters, checked by the server):
     `top_k` items at most, and only those scoring at least `score_threshold` (None: the
-    task's default)."""
+    task's default for either: 5 classes, 100 boxes)."""
 
-    top_k: int = 5
+    top_k: int | None = None
     score_threshold: float | None = None
 
 
@@ -175,8 +175,10 @@ class Task(ABC):
     output_names: ClassVar[tuple[str, ...]]
     # The image endpoint's last path segment: POST /v2/models/NAME/<image_endpoint>.
     image_endpoint: ClassVar[str]
-    # How reports and bench tables name the gate metric ("top-1", "mAP").
+    # How reports and bench tables name the gate metric ("top-1", "mAP"), and what the
+    # export's agreement counts ("top-1 agreement", "matched boxes (IoU ≥ 0.99)").
     metric_label: ClassVar[str]
+    agreement_label: ClassVar[str] = "top-1 agreement"
     # True when the model normalises its own input (torchvision's detectors do): the trainer
     # then hands it images scaled to [0, 1] only, and the model card says mean 0, std 1.
     model_normalizes: ClassVar[bool] = False
@@ -212,9 +214,10 @@ class Task(ABC):
         return targets.to(device, non_blocking=True)
 
     @abstractmethod
-    def record_targets(self, records: Sequence[Record]) -> Any:
+    def record_targets(self, records: Sequence[Record], *, image_size: int | None = None) -> Any:
         """The collated targets of raw shard records (the label schema ingest wrote), for
-        evaluating an exported model on the records of an eval split."""
+        evaluating an exported model on the records of an eval split; `image_size` is the
+        model's input side, for targets that live in the input's frame (boxes)."""
 
     # ------------------------------------------------------------------ model
     @abstractmethod
@@ -311,7 +314,8 @@ class Task(ABC):
     ) -> dict[str, Any]:
         """The image endpoint's JSON body for one image (outputs of a batch of one), without
         the model name and version, which the server adds."""
-        return {"predictions": self.postprocess(outputs, class_names, top_k=options.top_k)[0]}
+        top_k = 5 if options.top_k is None else options.top_k
+        return {"predictions": self.postprocess(outputs, class_names, top_k=top_k)[0]}
 
     @abstractmethod
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:

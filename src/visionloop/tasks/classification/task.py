@@ -80,7 +80,7 @@ class ClassificationTask(Task):
 
         return ShardClassificationDataset(reader, EvalTransform(spec.data.image_size, spec.data.crop_pct))
 
-    def record_targets(self, records: Sequence[Record]) -> torch.Tensor:
+    def record_targets(self, records: Sequence[Record], *, image_size: int | None = None) -> torch.Tensor:
         import torch
 
         return torch.tensor([r["label"] for r in records], dtype=torch.int64)
@@ -171,7 +171,7 @@ class ClassificationTask(Task):
     ) -> dict[str, Any]:
         # The top-k classes; with a score threshold, only those whose probability reaches it.
         # The image's size does not change a class.
-        preds = answer.top_k(_logits(outputs)[0], class_names, options.top_k)
+        preds = answer.top_k(_logits(outputs)[0], class_names, 5 if options.top_k is None else options.top_k)
         if options.score_threshold is not None:
             preds = [p for p in preds if p["score"] >= options.score_threshold]
         return {"predictions": preds}

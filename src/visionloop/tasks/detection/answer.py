@@ -128,7 +128,8 @@ def detections(
     threshold = DEFAULT_SCORE_THRESHOLD if options.score_threshold is None else options.score_threshold
     out: list[Answer] = []
     for i in range(scores.shape[0]):
-        bx, sc, lb = _kept(boxes[i], scores[i], labels[i], threshold, image, options.top_k)
+        cap = MAX_DETECTIONS if options.top_k is None else options.top_k
+        bx, sc, lb = _kept(boxes[i], scores[i], labels[i], threshold, image, cap)
         out.append(
             [
                 {

@@ -137,7 +137,7 @@ class DetectionTask(Task):
         ]
 
     def record_targets(
-        self, records: Sequence[Record], image_size: int | None = None
+        self, records: Sequence[Record], *, image_size: int | None = None
     ) -> list[dict[str, Any]]:
         """The targets of raw records as the eval dataset makes them: boxes in the pixels of
         the image letterboxed to `image_size` (the card's input side), with the scale.
