@@ -10,6 +10,7 @@ TorchScript is the default, and `exporter="dynamo"` is there for architectures i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -143,7 +144,11 @@ def to_int8(src: Path, out: Path, calibration: torch.Tensor, workdir: Path) -> N
     prepared = workdir / "prepared.onnx"
     try:
         # Folds BatchNorm into Conv and infers shapes, so more of the graph gets quantized.
-        quant_pre_process(str(src), str(prepared), skip_symbolic_shape=False)
+        # In the work folder: when ORT's symbolic shape inference gives up (a detector's Loop),
+        # it saves its partial model as "sym_shape_infer_temp.onnx" + data files in the
+        # current directory, which would be the user's.
+        with contextlib.chdir(workdir):
+            quant_pre_process(str(Path(src).resolve()), str(prepared.resolve()), skip_symbolic_shape=False)
     except Exception as e:  # pre-processing is an optimisation; quantize the plain graph instead
         log.warning("int8 pre-processing skipped (%s)", str(e).splitlines()[0] if str(e) else e)
         prepared = src
