@@ -75,6 +75,11 @@ class DataSpec(_Spec):
 class ModelSpec(_Spec):
     arch: str = Field(examples=["resnet18"])
     pretrained: Path | None = Field(None, examples=["weights/resnet18.safetensors"])
+    pretrained_backbone: Path | None = Field(
+        None,
+        examples=["weights/mobilenet_v3_large-imagenet.safetensors"],
+        description="detection: an ImageNet classifier's weights for the detector's backbone (local file)",
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, examples=[{"dropout": 0.2}])
     channels_last: bool = Field(False, examples=[True])
     compile: bool = Field(False, examples=[False], description="torch.compile the model (CUDA)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,3 +103,10 @@ def test_evaluator_streams_and_resets() -> None:
     ev.update(torch.tensor([[3.0, 0.0, 0.0]]), torch.tensor([0]), loss_sum=0.5)
     result = ev.compute()
     assert result.metrics["accuracy"] == 1.0 and result.metrics["loss"] == 0.5
+
+
+def test_a_classifier_refuses_backbone_weights_with_what_to_use_instead(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="model.pretrained"):
+        get_task("classification").build_model(
+            "small_cnn", ["a", "b"], kwargs={}, pretrained_backbone=tmp_path / "backbone.safetensors"
+        )

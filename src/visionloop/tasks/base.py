@@ -229,10 +229,13 @@ class Task(ABC):
         pretrained: Path | None = None,
         kwargs: Mapping[str, Any],
         image_size: int | None = None,
+        pretrained_backbone: Path | None = None,
     ) -> nn.Module:
         """The registered architecture `arch` with this task's head for `class_names`.
         `image_size` is the side of the square images it will see (`data.image_size`, the card's
-        input size): a detector sizes its anchors or heatmap from it; a classifier may ignore it."""
+        input size): a detector sizes its anchors or heatmap from it; a classifier may ignore it.
+        `pretrained` is a whole model's weights, `pretrained_backbone` a backbone's (a task
+        without a separate backbone refuses it)."""
 
     def load_model(self, card: ModelCard, weights: Path | None) -> nn.Module:
         """The model a card describes with its trained `weights` (a safetensors or

@@ -143,6 +143,7 @@ def build(
         pretrained=spec.model.pretrained,
         kwargs=spec.model.kwargs,
         image_size=spec.data.image_size,
+        pretrained_backbone=spec.model.pretrained_backbone,
     )
     model.to(device)
     check_input_size(model, spec, task, manifest.classes, device)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from visionloop.core.errors import SpecError
 from visionloop.tasks.base import (
     Answer,
     AnswerOptions,
@@ -94,9 +95,15 @@ class ClassificationTask(Task):
         pretrained: Path | None = None,
         kwargs: Mapping[str, Any],
         image_size: int | None = None,
+        pretrained_backbone: Path | None = None,
     ) -> nn.Module:
         from visionloop.models import create_model
 
+        if pretrained_backbone is not None:
+            raise SpecError(
+                "model.pretrained_backbone is for detectors; a classifier loads an ImageNet checkpoint "
+                "through model.pretrained (its head is skipped when the classes differ)"
+            )
         # A classifier's head does not depend on the image size (adaptive pooling).
         return create_model(arch, len(class_names), pretrained=pretrained, **kwargs)
 

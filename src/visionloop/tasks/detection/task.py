@@ -172,6 +172,7 @@ class DetectionTask(Task):
         pretrained: Path | None = None,
         kwargs: Mapping[str, Any],
         image_size: int | None = None,
+        pretrained_backbone: Path | None = None,
     ) -> nn.Module:
         """`archs.build_detector(arch, len(class_names), image_size=S, ...)`. S is `image_size`
         when given (the trainer's `data.image_size`, the card's input side), else
@@ -179,7 +180,14 @@ class DetectionTask(Task):
         from visionloop.tasks.detection.archs import build_detector
 
         size, kw = _image_size(kwargs, image_size)
-        return build_detector(arch, len(class_names), image_size=size, pretrained=pretrained, **kw)
+        return build_detector(
+            arch,
+            len(class_names),
+            image_size=size,
+            pretrained=pretrained,
+            weights_backbone=pretrained_backbone,
+            **kw,
+        )
 
     def check_output(self, outputs: Any, class_names: Sequence[str]) -> str | None:
         if not isinstance(outputs, list | tuple) or len(outputs) != 1 or not isinstance(outputs[0], Mapping):
