@@ -42,7 +42,8 @@ def test_the_server_half_needs_no_torch() -> None:
         "import sys, numpy as np\n"
         "from visionloop.tasks import AnswerOptions, get_task\n"
         "t = get_task('classification')\n"
-        "t.served_answer({'logits': np.zeros((1, 3), np.float32)}, ['a', 'b', 'c'], options=AnswerOptions(top_k=2))\n"
+        "logits = {'logits': np.zeros((1, 3), np.float32)}\n"
+        "t.served_answer(logits, ['a', 'b', 'c'], options=AnswerOptions(top_k=2))\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -106,7 +107,7 @@ def test_evaluator_streams_and_resets() -> None:
 
 
 def test_a_classifier_refuses_backbone_weights_with_what_to_use_instead(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match="model.pretrained"):
+    with pytest.raises(SpecError, match=r"model\.pretrained"):
         get_task("classification").build_model(
             "small_cnn", ["a", "b"], kwargs={}, pretrained_backbone=tmp_path / "backbone.safetensors"
         )
