@@ -91,7 +91,7 @@ def list_cmd(
         ("started", {"no_wrap": True}),
         ("duration", {"justify": "right", "no_wrap": True}),
         ("step", {"justify": "right"}),
-        ("val acc", {"justify": "right"}),
+        ("val metric", {"justify": "right"}),
         ("dataset", {}),
         ("run dir", {"overflow": "fold"}),
     ):
@@ -105,7 +105,7 @@ def list_cmd(
             _when(r.start_time),
             _duration(r.duration_s),
             str(r.last_step) if r.last_step is not None else "-",
-            f"{r.val_accuracy:.4f}" if r.val_accuracy is not None else "-",
+            f"{r.primary_metric} {r.primary_value:.4f}" if r.primary_value is not None else "-",
             r.dataset_version or "-",
             r.run_dir or "-",
         )

@@ -153,11 +153,12 @@ def summarize(run: Run, experiment_names: dict[str, str], now: datetime | None =
 
 
 def _primary_metric(task: str | None) -> str | None:
-    """The primary metric of `task`; None for a run without the tag, or of a task this
-    visionloop does not know (a listing must not fail on one foreign run)."""
-    if task is None:
-        return None
+    """The primary metric of `task`; None for a task this visionloop does not know (a listing
+    must not fail on one foreign run). A run without the tag is a classification run: every
+    run from before tasks were tagged was one."""
     from visionloop.tasks import get_task
+
+    task = task or "classification"
 
     try:
         return get_task(task).primary_metric
