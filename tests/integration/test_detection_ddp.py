@@ -146,12 +146,8 @@ def test_two_process_ddp_detection_logs_the_whole_split_val_map(
     # weights. (Eight steps leave mAP near 0, so the detection counts carry most of the weight.)
     num_pred = {c["name"]: c["num_pred"] for c in report["per_class"]}
     assert sum(num_pred.values()) > 0
-    if num_pred != {c["name"]: c["num_pred"] for c in whole.report["per_class"]}:
-        # Known bug (delete this branch with its fix): train/loop.py::_evaluate scores each
-        # rank's images with that rank's own module, whose BatchNorm running stats differ from
-        # rank 0's (saved) ones after every DDP step, since DDP broadcasts buffers only at the
-        # start of a training forward. Fix: broadcast the buffers from rank 0 before evaluating.
-        pytest.xfail("DDP ranks evaluate with their own BatchNorm running stats, not rank 0's")
+    # Every rank evaluated the saved weights (rank 0's BatchNorm statistics): the same counts.
+    assert num_pred == {c["name"]: c["num_pred"] for c in whole.report["per_class"]}
     for k in (*SCALARS, "AR1", "AR10", "AP/0", "AP/1", "AP/2"):
         assert (k in whole.metrics) == (k in ddp), k
         if k in ddp:

@@ -89,6 +89,15 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     return box[0]
 
 
+def broadcast_buffers(module: torch.nn.Module, info: DistInfo) -> None:
+    """Every rank takes rank 0's buffers (BatchNorm running statistics). DDP copies them at the
+    start of each training forward, which then updates each rank's own from its local batch:
+    between steps the ranks differ, and only rank 0's are saved."""
+    if info.enabled:
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()

@@ -372,6 +372,9 @@ class Loop:
         # Under DDP, evaluate the wrapped module itself: a DDP forward can broadcast buffers (a
         # collective), and a rank with fewer eval batches would then skip it and hang the rest.
         model = self.module if self.info.enabled else self.c.model
+        # Every rank scores its share of the split with the weights that are saved: rank 0's
+        # (the BatchNorm statistics of the other ranks drift from them within each step).
+        dist.broadcast_buffers(model, self.info)
         model.eval()
         # Ranks hold different numbers of eval batches (strided split); every rank runs the
         # same number of stop checks so that the collectives stay matched.
