@@ -12,7 +12,7 @@ Throughput is taken between step `--warmup` and the last step, from per-step tim
 both sides (each side syncs on the loss every step: the trainer logs every step, the bare loop
 calls .item()).
 
-    python benchmarks/det_trainer_overhead.py [--steps 60] [--rounds 3] [--threads 1] [--workers 1]
+    python benchmarks/det_trainer_overhead.py [--steps 50] [--rounds 3] [--threads 1] [--workers 1]
                                               [--configs native_detector@96 ...]
 """
 
@@ -45,9 +45,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "batch": 8,
     },
 }
-# The torchvision detectors are opt-in: on 2 shared CPU cores they train at ~2 images/s at
-# batch 8, so 40 steps take minutes (see BENCHMARKS.md).
-DEFAULT_CONFIGS = ["native_detector@96"]
+# Faster R-CNN is opt-in, to keep the default run under ~5 minutes on 2 cores (BENCHMARKS.md).
+DEFAULT_CONFIGS = ["native_detector@96", "ssdlite320_mobilenet_v3_large@160"]
 
 
 def build_dataset(root: Path, n_images: int) -> Path:
@@ -142,7 +141,7 @@ def bare_run(spec: Any, warmup: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--images", type=int, default=800, help="synthetic training scenes to ingest")
