@@ -18,7 +18,7 @@ from visionloop.specs import TrainSpec
 from visionloop.train import dist
 from visionloop.train import rng as rng_state
 from visionloop.train.checkpoint import load_verified
-from visionloop.train.device import configure_determinism, resolve_device, resolve_precision
+from visionloop.train.device import configure_determinism, cpu_threads, resolve_device, resolve_precision
 from visionloop.train.finalize import finalize
 from visionloop.train.loop import Loop
 from visionloop.train.report import Reporter, StartInfo, TrainResult
@@ -57,6 +57,14 @@ def train(
     spec_text = spec_text if spec_text is not None else _dump(resolved)
     info = dist.from_env()
     device = resolve_device(spec.device, info)
+    import torch
+
+    # On the CPU, torch's threads take the cores the loader workers leave (see cpu_threads);
+    # restored at the end, since a library caller's process goes on.
+    threads = cpu_threads(spec.data.workers, info) if device.type == "cpu" else None
+    restore_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     own_group = dist.init(info, device)
     # The CLI installs the handlers before its slow imports, so a SIGTERM during start-up is
     # also a clean, resumable stop; library callers get them installed here.
@@ -123,6 +131,7 @@ def train(
         _end_tracking(tracker, "FAILED", {"visionloop.state": "failed", "visionloop.error": str(e)[:500]})
         raise
     finally:
+        torch.set_num_threads(restore_threads)
         stop.uninstall()
         if loop is not None:
             loop.close()
