@@ -43,7 +43,7 @@ TARGET_MAP50 = 0.9
 # five classes of unseen handwriting; ten need about twice the training (BENCHMARKS.md).
 CLASSES = (0, 1, 2, 3, 4)
 IMAGE_SIZE = 96
-EPOCHS = 5
+EPOCHS = 3
 DEMO_SPEC = """\
 # The detection demo's train spec: the native detector on 96x96 synthetic digit scenes.
 task: detection
