@@ -86,9 +86,12 @@ def export_model(
     positions = list(range(len(reader) if max_samples is None else min(max_samples, len(reader))))
     task = ds.task
     model = task.export_module(task.load_model(card, info.weights)).eval()
-    parity = DEFAULT_PARITY[precision]
-    diff_limit = max_abs_diff if max_abs_diff is not None else parity.max_abs_diff
-    agree_limit = min_top1_agreement if min_top1_agreement is not None else parity.min_top1_agreement
+    # The task's parity limits for this precision (DEFAULT_PARITY holds a classifier's).
+    default_diff, default_agree = task.parity_limits.get(
+        precision, (DEFAULT_PARITY[precision].max_abs_diff, DEFAULT_PARITY[precision].min_top1_agreement)
+    )
+    diff_limit = max_abs_diff if max_abs_diff is not None else default_diff
+    agree_limit = min_top1_agreement if min_top1_agreement is not None else default_agree
     out_dir = export_dir(info.dir, fmt, precision)
 
     with tempfile.TemporaryDirectory(prefix="visionloop-export-") as tmp:

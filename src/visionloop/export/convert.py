@@ -94,9 +94,16 @@ def to_fp16(src: Path, out: Path) -> None:
     from onnxconverter_common import float16
 
     model = onnx.load(str(src))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # one "truncated to 1e-07" warning per tiny weight
-        converted = float16.convert_float_to_float16(model, keep_io_types=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # one "truncated to 1e-07" warning per tiny weight
+            converted = float16.convert_float_to_float16(model, keep_io_types=True)
+    except Exception as e:  # onnxconverter-common fails on some graphs with a bare AttributeError
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ExportError(
+            f"the fp16 conversion (onnxconverter-common) failed on this model's graph ({type(e).__name__}: "
+            f"{first}). Export fp32, or int8 through its gate, instead."
+        ) from e
     _fix_float_types(converted, {o.name for o in model.graph.output if o.type.tensor_type.elem_type == 1})
     onnx.save(converted, str(out))
 

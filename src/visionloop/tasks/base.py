@@ -36,6 +36,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
@@ -179,6 +180,12 @@ class Task(ABC):
     # export's agreement counts ("top-1 agreement", "matched boxes (IoU ≥ 0.99)").
     metric_label: ClassVar[str]
     agreement_label: ClassVar[str] = "top-1 agreement"
+    # An export's parity with eager PyTorch, per precision: (the largest raw-output difference
+    # allowed, or None for no limit; the least agreement). The gate on the primary metric
+    # applies at every precision besides. Defaults: a classifier's logits and top-1.
+    parity_limits: ClassVar[Mapping[str, tuple[float | None, float]]] = MappingProxyType(
+        {"fp32": (1e-3, 0.99), "fp16": (0.1, 0.98), "int8": (None, 0.90)}
+    )
     # True when the model normalises its own input (torchvision's detectors do): the trainer
     # then hands it images scaled to [0, 1] only, and the model card says mean 0, std 1.
     model_normalizes: ClassVar[bool] = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from visionloop.core.errors import SpecError, TrainingError
@@ -89,6 +90,10 @@ class DetectionTask(Task):
     model_normalizes = True
     # How export reports name `GateMeasurement.agreement` (see evaluate.DetectionComparison).
     agreement_label = "matched boxes (IoU ≥ 0.99)"
+    # Matched boxes (IoU >= 0.99) are fp32's parity check only: fp16 and int8 move a box by a
+    # fraction of a pixel, often enough past 0.99 IoU on small objects; the mAP gate judges
+    # them. (The demo's int8 detector matched 6.7% of boxes at 0.99 IoU and lost 1.2 mAP points.)
+    parity_limits = MappingProxyType({"fp32": (1e-3, 0.99), "fp16": (None, 0.0), "int8": (None, 0.0)})
     example_arch = "native_detector"
     example_image_size = 64
 
