@@ -135,6 +135,17 @@ def test_register_export_compare_and_serve(tmp_path: Path, task_dataset: tuple[s
     assert report.passed, report.reason
     assert report.max_abs_diff < 1e-3
     assert abs(report.accuracy - report.reference_accuracy) * 100 <= 1.0
+    # int8 is checked with the task's own parity limits (a detector's boxes only by the mAP
+    # gate), whether or not this barely trained model passes them.
+    from visionloop.export.report import ExportGateError
+
+    try:
+        int8 = export_model(info, precision="int8", settings=settings, calibration_size=16)
+    except ExportGateError as refused:
+        int8 = refused.report
+    max_diff, min_agreement = task.parity_limits["int8"]
+    assert (int8.max_abs_diff_threshold, int8.top1_agreement_threshold) == (max_diff, min_agreement)
+    assert int8.parity_passed == (int8.top1_agreement >= min_agreement)
 
     image = _an_image(dataset)
     expected = _answer_from_onnx(Path(report.path), card, image)
