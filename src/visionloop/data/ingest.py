@@ -34,7 +34,7 @@ from visionloop import __version__
 from visionloop.core.errors import DataError
 from visionloop.data.imageio import Normalised, Rejection, RejectReason, init_worker, normalise_files
 from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn, default_workers
-from visionloop.data.ingest_pool import chunks, hash_files, ordered_map, worker_context
+from visionloop.data.ingest_pool import chunks, decode_batches, hash_files, ordered_map, worker_context
 from visionloop.data.ingest_stats import SPLIT_NAMES, StatsAccumulator, dataset_version
 from visionloop.data.manifest import (
     DUPLICATES_NAME,
@@ -234,18 +234,7 @@ class _Run:
         self.order = [todo[k] for k in write_order(len(todo), self.options.seed)]
 
     def _batches(self, workers: int) -> Iterator[list[int]]:
-        # At least ~4 batches per worker, so a small dataset still spreads over every worker.
-        max_files = max(1, min(BATCH_FILES, len(self.order) // (4 * workers)))
-        batch: list[int] = []
-        size = 0
-        for i in self.order:
-            if batch and (len(batch) >= max_files or size + self.sizes[i] > BATCH_BYTES):
-                yield batch
-                batch, size = [], 0
-            batch.append(i)
-            size += self.sizes[i]
-        if batch:
-            yield batch
+        return decode_batches(self.order, self.sizes, workers, BATCH_FILES, BATCH_BYTES)
 
     def decode_and_write(self) -> None:
         cands = self.listing.candidates

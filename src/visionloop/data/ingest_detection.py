@@ -53,7 +53,7 @@ from visionloop.data.ingest_detection_support import (
     scale_boxes,
 )
 from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
-from visionloop.data.ingest_pool import chunks, hash_files, ordered_map, worker_context
+from visionloop.data.ingest_pool import chunks, decode_batches, hash_files, ordered_map, worker_context
 from visionloop.data.ingest_stats import (
     SPLIT_NAMES,
     DetectionAccumulator,
@@ -235,17 +235,7 @@ class _Run:
         self.splits = dict(zip(todo, assigned, strict=True))
 
     def _batches(self, workers: int) -> Iterator[list[int]]:
-        max_files = max(1, min(BATCH_FILES, len(self.order) // (4 * workers)))
-        batch: list[int] = []
-        size = 0
-        for i in self.order:
-            if batch and (len(batch) >= max_files or size + self.sizes[i] > BATCH_BYTES):
-                yield batch
-                batch, size = [], 0
-            batch.append(i)
-            size += self.sizes[i]
-        if batch:
-            yield batch
+        return decode_batches(self.order, self.sizes, workers, BATCH_FILES, BATCH_BYTES)
 
     def decode_and_write(self) -> None:
         samples = self.src.samples

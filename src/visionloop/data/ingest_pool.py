@@ -70,3 +70,22 @@ def hash_files(paths: Sequence[str]) -> list[FileHash | Rejection]:
 def chunks(seq: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
     for i in range(0, len(seq), size):
         yield seq[i : i + size]
+
+
+def decode_batches(
+    order: Sequence[int], sizes: Sequence[int], workers: int, max_files: int, max_bytes: int
+) -> Iterator[list[int]]:
+    """`order` cut into decode batches of at most `max_files` files or `max_bytes` source bytes
+    (a file bigger than that is a batch of its own), and at least ~4 batches per worker, so a
+    small dataset still spreads over every worker."""
+    cap = max(1, min(max_files, len(order) // (4 * max(1, workers))))
+    batch: list[int] = []
+    size = 0
+    for i in order:
+        if batch and (len(batch) >= cap or size + sizes[i] > max_bytes):
+            yield batch
+            batch, size = [], 0
+        batch.append(i)
+        size += sizes[i]
+    if batch:
+        yield batch
