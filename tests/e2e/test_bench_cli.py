@@ -49,10 +49,15 @@ def test_impossible_budget_exits_non_zero_and_writes_no_serving_config(kit: Mode
     args = ("--latency-budget", "0.0001", "--out", str(out), "--formats", "onnx", "--no-accuracy")
     r = cli("bench", "digits/1", *args, *TINY, env=kit.env())
     assert r.returncode == 3, r.stdout + r.stderr
-    assert "nothing meets the 0.0001 ms budget; the closest is onnx fp32 cpu at batch 1" in r.stderr
-    assert "No serving config was written" in r.stderr
     assert not (out / "serving.yaml").exists()
     assert (out / "bench.json").is_file()  # the measurements are kept
+    # The closest point is the one with the lowest p99 as measured, which on a busy
+    # machine with 5 iterations need not be batch 1: read it back rather than assume.
+    (onnx,) = BenchResult.load(out / "bench.json").configs
+    closest = min(onnx.points, key=lambda p: p.p99_ms)
+    message = " ".join(r.stderr.split())
+    assert f"nothing meets the 0.0001 ms budget; the closest is onnx fp32 cpu at batch {closest.batch_size}:" in message
+    assert "No serving config was written" in message
 
 
 def test_default_out_dir_is_under_the_home(kit: ModelKit) -> None:
