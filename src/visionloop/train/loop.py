@@ -28,6 +28,7 @@ from visionloop.train import dist
 from visionloop.train import rng as rng_state
 from visionloop.train.checkpoint import CheckpointManager
 from visionloop.train.device import Precision
+from visionloop.train.evaluation import eval_rounds, score_split
 from visionloop.train.report import Reporter
 from visionloop.train.setup import Components
 from visionloop.train.signals import StopRequest
@@ -368,36 +369,32 @@ class Loop:
             pos.pending_eval = False
             self.save_checkpoint()
             return True
-        evaluator = self.c.task.evaluator(self.c.manifest.classes)
         # Under DDP, evaluate the wrapped module itself: a DDP forward can broadcast buffers (a
         # collective), and a rank with fewer eval batches would then skip it and hang the rest.
         model = self.module if self.info.enabled else self.c.model
-        # Every rank scores its share of the split with the weights that are saved: rank 0's
-        # (the BatchNorm statistics of the other ranks drift from them within each step).
-        dist.broadcast_buffers(model, self.info)
-        model.eval()
         # Ranks hold different numbers of eval batches (strided split); every rank runs the
         # same number of stop checks so that the collectives stay matched.
-        rounds = self._eval_rounds()
+        batch_size = int(self.eval_loader.batch_sampler.batch_size)  # type: ignore[union-attr]
+        rounds = eval_rounds(self.c.eval_size, batch_size, self.info.world_size)
         self.reporter.eval_start(pos.epoch, rounds)
-        batches = iter(self.eval_loader)
-        with torch.no_grad():
-            for _ in range(rounds):
-                if dist.any_flag([self.stop.requested], self.device, self.info)[0]:
-                    return False
-                batch = next(batches, None)
-                if batch is None:
-                    continue
-                x, y = batch
-                x = self.normalize(x.to(self.device, non_blocking=True), self.spec.model.channels_last)
-                y = self.c.task.targets_to(y, self.device)
-                with self.precision.autocast(self.device):
-                    # The batch's summed loss (the evaluator divides by the split's images).
-                    out, loss_sum = self.c.task.eval_forward(model, x, y, self.c.loss_fn)
-                evaluator.update(_to_float(out), y, loss_sum)
-                self.reporter.eval_batch()
-        evaluator.load_state(dist.all_reduce_sum(evaluator.state().to(self.device), self.info).cpu())
-        result = evaluator.compute()
+        scored = score_split(
+            task=self.c.task,
+            classes=self.c.manifest.classes,
+            model=model,
+            batches=self.eval_loader,
+            rounds=rounds,
+            normalize=self.normalize,
+            channels_last=self.spec.model.channels_last,
+            precision=self.precision,
+            device=self.device,
+            info=self.info,
+            stop=self.stop,
+            reporter=self.reporter,
+            loss_fn=self.c.loss_fn,
+        )
+        if scored is None:
+            return False
+        evaluator, result = scored
         self.last_eval = result
         pos.pending_eval = False
         pos.evals_done += 1
@@ -431,27 +428,8 @@ class Loop:
         self.c.model.train()
         return True
 
-    def _eval_rounds(self) -> int:
-        """Eval batches of the busiest rank (rank 0 holds the most under a strided split)."""
-        assert self.eval_loader is not None
-        per_rank = -(-self.c.eval_size // self.info.world_size)
-        bs = int(self.eval_loader.batch_sampler.batch_size)  # type: ignore[union-attr]
-        return -(-per_rank // bs)
-
     def _is_better(self, metric: float) -> bool:
         best = self.pos.best_metric
         if best is None:
             return True
         return metric > best if self.best_mode == "max" else metric < best
-
-
-def _to_float(outputs: Any) -> Any:
-    """Outputs computed under autocast, in float32 for the evaluator (a tensor, or the tensors
-    of a tuple, list or dict — a detector returns several)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.float() if outputs.is_floating_point() else outputs
-    if isinstance(outputs, dict):
-        return {k: _to_float(v) for k, v in outputs.items()}
-    if isinstance(outputs, list | tuple):
-        return type(outputs)(_to_float(v) for v in outputs)
-    return outputs
