@@ -35,10 +35,10 @@ import torch
 from PIL import Image
 
 from _common import write_result
-from visionloop.data.annotations import DetectionSource, read_coco
-from visionloop.data.synthetic_detection import generate_detection_dataset
 from visionloop.models.native_detector import NativeDetector, build_native_detector
+from visionloop.tasks.detection.annotations import DetectionSource, read_coco
 from visionloop.tasks.detection.metrics import DetectionEvaluator
+from visionloop.tasks.detection.synthetic import generate_detection_dataset
 
 
 def load(source: DetectionSource) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:

@@ -15,8 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from visionloop.data.annotations import read_coco
-from visionloop.data.boxes import encode_boxes
 from visionloop.data.manifest import (
     ChannelStats,
     DatasetManifest,
@@ -28,9 +26,11 @@ from visionloop.data.manifest import (
     write_manifest,
 )
 from visionloop.data.shards import ShardWriter
-from visionloop.data.synthetic_detection import generate_detection_dataset
 from visionloop.models import ModelCard
 from visionloop.specs import validate_train_spec
+from visionloop.tasks.detection.annotations import read_coco
+from visionloop.tasks.detection.boxes import encode_boxes
+from visionloop.tasks.detection.synthetic import generate_detection_dataset
 from visionloop.train.api import train
 from visionloop.train.checkpoint import CheckpointManager
 from visionloop.train.report import Reporter

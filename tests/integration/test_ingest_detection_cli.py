@@ -10,8 +10,15 @@ import sys
 from pathlib import Path
 
 from _imgfactory import tree_digest
-from visionloop.data.manifest import read_manifest
-from visionloop.data.synthetic_detection import generate_detection_dataset
+from visionloop.data.manifest import DatasetManifest, read_manifest
+from visionloop.tasks.detection.stats import DetectionStats
+from visionloop.tasks.detection.synthetic import generate_detection_dataset
+from visionloop.tasks.detection.task import DetectionTask
+
+
+def stats_of(m: DatasetManifest) -> DetectionStats | None:
+    """The manifest's detection statistics, as the task reads them back."""
+    return DetectionTask().dataset_stats(m)
 
 
 def vl(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -40,7 +47,7 @@ def test_cli_ingests_a_coco_source_and_prints_the_summary(tmp_path: Path) -> Non
     assert "Traceback" not in r.stderr
     assert tree_digest(src) == before
     m = read_manifest(out)
-    det = m.detection
+    det = stats_of(m)
     assert m.task == "detection" and det is not None
     boxes = sum(sum(s.instances.values()) for s in det.splits.values())
     background = sum(s.background_images for s in det.splits.values())

@@ -10,8 +10,8 @@ import pytest
 from test_annotations_common import make_image, reasons
 
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import IssueReason, read_coco
-from visionloop.data.annotations import common as common_mod
+from visionloop.tasks.detection.annotations import IssueReason, read_coco
+from visionloop.tasks.detection.annotations import common as common_mod
 
 
 def _write(tmp_path: Path, doc: object) -> Path:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from visionloop.data.annotations import (
+from visionloop.tasks.detection.annotations import (
     DetectionSource,
     IssueReason,
     orient,
@@ -19,7 +19,7 @@ from visionloop.data.annotations import (
     read_voc,
     read_yolo,
 )
-from visionloop.data.annotations.common import read_header
+from visionloop.tasks.detection.annotations.common import read_header
 
 # PIL's transpose that exif_transpose applies for each orientation, and its inverse.
 _METHOD = {

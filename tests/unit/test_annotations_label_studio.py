@@ -9,7 +9,7 @@ import pytest
 from test_annotations_common import make_image, reasons
 
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import IssueReason, read_label_studio
+from visionloop.tasks.detection.annotations import IssueReason, read_label_studio
 
 
 def _rect(

@@ -10,7 +10,7 @@ import pytest
 from test_annotations_common import make_image, rotated_jpeg
 
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import (
+from visionloop.tasks.detection.annotations import (
     DetectionSample,
     DetectionSource,
     detect_format,
@@ -22,7 +22,7 @@ from visionloop.data.annotations import (
     write_voc,
     write_yolo,
 )
-from visionloop.data.annotations.yolo import flat_name
+from visionloop.tasks.detection.annotations.yolo import flat_name
 
 
 def _source(root: Path) -> DetectionSource:

@@ -9,7 +9,7 @@ import pytest
 from test_annotations_common import make_image, reasons
 
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import IssueReason, read_voc
+from visionloop.tasks.detection.annotations import IssueReason, read_voc
 
 
 def _xml(
@@ -123,7 +123,7 @@ def test_given_classes_make_other_names_unknown_and_size_cap(
         _xml("a.jpg", _obj("dog", (1, 1, 9, 9)) + _obj("cow", (1, 1, 9, 9)))
     )
     (voc / "Annotations" / "b.xml").write_text(_xml("b.jpg", "" + " " * 5000))
-    from visionloop.data.annotations import voc as voc_mod
+    from visionloop.tasks.detection.annotations import voc as voc_mod
 
     monkeypatch.setattr(voc_mod, "MAX_XML_BYTES", 4000)
     src = read_voc(voc, classes=["dog"])

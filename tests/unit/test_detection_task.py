@@ -15,12 +15,12 @@ import torch
 from PIL import Image
 
 from visionloop.core.errors import SpecError
-from visionloop.data.boxes import encode_boxes
 from visionloop.data.shards import Record, ShardReader, ShardWriter
 from visionloop.models.card import LETTERBOX_FILL
 from visionloop.models.native_detector import build_native_detector
 from visionloop.specs import AugmentSpec
 from visionloop.tasks import get_task
+from visionloop.tasks.detection.boxes import encode_boxes
 from visionloop.tasks.detection.data import ShardDetectionDataset
 from visionloop.tasks.detection.evaluate import DetectionComparison, DetectionTaskEvaluator, MapScorer
 from visionloop.tasks.detection.metrics import DetectionEvaluator

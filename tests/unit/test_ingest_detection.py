@@ -1,4 +1,4 @@
-"""Detection ingest (`data.ingest_detection`): boxes survive the trip from an annotation source
+"""Detection ingest (`tasks.detection.ingest`): boxes survive the trip from an annotation source
 into shards exactly (scaled with the image), every reader issue lands in rejected.jsonl, the
 split and the version behave, and the source is never touched."""
 
@@ -17,7 +17,11 @@ from PIL import Image
 
 from _imgfactory import exif_jpeg, png, tree_digest, truncate, write
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import (
+from visionloop.data.ingest import IngestOptions, IngestReport, ingest
+from visionloop.data.manifest import REJECTED_NAME, DatasetManifest, read_manifest
+from visionloop.data.shards import ShardReader
+from visionloop.data.split import BACKGROUND_GROUP, rarest_class_groups
+from visionloop.tasks.detection.annotations import (
     DetectionSample,
     DetectionSource,
     read_detection_source,
@@ -26,15 +30,18 @@ from visionloop.data.annotations import (
     write_voc,
     write_yolo,
 )
-from visionloop.data.boxes import decode_boxes
-from visionloop.data.ingest import IngestOptions, IngestReport, ingest
-from visionloop.data.ingest_detection import is_detection_source, scale_boxes
-from visionloop.data.manifest import REJECTED_NAME, read_manifest
-from visionloop.data.shards import ShardReader
-from visionloop.data.split import BACKGROUND_GROUP, rarest_class_groups
-from visionloop.data.synthetic_detection import generate_detection_dataset
+from visionloop.tasks.detection.boxes import decode_boxes
+from visionloop.tasks.detection.ingest import is_detection_source, scale_boxes
+from visionloop.tasks.detection.stats import DetectionStats
+from visionloop.tasks.detection.synthetic import generate_detection_dataset
+from visionloop.tasks.detection.task import DetectionTask
 
 W, H = 48, 40  # generated image size; --max-side 24 halves both sides exactly
+
+
+def stats_of(m: DatasetManifest) -> DetectionStats | None:
+    """The manifest's detection statistics, as the task reads them back."""
+    return DetectionTask().dataset_stats(m)
 
 
 def _opts(**kw: object) -> IngestOptions:
@@ -82,7 +89,7 @@ def test_coco_boxes_come_back_scaled_by_max_side(coco_src: Path, tmp_path: Path)
         want = np.asarray(sample.boxes, dtype=np.float64).reshape(-1, 4) * 0.5
         np.testing.assert_allclose(boxes, want, atol=1e-5)
         assert labels.tolist() == sample.labels
-    det = m.detection
+    det = stats_of(m)
     assert det is not None
     counts = src.counts()
     assert sum(s.images for s in det.splits.values()) == 30
@@ -198,7 +205,7 @@ def test_hostile_coco_rows_in_rejected_and_clipped_box_kept(tmp_path: Path) -> N
     assert report.rejected_by_reason["missing_image"] == 1 and sum(report.rejected_by_reason.values()) == 6
     m = report.manifest
     assert m.rejected == 6
-    det = m.detection
+    det = stats_of(m)
     assert det is not None
     assert det.clipped_boxes == 1 and sum(s.clipped_boxes for s in det.splits.values()) == 1
     # not finite, outside, unknown class, the malformed one, and the truncated image's box
@@ -246,7 +253,7 @@ def test_hostile_yolo_lines(tmp_path: Path) -> None:
     )
     # 30x20 -> 15x10: the centre box (12, 8, 18, 12) halves, the corner one is clipped at the edge
     assert boxes == [(6.0, 4.0, 9.0, 6.0), (10.5, 7.0, 15.0, 10.0)]
-    det = report.manifest.detection
+    det = stats_of(report.manifest)
     assert det is not None and det.splits["train"].background_images == 1
 
 
@@ -267,7 +274,8 @@ def test_box_with_no_area_after_scaling_is_rejected(tmp_path: Path) -> None:
     assert [r["reason"] for r in rows] == ["box_zero_area"] and "--max-side" in str(rows[0]["message"])
     ((_, _, boxes, _),) = _records(tmp_path / "ds", 1).values()
     assert boxes.tolist() == [[10.0, 5.0, 12.0, 7.0]]
-    assert report.manifest.detection is not None and report.manifest.detection.dropped_boxes == 1
+    stats = stats_of(report.manifest)
+    assert stats is not None and stats.dropped_boxes == 1
 
 
 def test_exif_rotated_jpeg_keeps_its_box_on_the_object(tmp_path: Path) -> None:
@@ -347,9 +355,27 @@ def test_dispatch_only_for_detection_sources(coco_src: Path, tmp_path: Path) -> 
     write(tmp_path / "list.csv", b"path,label\nfolder/cat/a.png,cat\n")
     assert not is_detection_source(folder) and not is_detection_source(tmp_path / "list.csv")
     # --format forces a detection read, and an unknown one is refused up front
-    with pytest.raises(DataError, match="format must be one of"):
-        IngestOptions(format="pascal")
+    listed = r"format must be one of coco, yolo, voc, label_studio, .*\(detection\)"
+    with pytest.raises(DataError, match=listed):
+        ingest(coco_src, tmp_path / "ds0", _opts(format="pascal"))
+    assert not (tmp_path / "ds0").exists()
     with pytest.raises(DataError, match=r"no data\.yaml"):
         ingest(folder, tmp_path / "ds", _opts(format="yolo"))
     report: IngestReport = ingest(coco_src / "instances.json", tmp_path / "ds2", _opts(format="coco"))
     assert report.manifest.source.kind == "coco" and report.kept == 30
+
+
+def test_a_manifest_with_stats_under_the_task_key_still_loads(coco_src: Path, tmp_path: Path) -> None:
+    # Manifests written before the task owned its statistics hold them under "detection".
+    report = ingest(coco_src, tmp_path / "ds", _opts())
+    path = tmp_path / "ds" / "dataset.json"
+    raw = json.loads(path.read_text())
+    assert "detection" not in raw and raw["task_stats"]["dropped_boxes"] == 0
+    raw["detection"] = raw.pop("task_stats")
+    path.write_text(json.dumps(raw))
+    old = read_manifest(tmp_path / "ds")
+    assert old == report.manifest and old.version == report.manifest.version
+    assert stats_of(old) == stats_of(report.manifest) and stats_of(old) is not None
+    # and a manifest with no statistics is written without the key, as before
+    plain = old.model_copy(update={"task_stats": None})
+    assert "task_stats" not in json.loads(plain.model_dump_json())

@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import read_coco
-from visionloop.data.synthetic_detection import INK_ALPHA, generate_detection_dataset, render_image
+from visionloop.tasks.detection.annotations import read_coco
+from visionloop.tasks.detection.synthetic import INK_ALPHA, generate_detection_dataset, render_image
 
 SIZE = 64
 KW = {"image_size": SIZE, "digit_size": (12, 30)}

@@ -21,6 +21,7 @@ from visionloop.cli.console import err, out
 if TYPE_CHECKING:
     from visionloop.data.ingest import IngestOptions, IngestReport
     from visionloop.data.manifest import DatasetManifest
+    from visionloop.tasks.base import DatasetSummary, SummaryTable
 
 app = typer.Typer(help="Build datasets from labelled images and inspect them.", no_args_is_help=True)
 
@@ -141,9 +142,9 @@ def ingest_command(
         None,
         "--format",
         "-f",
-        help="Read SOURCE as this detection format: coco, yolo, voc or label_studio. Default: "
-        "detected from the layout; a source that is no detection source is read as an ImageFolder "
-        "or CSV (classification).",
+        help="Read SOURCE in this format, one a task reads (detection: coco, yolo, voc or "
+        "label_studio). Default: recognised from the layout; a source no task recognises is read "
+        "as an ImageFolder or CSV (classification).",
         show_default=False,
     ),
 ) -> None:
@@ -208,19 +209,37 @@ def _line(text: str) -> None:
     out.print(text, soft_wrap=True)
 
 
+def _task_summary(m: DatasetManifest) -> DatasetSummary | None:
+    """What the dataset's task adds to its summary (boxes, ...); None when it adds nothing."""
+    from visionloop.tasks import get_task
+
+    return get_task(m.task).dataset_summary(m)
+
+
+def _render(table: SummaryTable) -> Table:
+    t = Table(title=escape(table.title), title_justify="left", show_footer=bool(table.footer))
+    for i, name in enumerate(table.columns):
+        footer = escape(table.footer[i]) if i < len(table.footer) else ""
+        t.add_column(escape(name), justify="left" if i == 0 else "right", footer=footer)
+    for row in table.rows:
+        t.add_row(*(escape(cell) for cell in row))
+    return t
+
+
 def _print_summary(report: IngestReport) -> None:
-    if report.manifest.detection is not None:
-        _print_detection_summary(report)
-        return
     m = report.manifest
+    summary = _task_summary(m)
     splits = " · ".join(f"{s} {m.splits[s].count:,}" for s in _SPLITS if s in m.splits)
+    what = f" {escape(summary.headline)}" if summary is not None and summary.headline else ""
     _line(
-        f"[bold green]Ingested[/] {report.kept:,} images in {m.num_classes} classes "
+        f"[bold green]Ingested[/] {report.kept:,} images{what} in {m.num_classes} classes "
         f"from {escape(m.source.path)} ({m.source.kind}) in {report.seconds:.1f} s"
     )
     _line(f"  kept        {splits}" + ("  (split from the source)" if m.split_policy.from_source else ""))
     if report.skipped:
         _line(f"  skipped     {report.skipped:,} files without an image extension")
+    for label, text in summary.lines if summary is not None else ():
+        _line(f"  {escape(label):<11} {escape(text)}")
     if m.rejected:
         reasons = ", ".join(f"{reason} {n}" for reason, n in report.rejected_by_reason.items())
         _line(f"  rejected    {m.rejected:,} ({reasons}) → {escape(str(report.rejected_file))}")
@@ -238,67 +257,8 @@ def _print_summary(report: IngestReport) -> None:
             f"→ {escape(str(report.duplicates_file))}"
         )
     _line(f"  version     {m.version}")
-    for warning in report.warnings:
-        err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
-    where = escape(str(report.out))
-    _line(f"Next: [bold]visionloop data info {where}[/]")
-    _line(f"      and point a train spec at it:  data: {{dataset: {where}}}")
-
-
-def _detection_table(m: DatasetManifest) -> Table:
-    """Per class and split: boxes, and images containing the class; then background images."""
-    assert m.detection is not None
-    splits = [s for s in _SPLITS if s in m.detection.splits and m.detection.splits[s].images]
-    det = m.detection.splits
-    t = Table(title="boxes (images) per split and class", title_justify="left", show_footer=True)
-    t.add_column("class", footer="images")
-    for s in splits:
-        t.add_column(s, justify="right", footer=f"{det[s].images:,}")
-    t.add_column("total", justify="right", footer=f"{sum(det[s].images for s in splits):,}")
-    for cls in m.classes:
-        boxes = [det[s].instances.get(cls, 0) for s in splits]
-        images = [m.splits[s].per_class.get(cls, 0) if s in m.splits else 0 for s in splits]
-        cells = [f"{b:,} ({n:,})" for b, n in zip(boxes, images, strict=True)]
-        t.add_row(escape(cls), *cells, f"{sum(boxes):,} ({sum(images):,})")
-    t.add_row(
-        "[italic]background[/]",
-        *(f"({det[s].background_images:,})" for s in splits),
-        f"({sum(det[s].background_images for s in splits):,})",
-    )
-    sizes = [det[s].box_sizes for s in splits]
-    t.add_row(
-        "[italic]small/medium/large[/]",
-        *(f"{z.small}/{z.medium}/{z.large}" for z in sizes),
-        f"{sum(z.small for z in sizes)}/{sum(z.medium for z in sizes)}/{sum(z.large for z in sizes)}",
-    )
-    return t
-
-
-def _print_detection_summary(report: IngestReport) -> None:
-    m = report.manifest
-    assert m.detection is not None
-    det = m.detection
-    boxes = sum(sum(s.instances.values()) for s in det.splits.values())
-    background = sum(s.background_images for s in det.splits.values())
-    splits = " · ".join(f"{s} {m.splits[s].count:,}" for s in _SPLITS if s in m.splits)
-    _line(
-        f"[bold green]Ingested[/] {report.kept:,} images with {boxes:,} boxes in {m.num_classes} classes "
-        f"from {escape(m.source.path)} ({m.source.kind}) in {report.seconds:.1f} s"
-    )
-    _line(f"  kept        {splits}" + ("  (split from the source)" if m.split_policy.from_source else ""))
-    _line(f"  background  {background:,} images with no box (kept)")
-    _line(f"  clipped     {det.clipped_boxes:,} boxes clipped to the image edges (kept)")
-    if m.rejected:
-        reasons = ", ".join(f"{reason} {n}" for reason, n in report.rejected_by_reason.items())
-        _line(f"  rejected    {m.rejected:,} ({reasons}) → {escape(str(report.rejected_file))}")
-    else:
-        _line("  rejected    0")
-    if m.duplicates:
-        fate = "kept (--keep-duplicates)" if report.duplicates_kept else "dropped, first in path order kept"
-        where = escape(str(report.duplicates_file))
-        _line(f"  duplicates  {m.duplicates:,} byte-identical images; {fate} → {where}")
-    _line(f"  version     {m.version}")
-    out.print(_detection_table(m))
+    if summary is not None and summary.table is not None:
+        out.print(_render(summary.table))
     for warning in report.warnings:
         err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
     where = escape(str(report.out))
@@ -388,7 +348,8 @@ def info_command(
         typer.echo(m.model_dump_json(indent=2))
         return
     out.print(_summary_table(m))
-    out.print(_counts_table(m) if m.detection is None else _detection_table(m))
+    summary = _task_summary(m)
+    out.print(_counts_table(m) if summary is None or summary.table is None else _render(summary.table))
 
     rejected = _read_jsonl(dataset / REJECTED_NAME)
     if m.rejected:

@@ -78,7 +78,7 @@ class DetectionDemoResult:
 def generate_coco_source(root: Path, n_train: int, n_val: int) -> tuple[int, int]:
     """Write the demo's COCO source under `root`: `annotations/instances_{train,val}.json`
     and the images in `train/` and `val/`. Returns the number of images of each split."""
-    from visionloop.data.synthetic_detection import Exemplars, generate_detection_dataset
+    from visionloop.tasks.detection.synthetic import Exemplars, generate_detection_dataset
 
     if root.exists():
         shutil.rmtree(root)

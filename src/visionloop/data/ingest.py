@@ -1,6 +1,11 @@
 """Build a dataset folder from labelled images: `ingest(source, out, options)`.
 
-The stages, each in its own module:
+`ingest` hands the source to the task that reads it (`Task.claims_source`, or the task whose
+`source_formats` hold `options.format`; classification, the fallback, reads an ImageFolder or
+a CSV with `ingest_images`). A task's own ingest builds on the helpers here and in
+`ingest_pool`, `imageio`, `split`, `ingest_stats` and `publish`.
+
+`ingest_images` runs these stages, each in its own module:
 
 1. list the source (`sources`): layout errors surface here, before any work;
 2. hash every file (`ingest_pool`; threads, as file reads and hashlib release the GIL) and
@@ -52,9 +57,9 @@ from visionloop.data.shards import Record, ShardWriter
 from visionloop.data.sources import LINK_OUTSIDE, SourceListing, list_source
 from visionloop.data.split import Duplicate, assign_splits, find_duplicates, write_order
 
-__all__ = ["IngestOptions", "IngestReport", "ProgressFn", "default_workers", "ingest"]
+__all__ = ["IngestOptions", "IngestReport", "ProgressFn", "default_workers", "ingest", "ingest_images"]
 
-# Decode batches, shared with ingest_detection.
+# Decode batches, shared with the tasks' own ingests.
 BATCH_FILES = 64
 BATCH_BYTES = 4 * 1024 * 1024
 
@@ -117,20 +122,31 @@ def ingest(
     options: IngestOptions | None = None,
     progress: ProgressFn | None = None,
 ) -> IngestReport:
-    """Build a dataset at `out` from an ImageFolder or CSV `source`, or from a detection
-    source (COCO, YOLO, Pascal VOC, Label Studio: `ingest_detection`) when `source` is one or
-    `options.format` names one.
+    """Build a dataset at `out` from `source`, with the ingest of the task that reads it: the
+    task that claims the source's layout (`Task.claims_source`), or the one that reads
+    `options.format`; an ImageFolder or CSV (classification) otherwise.
 
     Raises `DataError` for an unusable source or `out` (before any work). Bad images never
     raise: they are listed in `out/rejected.jsonl`. On any exception (Ctrl-C included) `out`
     is left as it was.
     """
     options = options or IngestOptions()
-    # Imported here: ingest_detection builds on this module's helpers.
-    from visionloop.data.ingest_detection import ingest_detection, is_detection_source
+    # Imported here: the tasks build on this package, which must not need them at import.
+    from visionloop.tasks.registry import task_for_source
 
-    if options.format is not None or is_detection_source(Path(source)):
-        return ingest_detection(source, out, options, progress)
+    task = task_for_source(Path(source), options.format)
+    return task.ingest(Path(source), Path(out), options, progress)
+
+
+def ingest_images(
+    source: Path,
+    out: Path,
+    options: IngestOptions | None = None,
+    progress: ProgressFn | None = None,
+) -> IngestReport:
+    """Build a classification dataset at `out` from an ImageFolder or CSV `source` (what
+    `ingest` does for a source no other task claims); same guarantees as `ingest`."""
+    options = options or IngestOptions()
     started = time.monotonic()
     notify = progress or (lambda stage, done, total: None)
     # resolve(): the containment checks below compare real paths, symlinks followed.

@@ -10,9 +10,6 @@ from pathlib import Path
 from visionloop.core.errors import DataError
 from visionloop.data.manifest import DUPLICATES_NAME, REJECTED_NAME, DatasetManifest, ImagePolicy
 
-# The detection formats `format` accepts, with the spellings the readers also take.
-DETECTION_FORMATS = ("coco", "yolo", "voc", "label_studio", "labelstudio", "label-studio", "pascal_voc")
-
 ProgressFn = Callable[[str, int, int], None]
 """`progress(stage, done, total)`, called from the calling thread; stage is "hash" or "decode"."""
 
@@ -50,15 +47,15 @@ class IngestOptions:
     # Follow symbolic links that lead outside the source (by default they are skipped and
     # listed in rejected.jsonl as `link_outside_source`).
     follow_links: bool = False
-    # A detection annotation format ("coco", "yolo", "voc", "label_studio") forces a detection
-    # ingest in that format; None detects it (a source that is no detection source is read as
-    # an ImageFolder or CSV for classification).
+    # A source format a task reads (`Task.source_formats`, e.g. "coco"): that task ingests the
+    # source in that format. None: the task that recognises the source's layout does (an
+    # ImageFolder or CSV, classification, when none does). Checked by `ingest`.
     format: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
-        if self.format is not None and self.format.lower() not in DETECTION_FORMATS:
-            problems.append(f"format must be one of {', '.join(DETECTION_FORMATS)} (got {self.format!r})")
+        if self.format is not None and not self.format.strip():
+            problems.append("format must be a source format name such as coco, or left out")
         if not (0.0 <= self.val_fraction < 1.0 and 0.0 <= self.test_fraction < 1.0):
             problems.append("val_fraction and test_fraction must each be in [0, 1), e.g. 0.1")
         elif self.val_fraction + self.test_fraction >= 1.0:
@@ -106,7 +103,7 @@ class IngestReport:
     stored_as: dict[str, int]  # "original" / "png" / "jpeg" -> count
     warnings: list[str]
     seconds: float
-    # Detection ingest: rows of rejected.jsonl that were repaired and kept (box_clipped).
+    # Rows of rejected.jsonl that were repaired and kept (a task's ingest may repair items).
     repaired_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -15,20 +15,12 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import cast
 
-import numpy as np
-import numpy.typing as npt
-
 from visionloop.data.imageio import Normalised
 from visionloop.data.manifest import (
     FORMAT_VERSION,
-    MEDIUM_AREA,
     SHARDS_DIR,
-    SMALL_AREA,
     SPLITS,
-    BoxSizes,
     ChannelStats,
-    DetectionSplitStats,
-    DetectionStats,
     ImagePolicy,
     SizeStats,
     SplitInfo,
@@ -56,22 +48,23 @@ def dataset_version(policy: ImagePolicy, classes: list[str], images: Iterable[tu
     return h.hexdigest()
 
 
-def detection_version(
-    policy: ImagePolicy, classes: list[str], images: Iterable[tuple[str, str, bytes]]
+def labelled_version(
+    task: str, policy: ImagePolicy, classes: list[str], images: Iterable[tuple[str, str, bytes]]
 ) -> str:
-    """A detection dataset's version: as `dataset_version`, over the sorted `(split, sha256 of
-    the source file, sha256 of the stored boxes)` of every stored image. The boxes are the
-    bytes the shard holds (`encode_boxes`: stored-image pixels and class indices), so a moved,
-    added or relabelled box gives a new version; file names still do not enter it."""
+    """The version of a dataset whose labels are bytes a task encodes (an extra record field):
+    as `dataset_version`, with the task's name, over the sorted `(split, sha256 of the source
+    file, sha256 of the stored label bytes)` of every stored image. The label bytes are what
+    the shard holds, so any changed label gives a new version; file names still do not enter
+    it."""
     h = hashlib.sha256()
     head = {
         "format_version": FORMAT_VERSION,
-        "task": "detection",
+        "task": task,
         "image_policy": policy.model_dump(mode="json"),
         "classes": classes,
     }
     h.update(json.dumps(head, sort_keys=True, separators=(",", ":")).encode())
-    entries = sorted((split, sha, hashlib.sha256(boxes).hexdigest()) for split, sha, boxes in images)
+    entries = sorted((split, sha, hashlib.sha256(labels).hexdigest()) for split, sha, labels in images)
     for entry in entries:
         h.update(b"\n" + json.dumps(list(entry), separators=(",", ":")).encode())
     return h.hexdigest()
@@ -105,7 +98,7 @@ class StatsAccumulator:
 
     def __init__(self, classes: list[str]) -> None:
         self.classes = classes
-        # Images per split and class; for detection, images containing the class.
+        # Images per split and class (images containing the class, when one image holds several).
         self.per_class: dict[SplitName, Counter[int]] = {s: Counter() for s in SPLIT_NAMES}
         self.images: dict[SplitName, int] = dict.fromkeys(SPLIT_NAMES, 0)
         self.bytes: dict[SplitName, int] = dict.fromkeys(SPLIT_NAMES, 0)
@@ -165,60 +158,4 @@ class StatsAccumulator:
             min=(min(w), min(h)),
             median=(int(statistics.median_low(w)), int(statistics.median_low(h))),
             max=(max(w), max(h)),
-        )
-
-
-class DetectionAccumulator:
-    """Per split: images, background images, boxes per class and by COCO size bucket."""
-
-    def __init__(self, classes: list[str]) -> None:
-        self.classes = classes
-        self.images: dict[SplitName, int] = dict.fromkeys(SPLIT_NAMES, 0)
-        self.background: dict[SplitName, int] = dict.fromkeys(SPLIT_NAMES, 0)
-        self.instances: dict[SplitName, Counter[int]] = {s: Counter() for s in SPLIT_NAMES}
-        self.sizes: dict[SplitName, list[int]] = {s: [0, 0, 0] for s in SPLIT_NAMES}
-        self.clipped: dict[SplitName, int] = dict.fromkeys(SPLIT_NAMES, 0)
-        self.difficult: dict[SplitName, int] = dict.fromkeys(SPLIT_NAMES, 0)
-
-    def add(
-        self,
-        split: SplitName,
-        boxes: npt.NDArray[np.float64],
-        labels: npt.NDArray[np.int64],
-        *,
-        clipped: int = 0,
-        difficult: int = 0,
-    ) -> None:
-        """One stored image's boxes, (N, 4) xyxy in stored-image pixels, and class indices."""
-        self.images[split] += 1
-        if len(labels) == 0:
-            self.background[split] += 1
-        self.instances[split].update(int(v) for v in labels)
-        area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
-        small = int((area < SMALL_AREA).sum())
-        medium = int(((area >= SMALL_AREA) & (area < MEDIUM_AREA)).sum())
-        bucket = self.sizes[split]
-        bucket[0] += small
-        bucket[1] += medium
-        bucket[2] += len(area) - small - medium
-        self.clipped[split] += clipped
-        self.difficult[split] += difficult
-
-    def stats(self, dropped_boxes: int, unplaced_clipped: int = 0) -> DetectionStats:
-        """`unplaced_clipped`: clipped boxes of stored images the reader did not tie to one image."""
-        splits = {
-            s: DetectionSplitStats(
-                images=self.images[s],
-                background_images=self.background[s],
-                instances={name: self.instances[s][i] for i, name in enumerate(self.classes)},
-                box_sizes=BoxSizes(small=self.sizes[s][0], medium=self.sizes[s][1], large=self.sizes[s][2]),
-                clipped_boxes=self.clipped[s],
-                difficult_boxes=self.difficult[s],
-            )
-            for s in SPLIT_NAMES
-        }
-        return DetectionStats(
-            splits=splits,
-            clipped_boxes=sum(self.clipped.values()) + unplaced_clipped,
-            dropped_boxes=dropped_boxes,
         )

@@ -16,10 +16,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from visionloop.core.errors import DataError
@@ -38,11 +40,8 @@ MAX_MANIFEST_BYTES = 4 * 2**20
 _PLAIN_RELATIVE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 
 SplitName = Literal["train", "val", "test"]
-SourceKind = Literal["imagefolder", "csv", "coco", "yolo", "voc", "label_studio"]
-DETECTION_KINDS: tuple[SourceKind, ...] = ("coco", "yolo", "voc", "label_studio")
-# COCO's object size buckets, by box area in stored-image pixels: small < 32², medium < 96².
-SMALL_AREA = 32**2
-MEDIUM_AREA = 96**2
+# What a source was read as: "imagefolder", "csv", or a format a task reads (`Task.source_formats`).
+SourceKind = str
 
 
 class _Strict(BaseModel):
@@ -62,7 +61,7 @@ class ImagePolicy(_Strict):
 
 
 class SourceInfo(_Strict):
-    kind: SourceKind
+    kind: SourceKind = Field(pattern=r"^[a-z][a-z0-9_]{0,63}$")
     path: str
     files_seen: int
 
@@ -108,35 +107,6 @@ class SizeStats(_Strict):
     max: tuple[int, int]
 
 
-class BoxSizes(_Strict):
-    """Boxes counted by COCO's area buckets, in pixels of the stored image (after --max-side)."""
-
-    small: int = Field(0, description="area < 32²")
-    medium: int = Field(0, description="32² <= area < 96²")
-    large: int = Field(0, description="area >= 96²")
-
-
-class DetectionSplitStats(_Strict):
-    images: int
-    background_images: int = Field(description="images stored with no box")
-    instances: dict[str, int] = Field(description="boxes per class name, every class listed")
-    box_sizes: BoxSizes
-    clipped_boxes: int = Field(0, description="boxes clipped to the image edges (kept)")
-    difficult_boxes: int = Field(
-        0, description="boxes the source flags difficult (VOC) or crowd (COCO), stored as ordinary boxes"
-    )
-
-
-class DetectionStats(_Strict):
-    """What a detection dataset holds beyond the image counts: per split, boxes by class and size."""
-
-    splits: dict[SplitName, DetectionSplitStats]
-    clipped_boxes: int = Field(0, description="boxes clipped to the image edges and kept, all splits")
-    dropped_boxes: int = Field(
-        0, description="boxes left out (outside the image, no area, unknown class, ...), see rejected.jsonl"
-    )
-
-
 class DatasetManifest(_Strict):
     format_version: int = FORMAT_VERSION
     version: str = Field(description="content hash over images, labels and splits: the dataset's version")
@@ -153,15 +123,29 @@ class DatasetManifest(_Strict):
     duplicates: int = 0
     created_at: str
     visionloop_version: str
-    # Detection datasets only (task "detection"). Left out of the JSON when None, so that a
-    # classification manifest is written exactly as before (older readers forbid extra keys).
-    detection: DetectionStats | None = None
+    # What the dataset's task counts beyond images per class (objects per class and size, ...):
+    # JSON that the task alone reads, with its own model (`Task.dataset_stats`). Left out of
+    # the JSON when None, so that a manifest without it is written exactly as before (older
+    # readers forbid extra keys).
+    task_stats: dict[str, JsonValue] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_stats_of_older_manifests(cls, data: Any) -> Any:
+        # Manifests written before the task owned its statistics keep them under the task's
+        # own key (`"<task name>": {...}`): still readable, now as task_stats.
+        if isinstance(data, dict) and "task_stats" not in data:
+            task = data.get("task")
+            if isinstance(task, str) and task in data and task not in cls.model_fields:
+                data = dict(data)
+                data["task_stats"] = data.pop(task)
+        return data
 
     @model_serializer(mode="wrap")
-    def _drop_absent_detection(self, handler: SerializerFunctionWrapHandler) -> Any:
+    def _drop_absent_task_stats(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
-        if isinstance(data, dict) and data.get("detection", 0) is None:
-            del data["detection"]
+        if isinstance(data, dict) and data.get("task_stats", 0) is None:
+            del data["task_stats"]
         return data
 
     @property

@@ -7,10 +7,10 @@ whose `__reduce__` runs code would run that code in whichever process reads it: 
 export, bench, a queue job. So:
 
 1. `check_shard_index` accepts exactly the `index.json` that `ShardWriter` writes (records of
-   image bytes, label int, index int, and for detection boxes bytes; no compression, no
-   encryption, litdata's PyTree item loader; plain chunk files in the folder, of the size the
-   index says), and refuses anything
-   else with a `DataError` that names the file, what it holds and what to do.
+   image bytes, label int, index int, then up to `MAX_EXTRA_FIELDS` fields of opaque bytes that
+   a task declares, named like identifiers; no compression, no encryption, litdata's PyTree
+   item loader; plain chunk files in the folder, of the size the index says), and refuses
+   anything else with a `DataError` that names the file, what it holds and what to do.
 2. `safe_serializers()` is the only serializer table a folder is opened with: `bytes` and `int`
    are litdata's own; every other name litdata knows (pickle, graph, json, tensor, ...) maps to
    a serializer that refuses. litdata fills any name missing from a table it is given with its
@@ -26,6 +26,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,17 +38,31 @@ INDEX_NAME = "index.json"
 # A 32 MB chunk takes about 100 bytes of index; 16 MiB of index is petabytes of images.
 INDEX_MAX_BYTES = 16 * 1024 * 1024
 
-# The record layouts ShardWriter writes, field for field: {"image": bytes, "label": int,
-# "index": int}, and for detection the same plus "boxes": bytes (`data.boxes`).
+# The record ShardWriter writes, field for field: {"image": bytes, "label": int, "index": int},
+# then the task's extra fields (`Task.record_fields`), each opaque bytes that the task encodes
+# and decodes itself. Only `bytes` and `int` are ever decoded, whatever a field is called.
 ITEM_LOADER = "PyTreeLoader"
+BASE_FIELDS: tuple[str, ...] = ("image", "label", "index")
+_BASE_TYPES = {"image": "bytes", "label": "int", "index": "int"}
+EXTRA_TYPE = "bytes"
+# A task's record carries a few side payloads (masks, points, ...), not a table of columns.
+MAX_EXTRA_FIELDS = 4
+# Plain identifiers: they become dict keys in every reader and appear in error messages.
+EXTRA_FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _LEAF: dict[str, Any] = {"type": None, "context": None, "children_spec": []}
 
 
 @dataclass(frozen=True)
 class _Layout:
     fields: tuple[str, ...]
-    data_format: list[str]
-    types: dict[str, str]
+
+    @property
+    def data_format(self) -> list[str]:
+        return [_BASE_TYPES.get(f, EXTRA_TYPE) for f in self.fields]
+
+    @property
+    def types(self) -> dict[str, str]:
+        return {f: _BASE_TYPES.get(f, EXTRA_TYPE) for f in sorted(self.fields)}
 
     @property
     def data_spec(self) -> list[Any]:
@@ -62,15 +77,37 @@ class _Layout:
         ]
 
 
-_TYPE_OF = {"image": "bytes", "label": "int", "index": "int", "boxes": "bytes"}
-LAYOUTS: tuple[_Layout, ...] = tuple(
-    _Layout(fields, [_TYPE_OF[f] for f in fields], {f: _TYPE_OF[f] for f in sorted(fields)})
-    for fields in (("image", "label", "index"), ("image", "label", "index", "boxes"))
-)
-# The classification layout (kept under its old names for callers and tests).
-DATA_FORMAT = LAYOUTS[0].data_format
-TYPES = LAYOUTS[0].types
-DATA_SPEC = LAYOUTS[0].data_spec
+def extra_field_problem(fields: Any) -> str | None:
+    """What is wrong with `fields` as a record's extra field names, or None when they are
+    usable: a sequence of at most MAX_EXTRA_FIELDS distinct identifiers, none a base field."""
+    if not isinstance(fields, list | tuple):
+        return f"extra fields {_short(fields)} are not a list of names"
+    if len(fields) > MAX_EXTRA_FIELDS:
+        return f"{len(fields)} extra fields {_short(list(fields))} (at most {MAX_EXTRA_FIELDS})"
+    for name in fields:
+        if not isinstance(name, str) or not EXTRA_FIELD_NAME.fullmatch(name):
+            return f"extra field name {_short(name)} is not a lowercase identifier like 'points'"
+        if name in BASE_FIELDS:
+            return f"extra field {name!r} repeats one of {list(BASE_FIELDS)}"
+    if len(set(fields)) != len(fields):
+        return f"extra fields {_short(list(fields))} name one field twice"
+    return None
+
+
+def layout_of(extra_fields: Sequence[str]) -> _Layout:
+    """The layout ShardWriter writes for records with these extra fields (ValueError if the
+    names are not usable)."""
+    problem = extra_field_problem(tuple(extra_fields))
+    if problem is not None:
+        raise ValueError(problem)
+    return _Layout((*BASE_FIELDS, *extra_fields))
+
+
+# The layout with no extra field (kept under its old names for callers and tests).
+_PLAIN = _Layout(BASE_FIELDS)
+DATA_FORMAT = _PLAIN.data_format
+TYPES = _PLAIN.types
+DATA_SPEC = _PLAIN.data_spec
 # Config fields that must be null: what they would switch on is not what ingest writes.
 _NULL_FIELDS = (
     "chunk_size",
@@ -94,15 +131,20 @@ class ShardIndex:
 
     chunk_sizes: list[int]
     digest: str
-    # The record's fields: ("image", "label", "index"), plus "boxes" for detection.
-    fields: tuple[str, ...] = ("image", "label", "index")
+    # The record's fields: ("image", "label", "index"), then the task's extra fields.
+    fields: tuple[str, ...] = BASE_FIELDS
+
+    @property
+    def extra_fields(self) -> tuple[str, ...]:
+        return self.fields[len(BASE_FIELDS) :]
 
 
 def _refuse(index_file: Path, what: str) -> DataError:
     return DataError(
         f"{index_file} is not a shard index that `visionloop data ingest` writes: {what}. "
         "visionloop opens shards only in the exact format ingest writes (image bytes, label and "
-        f"index ints; no pickle, compression or encryption). {_FIX}"
+        "index ints, a task's extra bytes fields; no pickle, compression or encryption). "
+        f"{_FIX}"
     )
 
 
@@ -140,12 +182,6 @@ def _check_config(index_file: Path, config: Any) -> _Layout:
     if keys != _CONFIG_KEYS:
         extra, missing = sorted(keys - _CONFIG_KEYS), sorted(_CONFIG_KEYS - keys)
         raise _refuse(index_file, f"config has unexpected fields {extra} and lacks {missing}")
-    layout = next((lay for lay in LAYOUTS if config["data_format"] == lay.data_format), None)
-    if layout is None:
-        expected = " or ".join(str(lay.data_format) for lay in LAYOUTS)
-        raise _refuse(index_file, f"data_format {_short(config['data_format'])} (expected {expected})")
-    if config["types"] != layout.types:
-        raise _refuse(index_file, f"types {_short(config['types'])} (expected {layout.types})")
     if config["item_loader"] != ITEM_LOADER:
         raise _refuse(index_file, f"item_loader {_short(config['item_loader'])} (expected {ITEM_LOADER!r})")
     for name in _NULL_FIELDS:
@@ -153,7 +189,19 @@ def _check_config(index_file: Path, config: Any) -> _Layout:
             raise _refuse(index_file, f"{name} {_short(config[name])} (expected null)")
     if not _is_int(config["chunk_bytes"]) or config["chunk_bytes"] < 1:
         raise _refuse(index_file, f"chunk_bytes {_short(config['chunk_bytes'])} (expected a positive int)")
-    spec = config["data_spec"]
+    layout = _check_spec(index_file, config["data_spec"])
+    if config["data_format"] != layout.data_format:
+        raise _refuse(
+            index_file, f"data_format {_short(config['data_format'])} (expected {layout.data_format})"
+        )
+    if config["types"] != layout.types:
+        raise _refuse(index_file, f"types {_short(config['types'])} (expected {layout.types})")
+    return layout
+
+
+def _check_spec(index_file: Path, spec: Any) -> _Layout:
+    """The layout a `data_spec` describes, when it is exactly what ShardWriter writes for some
+    valid set of extra fields; the rest of the config is then checked against that layout."""
     try:
         parsed = json.loads(spec) if isinstance(spec, str) else None
         if isinstance(parsed, list) and len(parsed) == 2 and isinstance(parsed[1], dict):
@@ -161,6 +209,15 @@ def _check_config(index_file: Path, config: Any) -> _Layout:
             parsed[1]["context"] = json.loads(context) if isinstance(context, str) else None
     except (ValueError, RecursionError):
         parsed = None
+    fields = parsed[1]["context"] if isinstance(parsed, list) and len(parsed) == 2 else None
+    if not isinstance(fields, list) or tuple(fields[: len(BASE_FIELDS)]) != BASE_FIELDS:
+        raise _refuse(
+            index_file, f"data_spec {_short(spec)} is not a record of {'/'.join(BASE_FIELDS)} (in this order)"
+        )
+    problem = extra_field_problem(fields[len(BASE_FIELDS) :])
+    if problem is not None:
+        raise _refuse(index_file, f"data_spec {_short(spec)}: {problem}")
+    layout = _Layout(tuple(fields))
     if parsed != layout.data_spec:
         raise _refuse(index_file, f"data_spec {_short(spec)} is not the {'/'.join(layout.fields)} record")
     return layout
@@ -245,7 +302,7 @@ class RefusedSerializer:
     def _refuse(self) -> DataError:
         return DataError(
             f"a shard folder asks for litdata's {self.name!r} serializer; visionloop decodes only "
-            f"image bytes and ints and never unpickles a dataset. {_FIX}"
+            f"bytes and ints and never unpickles a dataset. {_FIX}"
         )
 
     def setup(self, metadata: Any) -> None:

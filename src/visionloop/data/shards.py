@@ -2,9 +2,14 @@
 
 A record is `{"image": <encoded PNG or JPEG bytes>, "label": int, "index": int}` where
 `index` is the image's id, unique across the whole dataset (it seeds per-sample
-augmentation, so it must never change once written). A detection record adds
-`"boxes": bytes` (`data.boxes.encode_boxes`: xyxy pixels of the stored image and class
-indices) and its `label` is the number of boxes. One folder holds one layout.
+augmentation, so it must never change once written), followed by the extra fields its task
+declares (`Task.record_fields`), each opaque `bytes` that the task encodes and decodes itself
+(what `label` means beyond an int is the task's too). One folder holds one layout: every
+record has the same extra fields, in the same order.
+
+`Record` types the three fields every record has; the extra ones ride in the same dict (made
+with `make_record`, read with `record_field`), since a TypedDict cannot declare keys that
+only a task knows.
 
 Writing goes through litdata's `BinaryWriter`; reading through litdata's `StreamingDataset`
 with random access, after `shardcheck` has checked that the folder's `index.json` is exactly
@@ -19,12 +24,12 @@ import bisect
 import itertools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, TypedDict, cast
 
 from visionloop.core.errors import DataError
-from visionloop.data.shardcheck import check_shard_index, safe_serializers
+from visionloop.data.shardcheck import BASE_FIELDS, check_shard_index, layout_of, safe_serializers
 
 CHUNK_BYTES = "32MB"
 _INDEX = "index.json"
@@ -34,13 +39,39 @@ class Record(TypedDict):
     image: bytes
     label: int
     index: int
-    boxes: NotRequired[bytes]
+
+
+def make_record(image: bytes, label: int, index: int, **fields: bytes) -> Record:
+    """A record with the task's extra fields (`fields`, in the task's declared order)."""
+    return cast(Record, {"image": image, "label": label, "index": index, **fields})
+
+
+def extra_fields_of(record: Record) -> tuple[str, ...]:
+    """The names of the record's extra fields, in order."""
+    return tuple(k for k in record if k not in BASE_FIELDS)
+
+
+def record_field(record: Record, name: str) -> bytes:
+    """The record's extra field `name`; DataError naming the record when it has none."""
+    value = cast(Mapping[str, object], record).get(name)
+    if not isinstance(value, bytes):
+        have = ", ".join(extra_fields_of(record)) or "none"
+        raise DataError(
+            f"record {record.get('index')} has no {name!r} field (its extra fields: {have}); the "
+            "dataset was made for another task. Re-ingest the source with `visionloop data ingest`."
+        )
+    return value
 
 
 class ShardWriter:
-    """Append records to a litdata chunk folder; call `close()` to write its index."""
+    """Append records to a litdata chunk folder; call `close()` to write its index.
 
-    def __init__(self, out_dir: Path, chunk_bytes: str = CHUNK_BYTES) -> None:
+    `fields` are the extra fields every record carries, in order (the task's `record_fields`);
+    None takes them from the first record."""
+
+    def __init__(
+        self, out_dir: Path, chunk_bytes: str = CHUNK_BYTES, *, fields: Sequence[str] | None = None
+    ) -> None:
         from litdata.streaming.writer import BinaryWriter
 
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -48,21 +79,33 @@ class ShardWriter:
         self._writer = BinaryWriter(str(out_dir), chunk_bytes=chunk_bytes)
         self._n = 0
         self.bytes = 0
-        self._with_boxes: bool | None = None
+        self.fields: tuple[str, ...] | None = None
+        if fields is not None:
+            self.fields = layout_of(fields).fields[len(BASE_FIELDS) :]
 
     def add(self, record: Record) -> None:
-        with_boxes = "boxes" in record
-        if self._with_boxes is None:
-            self._with_boxes = with_boxes
-        elif with_boxes != self._with_boxes:
-            raise ValueError("a shard folder holds one record layout: every record has boxes, or none")
+        extra = extra_fields_of(record)
+        if self.fields is None:
+            self.fields = layout_of(extra).fields[len(BASE_FIELDS) :]
+        elif extra != self.fields:
+            raise ValueError(
+                f"a shard folder holds one record layout: this record has extra fields {list(extra)}, "
+                f"the folder {list(self.fields)} (same names, same order)"
+            )
+        values = cast(Mapping[str, object], record)
         item: dict[str, Any] = {
             "image": record["image"],
             "label": int(record["label"]),
             "index": int(record["index"]),
         }
-        if with_boxes:
-            item["boxes"] = bytes(record["boxes"])
+        for name in self.fields:
+            value = values[name]
+            # litdata would pick a serializer by the value's type (pickle for most); only bytes
+            # are ever read back.
+            if not isinstance(value, bytes | bytearray | memoryview):
+                kind = type(value).__name__
+                raise ValueError(f"extra field {name!r} is {kind}; a task encodes its fields as bytes")
+            item[name] = bytes(value)
         self._writer[self._n] = item
         self._n += 1
         self.bytes += len(record["image"])
@@ -90,7 +133,8 @@ class ShardReader:
         checked = check_shard_index(self.shard_dir)
         self.chunk_sizes: list[int] = checked.chunk_sizes
         self._digest = checked.digest
-        self.has_boxes = "boxes" in checked.fields
+        # The task's extra fields, in order (`Task.record_fields` names what it expects).
+        self.fields: tuple[str, ...] = checked.extra_fields
         self._starts = list(itertools.accumulate(self.chunk_sizes, initial=0))
         self._len = self._starts[-1]
         self._ds: Any = None
@@ -138,7 +182,17 @@ class ShardReader:
 
         chunk = bisect.bisect_right(self._starts, i) - 1
         item = self._open()[ChunkedIndex(index=i, chunk_index=chunk)]
-        record = Record(image=bytes(item["image"]), label=int(item["label"]), index=int(item["index"]))
-        if self.has_boxes:
-            record["boxes"] = bytes(item["boxes"])
-        return record
+        fields = {name: bytes(item[name]) for name in self.fields}
+        return make_record(bytes(item["image"]), int(item["label"]), int(item["index"]), **fields)
+
+    def require_fields(self, expected: Sequence[str], *, task: str) -> None:
+        """DataError unless the records carry exactly the extra fields `task` reads."""
+        if tuple(expected) != self.fields:
+            have = ", ".join(self.fields) or "none"
+            want = ", ".join(expected) or "none"
+            raise DataError(
+                f"{self.shard_dir} holds records with extra fields [{have}], but task {task!r} reads "
+                f"records with [{want}]: the dataset was ingested for another task or by another "
+                "visionloop. Re-ingest the source with `visionloop data ingest` for this task, or set "
+                "the train spec's task to the dataset's."
+            )

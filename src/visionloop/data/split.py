@@ -85,10 +85,11 @@ BACKGROUND_GROUP = -1
 
 
 def rarest_class_groups(present: Sequence[Sequence[int]]) -> list[int]:
-    """For detection: each image's stratum for `assign_splits`, the class it contains that the
-    fewest images contain (ties to the lower index), or `BACKGROUND_GROUP` for an image with no
-    box. Stratifying on the rarest class keeps a rare class's few images in every split, which
-    stratifying on a common one (present almost everywhere) would not."""
+    """For images that hold several labelled objects: each image's stratum for `assign_splits`,
+    the class it contains that the fewest images contain (ties to the lower index), or
+    `BACKGROUND_GROUP` for an image with no object. Stratifying on the rarest class keeps a
+    rare class's few images in every split, which stratifying on a common one (present almost
+    everywhere) would not."""
     images_with: dict[int, int] = {}
     for labels in present:
         for label in set(labels):

@@ -16,7 +16,11 @@ methods; they find the task by the name recorded in the dataset manifest or the 
 >>> evaluator.reset(); evaluator.update(outputs, targets, loss_sum); evaluator.compute()
 
 Adding a task adds a subpackage `tasks/<name>/` with a `Task` subclass decorated with
-`@register_task("<name>")`; no stage is touched. Shapes to keep in mind while implementing:
+`@register_task("<name>")`; no stage is touched. Data ingest finds the task too: the one whose
+`claims_source` recognises the source, or that reads the `--format` asked for
+(`source_formats`), builds the dataset with its `ingest`; its shard records carry the extra
+bytes fields it declares (`record_fields`), and the manifest its statistics (`task_stats`,
+read back with `dataset_stats`). Shapes to keep in mind while implementing:
 
 - targets may be a tensor (classification: (N,) int64) or anything else the task's `collate`
   makes (detection: a list of {"boxes", "labels"} dicts); the stages only hand them back to the
@@ -43,9 +47,11 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
     import torch
+    from pydantic import BaseModel
     from torch import nn
     from torch.utils.data import Dataset
 
+    from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
     from visionloop.data.manifest import DatasetManifest
     from visionloop.data.shards import Record, ShardReader
     from visionloop.models import ModelCard
@@ -165,6 +171,28 @@ class OutputScorer(ABC):
     def compute(self) -> float: ...
 
 
+@dataclass(frozen=True)
+class SummaryTable:
+    """A plain table the CLI renders (cells are plain text, no markup)."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    footer: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DatasetSummary:
+    """What `visionloop data ingest` and `data info` show of a dataset beyond its image counts:
+    words after "Ingested N images" (`headline`, e.g. "with 1,234 boxes"), labelled lines
+    under it (`lines`, e.g. ("background", "12 images with no box (kept)")), and a table that
+    replaces the per-class image counts (`table`; None keeps them)."""
+
+    headline: str = ""
+    lines: tuple[tuple[str, str], ...] = ()
+    table: SummaryTable | None = None
+
+
 class Task(ABC):
     """One task. Stateless: `get_task(name)` hands out one shared instance."""
 
@@ -193,6 +221,37 @@ class Task(ABC):
     # `example_source` writes: what the contract tests over every task use.
     example_arch: ClassVar[str] = ""
     example_image_size: ClassVar[int] = 32
+    # The extra fields of this task's shard records, in order after image/label/index: opaque
+    # bytes that the task encodes at ingest and decodes in its datasets (detection: "boxes").
+    # At most `shardcheck.MAX_EXTRA_FIELDS`, each a lowercase identifier.
+    record_fields: ClassVar[tuple[str, ...]] = ()
+    # The `--format` names (lowercase, aliases included) of the sources this task's ingest reads.
+    source_formats: ClassVar[tuple[str, ...]] = ()
+    # True for the one task that ingests a source no other task claims (classification: an
+    # ImageFolder or CSV); its own ingest then says what it could not read.
+    ingest_fallback: ClassVar[bool] = False
+
+    # ------------------------------------------------------------------ ingest
+    def claims_source(self, path: Path) -> bool:
+        """True when `path` has the layout of a source this task ingests. Cheap (a few stats
+        and at most a file's first bytes) and never raises for a missing or odd path."""
+        return False
+
+    def ingest(
+        self, source: Path, out: Path, options: IngestOptions, progress: ProgressFn | None = None
+    ) -> IngestReport:
+        """Build this task's dataset at `out` from `source` (`options.format`, when given, is one
+        of `source_formats`): shards whose records carry `record_fields`, and a manifest naming
+        this task. Same guarantees as `visionloop.data.ingest.ingest`."""
+        raise NotImplementedError(f"task {self.name!r} has no ingest; implement Task.ingest")
+
+    def dataset_stats(self, manifest: DatasetManifest) -> BaseModel | None:
+        """The manifest's `task_stats` parsed with this task's own model (None: it keeps none)."""
+        return None
+
+    def dataset_summary(self, manifest: DatasetManifest) -> DatasetSummary | None:
+        """What the CLI shows of the dataset beyond image counts (None: nothing more)."""
+        return None
 
     # ------------------------------------------------------------------ data
     def example_source(self, out_dir: Path, n_images: int, *, seed: int = 0) -> Path:
@@ -203,10 +262,16 @@ class Task(ABC):
 
     @abstractmethod
     def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
-        """Shard records → (uint8 image, target) samples, augmented per (seed, epoch, sample)."""
+        """Shard records → (uint8 image, target) samples, augmented per (seed, epoch, sample).
+        Refuses shards whose records lack this task's fields (`check_records`)."""
 
     @abstractmethod
     def eval_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]: ...
+
+    def check_records(self, reader: ShardReader) -> None:
+        """DataError unless the shards' records carry exactly `record_fields` (a dataset
+        ingested for another task): what `train_dataset` and `eval_dataset` call first."""
+        reader.require_fields(self.record_fields, task=self.name)
 
     def collate(self, samples: list[Any]) -> tuple[torch.Tensor, Any]:
         """A list of samples → (images (N, C, H, W), targets). Default: torch's default collate,

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from visionloop.core.errors import SpecError
+from visionloop.core.errors import DataError, SpecError
 
 if TYPE_CHECKING:
     from visionloop.tasks.base import Task
@@ -74,6 +75,47 @@ def get_task(name: str) -> Task:
     if task is None:
         task = _INSTANCES[name] = cls()
     return task
+
+
+def source_formats() -> dict[str, str]:
+    """Every `--format` name a registered task reads → that task's name."""
+    owners: dict[str, str] = {}
+    for name in list_tasks():
+        for fmt in get_task(name).source_formats:
+            owners.setdefault(fmt.lower(), name)
+    return owners
+
+
+def task_for_source(source: Path, format: str | None = None) -> Task:
+    """The task that ingests `source`: the one that reads `format` when given; else the one
+    whose `claims_source` recognises the source; else the fallback task (an ImageFolder or
+    CSV), whose ingest says what is wrong with a source nobody reads."""
+    tasks = [get_task(name) for name in list_tasks()]
+    if format is not None:
+        owners = source_formats()
+        owner = owners.get(format.lower())
+        if owner is None:
+            by_task = {t.name: [f for f, owner in owners.items() if owner == t.name] for t in tasks}
+            groups = [f"{', '.join(fmts)} ({name})" for name, fmts in by_task.items() if fmts]
+            known = "; ".join(groups) or "none"
+            raise DataError(
+                f"unknown source format {format!r}: --format must be one of {known}. Leave it out to "
+                "let ingest recognise the source by its layout."
+            )
+        return get_task(owner)
+    claimed = [t for t in tasks if not t.ingest_fallback and t.claims_source(Path(source))]
+    if len(claimed) > 1:
+        names = ", ".join(t.name for t in claimed)
+        raise DataError(
+            f"{source} has the layout of sources of several tasks ({names}); pass --format to say "
+            "which to read it as."
+        )
+    if claimed:
+        return claimed[0]
+    fallback = [t for t in tasks if t.ingest_fallback]
+    if len(fallback) != 1:
+        raise DataError(f"no task recognises {source} as a source it reads; pass --format.")
+    return fallback[0]
 
 
 def _ensure_loaded() -> None:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import Dataset
 
+    from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
     from visionloop.data.manifest import DatasetManifest
     from visionloop.data.shards import Record, ShardReader
     from visionloop.models import ModelCard
@@ -50,6 +51,17 @@ class ClassificationTask(Task):
     metric_label = "top-1"
     example_arch = "small_cnn"
     example_image_size = 16
+    # An ImageFolder or CSV has no layout marker of its own: whatever no other task claims is
+    # read as one, and `list_source` says what is wrong with a source that is neither.
+    ingest_fallback = True
+
+    # ------------------------------------------------------------------ ingest
+    def ingest(
+        self, source: Path, out: Path, options: IngestOptions, progress: ProgressFn | None = None
+    ) -> IngestReport:
+        from visionloop.data.ingest import ingest_images
+
+        return ingest_images(source, out, options, progress)
 
     # ------------------------------------------------------------------ data
     def example_source(self, out_dir: Path, n_images: int, *, seed: int = 0) -> Path:
@@ -72,6 +84,7 @@ class ClassificationTask(Task):
         from visionloop.tasks.classification.data import ShardClassificationDataset
         from visionloop.tasks.classification.transforms import TrainTransform
 
+        self.check_records(reader)
         t = TrainTransform(size=spec.data.image_size, augment=spec.data.augment, seed=spec.seed)
         return ShardClassificationDataset(reader, t)
 
@@ -79,6 +92,7 @@ class ClassificationTask(Task):
         from visionloop.tasks.classification.data import ShardClassificationDataset
         from visionloop.tasks.classification.transforms import EvalTransform
 
+        self.check_records(reader)
         return ShardClassificationDataset(reader, EvalTransform(spec.data.image_size, spec.data.crop_pct))
 
     def record_targets(self, records: Sequence[Record], *, image_size: int | None = None) -> torch.Tensor:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from visionloop.data.boxes import decode_boxes
 from visionloop.data.loader import decode_rgb
 from visionloop.data.sampler import SampleKey
-from visionloop.data.shards import Record, ShardReader
+from visionloop.data.shards import Record, ShardReader, record_field
+from visionloop.tasks.detection.boxes import decode_boxes
 from visionloop.tasks.detection.transforms import DetectionEvalTransform, DetectionTrainTransform
 
 Target = dict[str, Any]
@@ -26,7 +26,8 @@ Sample = tuple[torch.Tensor, Target]
 
 def record_boxes(record: Record, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A record's boxes (N, 4) float32 xyxy in stored-image pixels and labels (N,) int64."""
-    boxes, labels = decode_boxes(record.get("boxes", b""), num_classes, where=f"record {record['index']}")
+    data = record_field(record, "boxes")
+    boxes, labels = decode_boxes(data, num_classes, where=f"record {record['index']}")
     return torch.from_numpy(boxes), torch.from_numpy(labels)
 
 

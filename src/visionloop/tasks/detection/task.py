@@ -28,11 +28,13 @@ from visionloop.tasks.base import (
     Answer,
     AnswerOptions,
     Arrays,
+    DatasetSummary,
     Evaluator,
     ExportComparison,
     ImageContext,
     LossFn,
     OutputScorer,
+    SummaryTable,
     Task,
 )
 from visionloop.tasks.registry import register_task
@@ -43,10 +45,12 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import Dataset
 
+    from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
     from visionloop.data.manifest import DatasetManifest
     from visionloop.data.shards import Record, ShardReader
     from visionloop.models import ModelCard
     from visionloop.specs import TrainSpec
+    from visionloop.tasks.detection.stats import DetectionStats
 
 
 def sum_losses(losses: Mapping[str, torch.Tensor], _targets: Any = None) -> torch.Tensor:
@@ -96,12 +100,49 @@ class DetectionTask(Task):
     parity_limits = MappingProxyType({"fp32": (1e-3, 0.99), "fp16": (None, 0.0), "int8": (None, 0.0)})
     example_arch = "native_detector"
     example_image_size = 64
+    # Each record's boxes (`boxes.encode_boxes`); its label is the number of boxes.
+    record_fields = ("boxes",)
+    # The annotation formats `annotations` reads, with the spellings it also takes.
+    source_formats = ("coco", "yolo", "voc", "label_studio", "labelstudio", "label-studio", "pascal_voc")
+
+    # ------------------------------------------------------------------ ingest
+    def claims_source(self, path: Path) -> bool:
+        from visionloop.tasks.detection.ingest_support import is_detection_source
+
+        return is_detection_source(path)
+
+    def ingest(
+        self, source: Path, out: Path, options: IngestOptions, progress: ProgressFn | None = None
+    ) -> IngestReport:
+        from visionloop.tasks.detection.ingest import ingest_detection
+
+        return ingest_detection(source, out, options, progress)
+
+    def dataset_stats(self, manifest: DatasetManifest) -> DetectionStats | None:
+        from visionloop.core.errors import DataError
+        from visionloop.tasks.detection.stats import DetectionStats
+
+        if manifest.task_stats is None:
+            return None
+        try:
+            return DetectionStats.model_validate(manifest.task_stats)
+        except ValueError as e:  # pydantic's ValidationError
+            raise DataError(
+                f"the dataset's task_stats are not detection statistics ({e}); re-run "
+                "`visionloop data ingest`."
+            ) from e
+
+    def dataset_summary(self, manifest: DatasetManifest) -> DatasetSummary | None:
+        stats = self.dataset_stats(manifest)
+        if stats is None:
+            return None
+        return _summary(manifest, stats)
 
     # ------------------------------------------------------------------ data
     def example_source(self, out_dir: Path, n_images: int, *, seed: int = 0) -> Path:
         """`n_images` rendered handwritten digits 0-2 (64x64, up to two per image, COCO json
-        + PNGs: `data.synthetic_detection`); ingest splits off the val images."""
-        from visionloop.data.synthetic_detection import generate_detection_dataset
+        + PNGs: `synthetic`); ingest splits off the val images."""
+        from visionloop.tasks.detection.synthetic import generate_detection_dataset
 
         generate_detection_dataset(
             out_dir, n_images, image_size=64, seed=seed, classes=(0, 1, 2), max_objects=2, digit_size=(16, 30)
@@ -113,7 +154,7 @@ class DetectionTask(Task):
         from visionloop.tasks.detection.data import ShardDetectionDataset
         from visionloop.tasks.detection.transforms import DetectionTrainTransform
 
-        _check_spec(spec, reader)
+        _check_spec(self, spec, reader)
         t = DetectionTrainTransform(size=spec.data.image_size, augment=spec.data.augment, seed=spec.seed)
         return ShardDetectionDataset(reader, t, read_manifest(spec.data.dataset).classes)
 
@@ -122,7 +163,7 @@ class DetectionTask(Task):
         from visionloop.tasks.detection.data import ShardDetectionDataset
         from visionloop.tasks.detection.transforms import DetectionEvalTransform
 
-        _check_spec(spec, reader)
+        _check_spec(self, spec, reader)
         t = DetectionEvalTransform(spec.data.image_size)
         return ShardDetectionDataset(reader, t, read_manifest(spec.data.dataset).classes)
 
@@ -311,15 +352,61 @@ class DetectionTask(Task):
         return answer.agreement(a, b)
 
 
-def _check_spec(spec: TrainSpec, reader: ShardReader) -> None:
-    from visionloop.core.errors import DataError
-
-    if not reader.has_boxes:
-        raise DataError(
-            f"{reader.shard_dir} holds no boxes: it is not a detection split. Ingest a COCO, YOLO, VOC "
-            "or Label Studio source to train a detector."
-        )
+def _check_spec(task: Task, spec: TrainSpec, reader: ShardReader) -> None:
+    # A split without boxes (ingested from an ImageFolder) is refused by check_records, which
+    # names the fields the records have and the ones a detector reads.
+    task.check_records(reader)
     _image_size(spec.model.kwargs, spec.data.image_size)
+
+
+def _summary(manifest: DatasetManifest, stats: DetectionStats) -> DatasetSummary:
+    """Per class and split: boxes, and images containing the class; then background images
+    and boxes by size."""
+    from visionloop.tasks.detection.stats import SPLIT_NAMES
+
+    det = stats.splits
+    splits = [s for s in SPLIT_NAMES if s in det and det[s].images]
+    boxes = sum(sum(s.instances.values()) for s in det.values())
+    background = sum(s.background_images for s in det.values())
+    rows: list[tuple[str, ...]] = []
+    for cls in manifest.classes:
+        counts = [det[s].instances.get(cls, 0) for s in splits]
+        images = [manifest.splits[s].per_class.get(cls, 0) if s in manifest.splits else 0 for s in splits]
+        cells = [f"{b:,} ({n:,})" for b, n in zip(counts, images, strict=True)]
+        rows.append((cls, *cells, f"{sum(counts):,} ({sum(images):,})"))
+    rows.append(
+        (
+            "background",
+            *(f"({det[s].background_images:,})" for s in splits),
+            f"({sum(det[s].background_images for s in splits):,})",
+        )
+    )
+    sizes = [det[s].box_sizes for s in splits]
+    rows.append(
+        (
+            "small/medium/large",
+            *(f"{z.small}/{z.medium}/{z.large}" for z in sizes),
+            f"{sum(z.small for z in sizes)}/{sum(z.medium for z in sizes)}/{sum(z.large for z in sizes)}",
+        )
+    )
+    table = SummaryTable(
+        title="boxes (images) per split and class",
+        columns=("class", *splits, "total"),
+        rows=tuple(rows),
+        footer=(
+            "images",
+            *(f"{det[s].images:,}" for s in splits),
+            f"{sum(det[s].images for s in splits):,}",
+        ),
+    )
+    return DatasetSummary(
+        headline=f"with {boxes:,} boxes",
+        lines=(
+            ("background", f"{background:,} images with no box (kept)"),
+            ("clipped", f"{stats.clipped_boxes:,} boxes clipped to the image edges (kept)"),
+        ),
+        table=table,
+    )
 
 
 def _image_hw(data: bytes) -> tuple[int, int]:

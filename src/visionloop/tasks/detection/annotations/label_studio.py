@@ -34,7 +34,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
-from visionloop.data.annotations.common import (
+from visionloop.tasks.detection.annotations.common import (
     Header,
     ImageBoxes,
     Images,
@@ -48,7 +48,7 @@ from visionloop.data.annotations.common import (
     short,
     walk_images,
 )
-from visionloop.data.annotations.model import Box, DetectionSample, DetectionSource, IssueReason
+from visionloop.tasks.detection.annotations.model import Box, DetectionSample, DetectionSource, IssueReason
 
 EXAMPLE = """\
 Expected Label Studio's JSON export (Export → JSON), a list of tasks:

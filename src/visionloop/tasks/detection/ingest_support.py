@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from visionloop.data.annotations import DetectionSample, DetectionSource, IssueReason
-from visionloop.data.annotations.common import EPS_PX
+from visionloop.tasks.detection.annotations import DetectionSample, DetectionSource, IssueReason
+from visionloop.tasks.detection.annotations.common import EPS_PX
 
 TOO_MANY_BOXES = "too_many_boxes"  # rejected.jsonl reason: an image over boxes.MAX_BOXES
 # Reasons that leave out one box (the others leave out an image or a whole file).
@@ -42,7 +42,7 @@ IMAGE_REASONS = frozenset(
 def is_detection_source(path: Path) -> bool:
     """True when `path` has the layout of a detection source (or of several: reading it then
     asks for --format). An ImageFolder or CSV has none of these markers."""
-    from visionloop.data.annotations import detect
+    from visionloop.tasks.detection.annotations import detect
 
     path = Path(path)
     if path.is_file():

@@ -33,7 +33,8 @@ import yaml
 
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
-from visionloop.data.annotations.common import (
+from visionloop.data.manifest import SPLITS, SplitName
+from visionloop.tasks.detection.annotations.common import (
     MAX_TXT_BYTES,
     MAX_YAML_BYTES,
     AnnotationFileError,
@@ -50,8 +51,7 @@ from visionloop.data.annotations.common import (
     split_from_name,
     walk_images,
 )
-from visionloop.data.annotations.model import DetectionSample, DetectionSource, IssueReason
-from visionloop.data.manifest import SPLITS, SplitName
+from visionloop.tasks.detection.annotations.model import DetectionSample, DetectionSource, IssueReason
 
 EXAMPLE = """\
 Expected a YOLO data.yaml such as:

@@ -2,7 +2,7 @@
 
 The stages mirror classification ingest (`ingest`), with boxes carried alongside:
 
-1. read the annotations (`data.annotations`): one typed `DetectionSource`, boxes in pixels of
+1. read the annotations (`annotations`): one typed `DetectionSource`, boxes in pixels of
    the upright image, and an `Issue` for every box, line, image or file left out or repaired;
 2. hash every image (threads) and find byte duplicates;
 3. plan: the source's split when it gives one, else a seeded split stratified by each image's
@@ -10,8 +10,8 @@ The stages mirror classification ingest (`ingest`), with boxes carried alongside
 4. decode and normalise every image in worker processes (`imageio`, the same checks and
    `--max-side` as classification), scale its boxes by exactly the factor the image was
    resized by on each axis, clip them to the stored image, and write records of image bytes
-   + `encode_boxes` bytes (`shards.Record`; `label` = the number of boxes);
-5. write `dataset.json` (task "detection", with `DetectionStats`), `rejected.jsonl` (every
+   + `encode_boxes` bytes (the record's "boxes" field; `label` = the number of boxes);
+5. write `dataset.json` (task "detection", `DetectionStats` as its task_stats), `rejected.jsonl` (every
    reader issue as `Issue.to_row()`, images that failed to decode, boxes lost to scaling)
    and `duplicates.jsonl`, and publish the folder atomically.
 
@@ -29,12 +29,9 @@ from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import cast
 
 from visionloop import __version__
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import DetectionSource, IssueReason, read_detection_source
-from visionloop.data.boxes import MAX_BOXES, encode_boxes
 from visionloop.data.imageio import (
     Normalised,
     Rejection,
@@ -44,7 +41,25 @@ from visionloop.data.imageio import (
     target_size,
 )
 from visionloop.data.ingest import BATCH_BYTES, BATCH_FILES, check_out, write_jsonl
-from visionloop.data.ingest_detection_support import (
+from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
+from visionloop.data.ingest_pool import chunks, decode_batches, hash_files, ordered_map, worker_context
+from visionloop.data.ingest_stats import SPLIT_NAMES, StatsAccumulator, labelled_version
+from visionloop.data.manifest import (
+    DUPLICATES_NAME,
+    REJECTED_NAME,
+    SHARDS_DIR,
+    DatasetManifest,
+    SourceInfo,
+    SplitName,
+    SplitPolicy,
+    write_manifest,
+)
+from visionloop.data.publish import building, publish
+from visionloop.data.shards import ShardWriter, make_record
+from visionloop.data.split import Duplicate, assign_splits, find_duplicates, rarest_class_groups, write_order
+from visionloop.tasks.detection.annotations import DetectionSource, IssueReason, read_detection_source
+from visionloop.tasks.detection.boxes import MAX_BOXES, encode_boxes
+from visionloop.tasks.detection.ingest_support import (
     BOX_REASONS,
     IMAGE_REASONS,
     TOO_MANY_BOXES,
@@ -52,28 +67,8 @@ from visionloop.data.ingest_detection_support import (
     is_detection_source,
     scale_boxes,
 )
-from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
-from visionloop.data.ingest_pool import chunks, decode_batches, hash_files, ordered_map, worker_context
-from visionloop.data.ingest_stats import (
-    SPLIT_NAMES,
-    DetectionAccumulator,
-    StatsAccumulator,
-    detection_version,
-)
-from visionloop.data.manifest import (
-    DUPLICATES_NAME,
-    REJECTED_NAME,
-    SHARDS_DIR,
-    DatasetManifest,
-    SourceInfo,
-    SourceKind,
-    SplitName,
-    SplitPolicy,
-    write_manifest,
-)
-from visionloop.data.publish import building, publish
-from visionloop.data.shards import Record, ShardWriter
-from visionloop.data.split import Duplicate, assign_splits, find_duplicates, rarest_class_groups, write_order
+from visionloop.tasks.detection.stats import DetectionAccumulator
+from visionloop.tasks.detection.task import DetectionTask
 
 __all__ = ["TOO_MANY_BOXES", "ingest_detection", "is_detection_source", "scale_boxes"]
 
@@ -239,7 +234,8 @@ class _Run:
 
     def decode_and_write(self) -> None:
         samples = self.src.samples
-        writers = {s: ShardWriter(self.tmp / SHARDS_DIR / s) for s in SPLIT_NAMES}
+        fields = DetectionTask.record_fields
+        writers = {s: ShardWriter(self.tmp / SHARDS_DIR / s, fields=fields) for s in SPLIT_NAMES}
         batches = list(self._batches(self.options.workers))
         workers = max(1, min(self.options.workers, len(batches)))
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=worker_context(), initializer=init_worker)
@@ -316,7 +312,7 @@ class _Run:
             )
         encoded = encode_boxes(boxes, labels)
         split = self.splits[i]
-        writers[split].add(Record(image=outcome.data, label=len(labels), index=i, boxes=encoded))
+        writers[split].add(make_record(outcome.data, len(labels), i, boxes=encoded))
         self.stats.add_image(split, sorted({int(v) for v in labels}), outcome)
         clips = self._clips.get(sample.rel, 0)
         self._clips_placed += clips
@@ -353,14 +349,12 @@ class _Run:
             1 for i in self.src.issues if i.reason in IMAGE_REASONS and not i.kept
         )
         manifest = DatasetManifest(
-            version=detection_version(self.policy, self.src.classes, self.versioned),
-            task="detection",
+            version=labelled_version(DetectionTask.name, self.policy, self.src.classes, self.versioned),
+            task=DetectionTask.name,
             classes=list(self.src.classes),
             splits=self.stats.split_infos(),
             image_policy=self.policy,
-            source=SourceInfo(
-                kind=cast(SourceKind, self.src.format), path=str(self.src.root), files_seen=images_seen
-            ),
+            source=SourceInfo(kind=self.src.format, path=str(self.src.root), files_seen=images_seen),
             split_policy=SplitPolicy(
                 seed=o.seed,
                 val_fraction=val_fraction,
@@ -373,7 +367,9 @@ class _Run:
             duplicates=len(self.reported_duplicates),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
             visionloop_version=__version__,
-            detection=self.boxes.stats(self.dropped_boxes, unplaced_clipped=all_clips - placed_anywhere),
+            task_stats=self.boxes.stats(
+                self.dropped_boxes, unplaced_clipped=all_clips - placed_anywhere
+            ).model_dump(mode="json"),
         )
         write_manifest(self.tmp, manifest)
         return manifest

@@ -40,8 +40,10 @@ import defusedxml.ElementTree as SafeET
 
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
-from visionloop.data.annotations import orient
-from visionloop.data.annotations.common import (
+from visionloop.data.imageio import is_image_name
+from visionloop.data.manifest import SplitName
+from visionloop.tasks.detection.annotations import orient
+from visionloop.tasks.detection.annotations.common import (
     MAX_TXT_BYTES,
     MAX_XML_BYTES,
     SPLIT_NAMES,
@@ -61,10 +63,8 @@ from visionloop.data.annotations.common import (
     short,
     vote_frame,
 )
-from visionloop.data.annotations.model import DetectionSample, DetectionSource, IssueReason
-from visionloop.data.annotations.yolo import flat_name, place_image
-from visionloop.data.imageio import is_image_name
-from visionloop.data.manifest import SplitName
+from visionloop.tasks.detection.annotations.model import DetectionSample, DetectionSource, IssueReason
+from visionloop.tasks.detection.annotations.yolo import flat_name, place_image
 
 if TYPE_CHECKING:  # the standard parser is never used on an annotation file; only its type is
     from xml.etree.ElementTree import Element

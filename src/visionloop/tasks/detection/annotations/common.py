@@ -34,10 +34,10 @@ from typing import Literal
 from PIL import ExifTags, Image
 
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import orient
-from visionloop.data.annotations.model import Box, DetectionSample, Issue, IssueReason
 from visionloop.data.imageio import DECODABLE_FORMATS
 from visionloop.data.manifest import SplitName
+from visionloop.tasks.detection.annotations import orient
+from visionloop.tasks.detection.annotations.model import Box, DetectionSample, Issue, IssueReason
 
 SPLIT_NAMES: tuple[SplitName, ...] = ("train", "val", "test")
 

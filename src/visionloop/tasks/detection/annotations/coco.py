@@ -27,8 +27,9 @@ from pathlib import Path
 
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
-from visionloop.data.annotations import orient
-from visionloop.data.annotations.common import (
+from visionloop.data.manifest import SplitName
+from visionloop.tasks.detection.annotations import orient
+from visionloop.tasks.detection.annotations.common import (
     Header,
     ImageBoxes,
     Images,
@@ -44,8 +45,7 @@ from visionloop.data.annotations.common import (
     split_from_name,
     vote_frame,
 )
-from visionloop.data.annotations.model import DetectionSample, DetectionSource, IssueReason
-from visionloop.data.manifest import SplitName
+from visionloop.tasks.detection.annotations.model import DetectionSample, DetectionSource, IssueReason
 
 EXAMPLE = """\
 Expected COCO detection JSON:

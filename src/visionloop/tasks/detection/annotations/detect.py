@@ -18,12 +18,12 @@ import re
 from pathlib import Path
 
 from visionloop.core.errors import DataError
-from visionloop.data.annotations.coco import read_coco
-from visionloop.data.annotations.common import Issues, Where, split_from_name
-from visionloop.data.annotations.label_studio import read_label_studio
-from visionloop.data.annotations.model import DetectionSample, DetectionSource, Issue, IssueReason
-from visionloop.data.annotations.voc import read_voc
-from visionloop.data.annotations.yolo import read_yolo
+from visionloop.tasks.detection.annotations.coco import read_coco
+from visionloop.tasks.detection.annotations.common import Issues, Where, split_from_name
+from visionloop.tasks.detection.annotations.label_studio import read_label_studio
+from visionloop.tasks.detection.annotations.model import DetectionSample, DetectionSource, Issue, IssueReason
+from visionloop.tasks.detection.annotations.voc import read_voc
+from visionloop.tasks.detection.annotations.yolo import read_yolo
 
 FORMATS = ("coco", "yolo", "voc", "label_studio")
 _ALIASES = {

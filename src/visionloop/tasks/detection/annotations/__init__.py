@@ -9,10 +9,10 @@ only when the whole source is unusable. Formats are read with our own code (no u
 
 from __future__ import annotations
 
-from visionloop.data.annotations.coco import read_coco, write_coco
-from visionloop.data.annotations.detect import FORMATS, detect_format, merge, read_detection_source
-from visionloop.data.annotations.label_studio import read_label_studio, write_label_studio
-from visionloop.data.annotations.model import (
+from visionloop.tasks.detection.annotations.coco import read_coco, write_coco
+from visionloop.tasks.detection.annotations.detect import FORMATS, detect_format, merge, read_detection_source
+from visionloop.tasks.detection.annotations.label_studio import read_label_studio, write_label_studio
+from visionloop.tasks.detection.annotations.model import (
     Box,
     DetectionCounts,
     DetectionSample,
@@ -20,8 +20,8 @@ from visionloop.data.annotations.model import (
     Issue,
     IssueReason,
 )
-from visionloop.data.annotations.voc import read_voc, write_voc
-from visionloop.data.annotations.yolo import read_yolo, write_yolo
+from visionloop.tasks.detection.annotations.voc import read_voc, write_voc
+from visionloop.tasks.detection.annotations.yolo import read_yolo, write_yolo
 
 __all__ = [
     "FORMATS",

@@ -22,7 +22,7 @@ Any other value (0, 9, garbage) means "as stored", as Pillow treats it.
 
 from __future__ import annotations
 
-from visionloop.data.annotations.model import Box
+from visionloop.tasks.detection.annotations.model import Box
 
 ROTATES = frozenset({2, 3, 4, 5, 6, 7, 8})
 SWAPS_AXES = frozenset({5, 6, 7, 8})

@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from visionloop.core.errors import DataError
-from visionloop.data.annotations import DetectionSample, DetectionSource, write_coco
+from visionloop.tasks.detection.annotations import DetectionSample, DetectionSource, write_coco
 
 INK_ALPHA = 0.5  # a pixel is ink where the digit's alpha reaches this
 MIN_VISIBLE = 0.7  # an occluder may hide at most 30% of a digit's ink
