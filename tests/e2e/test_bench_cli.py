@@ -56,7 +56,10 @@ def test_impossible_budget_exits_non_zero_and_writes_no_serving_config(kit: Mode
     (onnx,) = BenchResult.load(out / "bench.json").configs
     closest = min(onnx.points, key=lambda p: p.p99_ms)
     message = " ".join(r.stderr.split())
-    assert f"nothing meets the 0.0001 ms budget; the closest is onnx fp32 cpu at batch {closest.batch_size}:" in message
+    assert (
+        f"nothing meets the 0.0001 ms budget; the closest is onnx fp32 cpu at batch {closest.batch_size}:"
+        in message
+    )
     assert "No serving config was written" in message
 
 
