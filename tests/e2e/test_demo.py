@@ -66,3 +66,37 @@ def test_demo_ingests_trains_to_95_percent_and_records_everything(vl_home: Path)
     assert answer is not None, p.stdout
     assert answer.group(1) == answer.group(2) == "7"
     assert "server stopped" in p.stdout
+
+
+@pytest.mark.slow
+def test_detection_demo_runs_every_step_and_says_when_it_misses_its_target(vl_home: Path) -> None:
+    # A few hundred images and one epoch: the whole walkthrough (draw, ingest, train, register,
+    # export through the mAP gate, bench, serve, /detect) in CI time, far below the demo's own
+    # budget; so it must reach the end and then refuse to call itself a success.
+    p = cli("demo", "--task", "detection", "--images", "128", "--epochs", "1", "--workers", "0", timeout=600)
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    for step in range(1, 8):
+        assert f"{step}/7" in p.stderr, (step, p.stderr[-3000:])
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "the demo missed its mAP50 target" in " ".join(p.stderr.split())
+    assert re.search(r"wrote 128 training and 300 validation images", p.stdout), p.stdout
+
+    manifest = json.loads((vl_home / "datasets" / "digit-scenes" / "dataset.json").read_text())
+    assert manifest["task"] == "detection"
+    assert (manifest["splits"]["train"]["count"], manifest["splits"]["val"]["count"]) == (128, 300)
+
+    from visionloop.export import ExportReport
+    from visionloop.registry import get_version
+
+    model = get_version("digit-detector@champion")
+    assert model.card().task == "detection" and model.card().arch == "native_detector"
+    onnx = model.export_path("onnx", "fp32")
+    assert onnx is not None and onnx.is_file()
+    report = ExportReport.model_validate_json((onnx.parent / "export.json").read_text())
+    assert report.passed
+    # The served answer was printed: the image's file, the endpoint and what it holds.
+    assert re.search(
+        r"POST \S+\.png to /v2/models/digit-detector/detect\?score_threshold=0\.3 → \d+ boxes", p.stdout
+    )
+    map50 = re.search(r"validation mAP50 ([\d.]+) \(target ≥ 0\.9\)", p.stdout)
+    assert map50 is not None and float(map50.group(1)) < 0.9, p.stdout

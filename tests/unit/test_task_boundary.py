@@ -30,11 +30,9 @@ TASK_NAMES = {"classification", "detection", "segmentation", "keypoints"}
 DATA = SRC / "data"
 # Words that belong to one task; the data layer must not need them.
 TASK_WORDS = re.compile(r"detection|boxes", re.IGNORECASE)
-# Modules outside tasks/ that still import a task's package, each with why. The detection demo
-# draws its scenes with `tasks.detection.synthetic` (train and held-out handwriting), which the
-# contract's `example_source` does not offer; it belongs under tasks/detection/ or behind a
-# contract hook, and is listed here until then.
-EXEMPT_IMPORTS = {"visionloop/cli/demo_detection.py": "visionloop.tasks.detection.synthetic"}
+# Modules outside tasks/ that may import a task's package, each with why (none today: the
+# detection demo draws its scenes through the contract's `demo_source`).
+EXEMPT_IMPORTS: dict[str, str] = {}
 
 
 def _modules() -> Iterator[tuple[Path, ast.Module]]:

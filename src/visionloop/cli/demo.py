@@ -100,11 +100,9 @@ def demo(
     if home is not None:
         os.environ["VISIONLOOP_HOME"] = str(home.expanduser().resolve())
     from visionloop.cli.data import ingest_with_progress
-    from visionloop.cli.progress import RichReporter
+    from visionloop.cli.demo_train import train_demo_spec
     from visionloop.core.settings import load_settings
     from visionloop.data.ingest import IngestOptions
-    from visionloop.specs import load_train_spec
-    from visionloop.train.api import train
 
     settings = load_settings().ensure()
     # The demos by task name: a table, not a branch per task (tasks/ owns what a task does;
@@ -140,27 +138,10 @@ def demo(
     )
 
     err.rule(f"[bold]3/{STEPS}  train a small CNN (checkpointed, tracked in MLflow)")
-    spec_path = settings.home / "demo" / "digits.yaml"
     spec_text = DEMO_SPEC.format(dataset=dataset_dir, workers=workers, epochs=epochs)
-    spec_path.write_text(spec_text)
-    spec, _ = load_train_spec(spec_path)
+    spec_path = settings.home / "demo" / "digits.yaml"
     run_dir = settings.runs_dir / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    with RichReporter(err) as reporter:
-        result = train(
-            spec,
-            run_dir,
-            spec_text=spec_text,
-            resolved=spec.model_dump(mode="json"),
-            settings=settings,
-            reporter=reporter,
-        )
-    if result.exit_code != 0:
-        out.print(f"[yellow]the demo's training was stopped at step {result.step}; resume it with:[/]")
-        out.print(
-            f"  VISIONLOOP_HOME={settings.home} visionloop train {spec_path} --run-dir {run_dir}",
-            soft_wrap=True,
-        )
-        raise typer.Exit(result.exit_code)
+    result = train_demo_spec(settings, spec_path, spec_text, run_dir)
 
     acc = result.final_metrics.get("accuracy", 0.0)
     ok = acc >= TARGET_ACCURACY

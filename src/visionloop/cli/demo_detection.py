@@ -3,7 +3,7 @@ a few minutes, with no download.
 
 1. generate a detection dataset in the process: scikit-learn's bundled handwritten digits
    pasted onto textured backgrounds with scale changes, rotation, clutter and occlusion
-   (`data.synthetic_detection`), written as a COCO source (`annotations/instances_*.json`
+   (the detection task's `demo_source`), written as a COCO source (`annotations/instances_*.json`
    beside `train/` and `val/`); the validation images use handwriting the training images
    never show;
 2. ingest it with the real detection ingest (box checks, split from the source, shards,
@@ -20,7 +20,6 @@ Each step is the library call its command makes, so the output shows what a user
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import threading
 import time
@@ -39,9 +38,6 @@ if TYPE_CHECKING:
 MODEL_NAME = "digit-detector"
 STEPS = 7
 TARGET_MAP50 = 0.9
-# Five digit classes: the demo's budget (under 5 minutes on 2 cores) reaches mAP50 >= 0.9 on
-# five classes of unseen handwriting; ten need about twice the training (BENCHMARKS.md).
-CLASSES = (0, 1, 2, 3, 4)
 IMAGE_SIZE = 96
 EPOCHS = 3
 DEMO_SPEC = """\
@@ -76,25 +72,11 @@ class DetectionDemoResult:
 
 
 def generate_coco_source(root: Path, n_train: int, n_val: int) -> tuple[int, int]:
-    """Write the demo's COCO source under `root`: `annotations/instances_{train,val}.json`
-    and the images in `train/` and `val/`. Returns the number of images of each split."""
-    from visionloop.tasks.detection.synthetic import Exemplars, generate_detection_dataset
+    """Write the demo's COCO source under `root` (the detection task's `demo_source`).
+    Returns the number of images of each split."""
+    from visionloop.tasks.registry import get_task
 
-    if root.exists():
-        shutil.rmtree(root)
-    (root / "annotations").mkdir(parents=True)
-    plan: tuple[tuple[str, int, Exemplars, int], ...] = (
-        ("train", n_train, "train", 0),
-        ("val", n_val, "holdout", 1),
-    )
-    for split, n, exemplars, seed in plan:
-        work = root / f".gen-{split}"
-        generate_detection_dataset(
-            work, n, image_size=IMAGE_SIZE, seed=seed, classes=CLASSES, exemplars=exemplars
-        )
-        (work / "images").rename(root / split)
-        (work / "instances.json").rename(root / "annotations" / f"instances_{split}.json")
-        work.rmdir()
+    get_task("detection").demo_source(root, n_train, n_val, image_size=IMAGE_SIZE)
     return n_train, n_val
 
 
@@ -141,11 +123,9 @@ def run_detection_demo(
     settings: Settings, *, n_train: int, n_val: int, epochs: int, workers: int
 ) -> DetectionDemoResult:
     from visionloop.cli.data import ingest_with_progress
-    from visionloop.cli.progress import RichReporter
+    from visionloop.cli.demo_train import train_demo_spec
     from visionloop.data.ingest import IngestOptions
     from visionloop.registry import register, set_alias
-    from visionloop.specs import load_train_spec
-    from visionloop.train.api import train
 
     started = time.monotonic()
     source_dir = settings.home / "demo" / "digit-scenes"
@@ -164,27 +144,10 @@ def run_detection_demo(
     out.print(f"  $ visionloop data ingest {source_dir} --out {dataset_dir}", soft_wrap=True)
 
     err.rule(f"[bold]3/{STEPS}  train the native detector (checkpointed, tracked in MLflow, COCO mAP)")
-    spec_path = settings.home / "demo" / "digit-scenes.yaml"
     spec_text = DEMO_SPEC.format(dataset=dataset_dir, workers=workers, epochs=epochs, size=IMAGE_SIZE)
-    spec_path.write_text(spec_text)
-    spec, _ = load_train_spec(spec_path)
+    spec_path = settings.home / "demo" / "digit-scenes.yaml"
     run_dir = settings.runs_dir / f"demo-detection-{time.strftime('%Y%m%d-%H%M%S')}"
-    with RichReporter(err) as reporter:
-        result = train(
-            spec,
-            run_dir,
-            spec_text=spec_text,
-            resolved=spec.model_dump(mode="json"),
-            settings=settings,
-            reporter=reporter,
-        )
-    if result.exit_code != 0:
-        out.print(f"[yellow]the demo's training was stopped at step {result.step}; resume it with:[/]")
-        out.print(
-            f"  VISIONLOOP_HOME={settings.home} visionloop train {spec_path} --run-dir {run_dir}",
-            soft_wrap=True,
-        )
-        raise typer.Exit(result.exit_code)
+    result = train_demo_spec(settings, spec_path, spec_text, run_dir)
     map50 = float(result.final_metrics.get("mAP50", 0.0))
     map_ = float(result.final_metrics.get("mAP", 0.0))
     out.print(

@@ -260,6 +260,12 @@ class Task(ABC):
         to ingest. The contract tests run every registered task on one."""
         raise NotImplementedError(f"task {self.name!r} has no example source; implement example_source")
 
+    def demo_source(self, out_dir: Path, n_train: int, n_val: int, *, image_size: int) -> Path:
+        """Write the source `visionloop demo --task NAME` ingests: `n_train` and `n_val`
+        generated images (no download) whose val split is hard enough to mean something;
+        return the path to ingest. Only tasks with a demo implement it."""
+        raise NotImplementedError(f"task {self.name!r} has no demo source; implement demo_source")
+
     @abstractmethod
     def train_dataset(self, reader: ShardReader, spec: TrainSpec) -> Dataset[Any]:
         """Shard records → (uint8 image, target) samples, augmented per (seed, epoch, sample).

@@ -25,6 +25,7 @@ images of a larger dataset are the images of a smaller one, and the files are th
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -316,3 +317,27 @@ def generate_detection_dataset(
     out_json = out_dir / "instances.json"
     write_coco(source, out_json, images_dir)
     return out_json
+
+
+def write_coco_source(
+    root: Path, n_train: int, n_val: int, *, image_size: int, classes: tuple[int, ...]
+) -> Path:
+    """A COCO source under `root` (replaced if present): `annotations/instances_{train,val}.json`
+    beside the images in `train/` and `val/`. The val images draw handwriting that the train
+    images never show (`exemplars="holdout"`), so val mAP measures generalisation."""
+    if root.exists():
+        shutil.rmtree(root)
+    (root / "annotations").mkdir(parents=True)
+    plan: tuple[tuple[str, int, Exemplars, int], ...] = (
+        ("train", n_train, "train", 0),
+        ("val", n_val, "holdout", 1),
+    )
+    for split, n, exemplars, seed in plan:
+        work = root / f".gen-{split}"
+        generate_detection_dataset(
+            work, n, image_size=image_size, seed=seed, classes=classes, exemplars=exemplars
+        )
+        (work / "images").rename(root / split)
+        (work / "instances.json").rename(root / "annotations" / f"instances_{split}.json")
+        work.rmdir()
+    return root
