@@ -19,12 +19,8 @@ from visionloop.export.convert import export_fp32
 from visionloop.export.report import ExportError
 from visionloop.models.native_detector import NativeDetector
 from visionloop.models.weights import WeightsError, save_weights
-from visionloop.tasks.detection.archs import (
-    build_detector,
-    check_exportable,
-    export_module,
-    list_detectors,
-)
+from visionloop.tasks.detection.archs import build_detector, list_detectors
+from visionloop.tasks.detection.export import check_exportable, export_module
 
 TORCHVISION_ARCHS = [
     "fasterrcnn_mobilenet_v3_large_320_fpn",

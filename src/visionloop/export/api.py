@@ -117,10 +117,18 @@ def export_model(
         metadata = _metadata(info, precision, task.output_names)
         data = convert.set_metadata(built, metadata, doc=f"{info.ref} ({precision})")
 
-    m = _measure(model, data, ds, reader, positions)
-    parity_ok = m.agreement >= agree_limit and (diff_limit is None or m.max_abs_diff <= diff_limit)
-    drop = m.drop_points
-    gate_ok = drop <= threshold_points
+        m = _measure(model, data, ds, reader, positions)
+        parity_ok = m.agreement >= agree_limit and (diff_limit is None or m.max_abs_diff <= diff_limit)
+        drop = m.drop_points
+        gate_ok = drop <= threshold_points
+        # A refused int8 export says what to export instead, which depends on this model.
+        instead = (
+            _instead_of_int8(
+                info.ref, export_dir(info.dir, fmt, "fp16"), work / "fp32.onnx", work / "fp16-trial.onnx"
+            )
+            if precision == "int8" and not (parity_ok and gate_ok)
+            else None
+        )
     report = ExportReport(
         model=info.ref,
         format=fmt,
@@ -158,7 +166,7 @@ def export_model(
     kept = _store(out_dir, data, report)
     if kept:
         # A refused re-export: the earlier passing export stays, served and tagged as it was.
-        raise ExportGateError(_failure_message(report, out_dir, kept=True), report)
+        raise ExportGateError(_failure_message(report, out_dir, kept=True, instead=instead), report)
     record_export(
         info,
         f"{fmt}-{precision}",
@@ -173,7 +181,7 @@ def export_model(
         settings,
     )
     if not report.passed:
-        raise ExportGateError(_failure_message(report, out_dir), report)
+        raise ExportGateError(_failure_message(report, out_dir, instead=instead), report)
     return report
 
 
@@ -245,7 +253,23 @@ def _store(out_dir: Path, data: bytes, report: ExportReport) -> bool:
         return False
 
 
-def _failure_message(r: ExportReport, out_dir: Path, *, kept: bool = False) -> str:
+def _instead_of_int8(ref: str, fp16_dir: Path, fp32: Path, trial: Path) -> str:
+    """What to export when `ref`'s int8 export is refused: its fp16 export (in `fp16_dir`) if
+    one passed; else fp16 if its graph converts (tried on `fp32`, written to `trial`); else fp32."""
+    passed = passing_export(fp16_dir)
+    if passed is not None:
+        return f"serve the fp16 export, which passed ({passed})"
+    try:
+        convert.to_fp16(fp32, trial)
+    except convert.Fp16ConversionError as e:
+        return f"export fp32 instead (`visionloop export {ref}`): fp16 is not possible, {e.reason}"
+    return f"export fp16 instead (`visionloop export {ref} --precision fp16`), whose graph converts"
+
+
+def _failure_message(
+    r: ExportReport, out_dir: Path, *, kept: bool = False, instead: str | None = None
+) -> str:
+    """The refusal, for a person. `instead` (int8): what to export instead, from `_instead_of_int8`."""
     lines = [f"{r.model} {r.format}-{r.precision} export refused: {r.reason}."]
     if kept:
         lines.append(
@@ -266,7 +290,8 @@ def _failure_message(r: ExportReport, out_dir: Path, *, kept: bool = False) -> s
             f"(limit {r.top1_agreement_threshold:.2%})."
         )
     hint = {
-        "int8": "calibrate on more images (--calibration-size) or export fp16 instead",
+        "int8": "calibrate on more images (--calibration-size), or "
+        + (instead or "export fp16 or fp32 instead"),
         "fp16": "export fp32 instead, or allow more (--max-drop)",
         "fp32": "the exporter changed the model's behaviour; try --exporter dynamo",
     }[r.precision]
