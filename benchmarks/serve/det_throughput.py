@@ -61,7 +61,7 @@ def build_model(root: Path) -> tuple[Path, Path]:
 
     from visionloop.export.convert import export_fp32
     from visionloop.models.card import ModelCard
-    from visionloop.tasks.detection.archs import export_module
+    from visionloop.tasks.detection.export import export_module
     from visionloop.tasks.detection.task import DetectionTask
 
     torch.manual_seed(0)

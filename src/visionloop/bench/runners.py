@@ -147,7 +147,7 @@ class OrtRunner:
         self.input_name: str = inp.name
         # Every output, in the model's order (a detector has three).
         self.output_names: list[str] = [o.name for o in self.session.get_outputs()]
-        # An fp16 export may keep fp16 inputs (onnxconverter-common without keep_io_types).
+        # An fp16 ONNX file from elsewhere may take fp16 inputs (ours keep fp32 IO).
         self.input_dtype: Any = np.float16 if inp.type == "tensor(float16)" else np.float32
 
     def prepare(self, batch: np.ndarray) -> Callable[[], object]:

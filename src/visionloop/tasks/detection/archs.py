@@ -40,7 +40,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -336,18 +336,3 @@ def load_backbone(model: nn.Module, arch: str, path: Path) -> None:
         )
     body.load_state_dict(state, strict=True)
     log.info("%s: loaded %d backbone tensors from %s", arch, len(state), path)
-
-
-# `export_module` moved to `tasks.detection.export`, which imports this module (so importing
-# it here at the top would be a cycle). Read through here lazily until tasks/detection/task.py
-# and benchmarks/serve/det_throughput.py import it from there; then delete this.
-if TYPE_CHECKING:
-    from visionloop.tasks.detection.export import export_module as export_module
-
-
-def __getattr__(name: str) -> Any:
-    if name == "export_module":
-        from visionloop.tasks.detection import export
-
-        return export.export_module
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

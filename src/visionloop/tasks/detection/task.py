@@ -321,7 +321,7 @@ class DetectionTask(Task):
 
     # ------------------------------------------------------------------ export
     def export_module(self, model: nn.Module) -> nn.Module:
-        from visionloop.tasks.detection.archs import export_module
+        from visionloop.tasks.detection.export import export_module
 
         return export_module(model)
 
