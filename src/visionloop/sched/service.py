@@ -28,111 +28,50 @@ without an open attempt that accounts for its GPUs.
 
 All state changes hold `self._lock`, so API calls (cancel, spot notices) and the cycle never
 interleave; submits need no lock because the store serialises them.
+
+The control plane is split by concern, each part a mixin over the shared state of
+`service_base.PlaneBase`: admission (`service_admission`: submit, paths, who sees what),
+reconciliation (`service_reconcile`: step 1), the GPU inventory and spot notices
+(`service_gpus`); this module composes them and holds the cycle (steps 2 and 3), launching,
+cancelling and the loop.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
-from typing import Any
 
-from visionloop.core.errors import (
-    DataError,
-    ExecutorError,
-    ExecutorUnavailableError,
-    NotFoundError,
-    VisionloopError,
-)
+from visionloop.core.errors import ExecutorError, ExecutorUnavailableError, VisionloopError
 from visionloop.core.fsutil import atomic_write_text
 from visionloop.core.settings import Settings
-from visionloop.data.shardcheck import check_dataset
-from visionloop.sched.config import DEFAULT_TEAM, ClusterConfig
-from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
-from visionloop.sched.placement import capacities
+from visionloop.sched.config import ClusterConfig
+from visionloop.sched.executors.base import Executor, LaunchRequest
 from visionloop.sched.policy import PolicyConfig, schedule
 from visionloop.sched.prices import load_catalog
 from visionloop.sched.records import ViewJob
-from visionloop.sched.states import ACTIVE, JobState, TransitionError
+from visionloop.sched.service_admission import AdmissionMixin, Principal, SubmitError
+from visionloop.sched.service_base import log
+from visionloop.sched.service_gpus import GpuSyncMixin
+from visionloop.sched.service_reconcile import ReconcileMixin
+from visionloop.sched.states import JobState, TransitionError
 from visionloop.sched.store import Attempt, Job, Store
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
-from visionloop.specs import JobSpec, TrainSpec, format_validation_error, spec_paths, spec_to_yaml
-from visionloop.train.abandoned import Ending, close_abandoned_run
-from visionloop.train.signals import EXIT_PREEMPTED
-
-log = logging.getLogger(__name__)
+from visionloop.specs import spec_to_yaml
 
 QUEUED, RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
 
-# How many log lines a failed job shows as its reason.
-FAILURE_LOG_LINES = 20
 # The longest that launches wait after the executor was found unreachable, however long it stays so.
 LAUNCH_PAUSE_MAX_S = 300.0
-# How long an ended job's run waits for its lock before it is left as it is.
-CLOSE_RUN_WAIT_S = 120.0
-_CKPT_NAME = re.compile(r"step-(\d+)\.ckpt")
 
 
-class SubmitError(VisionloopError):
-    """A submission the control plane refuses (the API answers 4xx with this message)."""
+class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
+    """The control plane: the queue's store, its executor and its policy, run by one cycle."""
 
-    exit_code = 2
-
-    def __init__(self, message: str, status: int = 422) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling: a team's token, or an admin token (team None)."""
-
-    team: str | None
-    admin: bool
-
-    def may_see(self, job: Job) -> bool:
-        return self.admin or job.team == self.team
-
-
-_TAIL_BYTES = 64 * 1024
-
-
-def _tail(executor: Executor, handle: Handle | None, lines: int) -> str:
-    """The last `lines` lines of an attempt's log, through the executor (a Ray job's log is
-    on its node, not here). Best effort: a log that cannot be read says so, and never keeps
-    a failure from being recorded."""
-    if not handle:
-        return ""
-    try:
-        offset = 0
-        path = executor.log_path(handle)
-        if path is not None:
-            offset = max(0, path.stat().st_size - _TAIL_BYTES) if path.is_file() else 0
-        data = b""
-        for piece in executor.read_log(handle, offset):
-            data = (data + piece)[-_TAIL_BYTES:]
-    except (ExecutorError, OSError) as e:
-        return f"(the log could not be read: {e})"
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
-
-
-def _under(path: Path, real_roots: list[Path]) -> bool:
-    try:
-        real = Path(os.path.realpath(path))
-    except (OSError, ValueError):  # a NUL byte, say: never a path a job may use
-        return False
-    return any(real.is_relative_to(root) for root in real_roots)
-
-
-class ControlPlane:
     def __init__(
         self,
         store: Store,
@@ -171,178 +110,6 @@ class ControlPlane:
         self._sync_inventory()
         self._sync_teams()
 
-    # ------------------------------------------------------------------ set-up
-
-    def _sync_inventory(self) -> None:
-        self.store.sync_gpus(self.executor.capacity())
-        self._inventory_at = self.clock()
-
-    def _resync_inventory(self, now: float) -> None:
-        """Every `inventory_sync_s`, read the executor's GPUs again: a Ray node that joined
-        adds its GPUs, one that left has its GPUs marked down (not deleted: attempts on them
-        are still being settled, and a failure there counts as an interruption, not a
-        failure). An executor that cannot answer keeps the inventory as it is."""
-        every = self.config.timings.inventory_sync_s
-        if every <= 0 or now - self._inventory_at < every:
-            return
-        self._inventory_at = now
-        try:
-            found = self.executor.capacity()
-        except ExecutorError as e:
-            log.warning("could not re-read the executor's GPUs (%s); keeping the inventory as it is", e)
-            return
-        before = {g.id: g.up for g in self.store.list_gpus()}
-        after = {g.id: g.up for g in self.store.sync_gpus(found, now=now, missing="down")}
-        added = sorted(after.keys() - before.keys())
-        gone = sorted(k for k, up in after.items() if before.get(k) and not up)
-        back = sorted(k for k, up in after.items() if up and before.get(k) is False)
-        if added or gone or back:
-            log.info("inventory changed: new GPUs %s, gone %s, back %s", added, gone, back)
-        self._follow_inventory(sum(before.values()), sum(after.values()))  # GPUs up
-
-    def _follow_inventory(self, before: int, after: int) -> None:
-        """With no teams configured, the default team is entitled to every GPU that is up: when
-        Ray nodes join (or the control plane first started with none) its quota grows with
-        them, and it shrinks when they leave. A quota someone set by hand (`visionloop admin
-        team set default ...`, not equal to the count before) is left alone."""
-        if self.config.teams or before == after:
-            return
-        team = self.store.get_team(DEFAULT_TEAM)
-        if team is not None and team.nominal_gpus == before:
-            self.store.upsert_team(DEFAULT_TEAM, after, team.borrow_limit, team.weight)
-            log.info("the default team's quota follows the inventory: %d -> %d GPUs", before, after)
-
-    def _sync_teams(self) -> None:
-        teams = list(self.config.teams)
-        if not teams and self.store.get_team(DEFAULT_TEAM) is None:
-            # One machine, no config: a single team entitled to every GPU.
-            n = sum(g.up for g in self.store.list_gpus())
-            teams = [Team(DEFAULT_TEAM, nominal_gpus=n, borrow_limit=0)]
-        for team in teams:
-            self.store.upsert_team(team.name, team.nominal_gpus, team.borrow_limit, team.weight)
-
-    # ------------------------------------------------------------------ submit
-
-    def submit(
-        self,
-        principal: Principal,
-        doc: Mapping[str, Any],
-        *,
-        team: str | None = None,
-        priority: str | None = None,
-        gpus: int | None = None,
-        spot: str | None = None,
-        idempotency_key: str | None = None,
-    ) -> Job:
-        """Validate everything a job needs *now*, so nothing waits forever in the queue for a
-        reason nobody sees: the spec, the team, the priority class, and that the cluster
-        could ever hold it."""
-        job_doc = dict(doc) if "train" in doc else {"train": dict(doc)}
-        overrides: dict[str, Any] = {}
-        if priority is not None:
-            overrides["priority"] = priority
-        if spot is not None:
-            overrides["spot"] = spot
-        if team is not None:
-            overrides["team"] = team
-        job_doc.update(overrides)
-        if gpus is not None:
-            job_doc["resources"] = {**dict(job_doc.get("resources") or {}), "gpus": gpus}
-        from pydantic import ValidationError
-
-        try:
-            job = JobSpec.model_validate(job_doc)
-        except ValidationError as e:
-            raise SubmitError(format_validation_error(e, JobSpec, "the job spec")) from e
-        team_name = job.team or principal.team or DEFAULT_TEAM
-        if not principal.admin and team_name != principal.team:
-            raise SubmitError(
-                f"your token belongs to team {principal.team!r}; it cannot submit for team {team_name!r}.",
-                status=403,
-            )
-        if self.store.get_team(team_name) is None:
-            known = ", ".join(t.name for t in self.store.list_teams()) or "none"
-            raise SubmitError(
-                f"unknown team {team_name!r}; known teams: {known}. An admin adds one with "
-                f"`visionloop admin team set {team_name} --nominal N`.",
-                status=404,
-            )
-        try:
-            rank = self.config.priority_rank(job.priority)
-        except VisionloopError as e:
-            raise SubmitError(str(e)) from e
-        self._check_fits(job)
-        self.check_paths(job.train, team_name)
-        self._check_dataset(job.train)
-        return self.store.submit(
-            dict(doc),
-            job,
-            team=team_name,
-            priority_rank=rank,
-            run_dir=None,
-            idempotency_key=idempotency_key,
-            now=self.clock(),
-        )
-
-    def _check_fits(self, job: JobSpec) -> None:
-        # The same capacity the policy judges "never fits" by, so submit refuses exactly
-        # what the queue could never place.
-        total, biggest = capacities(self.store.list_gpus())[job.spot]
-        need = job.resources.gpus
-        if need > biggest:
-            where = "non-spot " if job.spot == "never" else ""
-            raise SubmitError(
-                f"the job asks for {need} GPUs but the largest machine has {biggest} {where}GPUs "
-                f"({total} in all). Ask for at most {biggest} (--gpus {biggest})"
-                + (" or allow spot capacity (--spot allowed)." if job.spot == "never" else "."),
-            )
-
-    def allowed_roots(self, team: str) -> tuple[Path, ...]:
-        """The folders `team`'s jobs may read (cluster.toml's `allowed_roots`, else the home's
-        datasets/ and weights/)."""
-        roots = self.config.roots_for(team)
-        return roots if roots is not None else (self.settings.datasets_dir, self.settings.weights_dir)
-
-    def check_paths(self, train: TrainSpec, team: str) -> None:
-        """Every path in the spec is absolute and, with symbolic links and `..` resolved, lies
-        under one of the team's allowed roots. Admins submitting for a team are bound by that
-        team's roots too. Called at submit and again before every launch (a path may have been
-        re-pointed meanwhile). The refusal is the same whether the path exists or not, and
-        names the path as given, never what it resolved to."""
-        roots = self.allowed_roots(team)
-        real_roots = [Path(os.path.realpath(r)) for r in roots]
-        for field, path in spec_paths(train):
-            if not path.is_absolute():
-                raise SubmitError(
-                    f"{field} {path} is relative; the control plane cannot know relative to what. "
-                    "Submit with `visionloop submit` (it resolves paths against the spec file) or give an "
-                    "absolute path."
-                )
-            if not _under(path, real_roots):
-                where = self.config.source or "the cluster config (cluster.toml)"
-                raise SubmitError(
-                    f"{field} {path} is outside the allowed roots of team {team!r}: "
-                    f"{', '.join(str(r) for r in roots)}. Every path in a job spec must lie under one of "
-                    "them once symbolic links and '..' are resolved. Put the file there, or ask an admin "
-                    f"to add its folder to the team's allowed_roots in {where}.",
-                    status=403,
-                )
-
-    def _check_dataset(self, train: TrainSpec) -> None:
-        # Runs after check_paths, which has refused a relative or out-of-roots data.dataset.
-        dataset = Path(train.data.dataset)
-        if not (dataset / "dataset.json").is_file():
-            raise SubmitError(
-                f"data.dataset {dataset} is not a dataset folder (no dataset.json). "
-                "Make one with `visionloop data ingest SOURCE --out DIR`."
-            )
-        try:
-            # Its manifest and shard indexes, exactly as ingest writes them: a dataset that would
-            # be refused when the job starts (or that tries to run code) is refused now.
-            check_dataset(dataset)
-        except DataError as e:
-            raise SubmitError(f"data.dataset: {e}") from e
-
     # ------------------------------------------------------------------ actions
 
     def cancel(self, principal: Principal, job_id: int) -> Job:
@@ -370,55 +137,6 @@ class ControlPlane:
                 self._signal(job_id, terminate=True)
         self.wake.set()
         return job
-
-    def spot_interrupt(self, target: str, reason: str | None = None) -> list[int]:
-        """A spot notice for a GPU id or a whole node: its GPUs go down, and the jobs on them
-        get the same checkpoint-and-requeue handshake as a preemption."""
-        with self._lock:
-            now = self.clock()
-            why = reason or f"spot interruption on {target}"
-            affected = set(self.store.set_gpus_up(target, up=False, reason=why, now=now))
-            if not affected:
-                raise NotFoundError(f"no GPU or node named {target!r}; `visionloop admin gpus` lists them.")
-            victims: list[int] = []
-            for attempt in self.store.active_attempts():
-                if not affected & {a.gpu_id for a in attempt.allocations}:
-                    continue
-                job = self.store.get_job(attempt.job_id)
-                if job.state == JobState.RUNNING:
-                    self.store.transition(
-                        job.id,
-                        JobState.PREEMPTING,
-                        f"{why}: checkpointing before the GPU goes",
-                        expect=JobState.RUNNING,
-                        now=now,
-                    )
-                    self._signal(job.id, terminate=True)
-                    victims.append(job.id)
-        self.wake.set()
-        return victims
-
-    def spot_restore(self, target: str) -> list[str]:
-        with self._lock:
-            gpus = self.store.set_gpus_up(target, up=True, reason="spot capacity back", now=self.clock())
-            if not gpus:
-                raise NotFoundError(f"no GPU or node named {target!r}; `visionloop admin gpus` lists them.")
-        self.wake.set()
-        return gpus
-
-    def visible_job(self, principal: Principal, job_id: int) -> Job:
-        try:
-            job = self.store.get_job(job_id)
-        except NotFoundError:
-            job = None
-        if job is None or not principal.may_see(job):
-            # The same answer for "absent" and "another team's": ids leak nothing.
-            raise NotFoundError(f"no job {job_id} visible to you; `visionloop jobs list` shows yours.")
-        return job
-
-    @staticmethod
-    def _who(principal: Principal) -> str:
-        return "an admin" if principal.admin else f"team {principal.team}"
 
     # ------------------------------------------------------------------ the cycle
 
@@ -528,9 +246,6 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ launching
 
-    def job_dir(self, job_id: int) -> Path:
-        return self.jobs_dir / f"job-{job_id}"
-
     def _command(self, job: Job) -> list[str]:
         spec_path = self.job_dir(job.id) / "train.yaml"
         if not spec_path.is_file():
@@ -611,234 +326,6 @@ class ControlPlane:
             return
         self._unreachable_streak = 0
         self.store.set_attempt_handle(job_id, attempt.number, handle)
-
-    def _signal(self, job_id: int, *, terminate: bool) -> None:
-        for attempt in self.store.active_attempts():
-            if attempt.job_id == job_id and attempt.handle:
-                try:
-                    if terminate:
-                        self.executor.terminate(attempt.handle)
-                    else:
-                        self.executor.kill(attempt.handle)
-                except ExecutorError as e:
-                    log.warning("could not signal job %s: %s", job_id, e)
-
-    # ------------------------------------------------------------------ reconcile
-
-    def _end_attempt(
-        self,
-        job_id: int,
-        attempt: int,
-        outcome: str,
-        exit_code: int | None,
-        now: float,
-        next_state: JobState,
-        reason: str,
-        **kwargs: Any,
-    ) -> Job:
-        """Store.end_attempt, counted: the cycle re-reads the open attempts only if one ended.
-        A job that ended for good gets its run closed if its trainer could not (SIGKILL)."""
-        self._attempts_ended += 1
-        job = self.store.end_attempt(job_id, attempt, outcome, exit_code, now, next_state, reason, **kwargs)
-        if next_state in (JobState.FAILED, JobState.CANCELLED) and job.run_dir:
-            ending: Ending = "failed" if next_state == JobState.FAILED else "cancelled"
-            # Off the cycle: the tracking store may be remote and slow.
-            threading.Thread(
-                target=self._close_run,
-                args=(Path(job.run_dir), ending, f"job {job_id} {ending}: {reason}"),
-                name=f"close-run-{job_id}",
-                daemon=True,
-            ).start()
-        return job
-
-    def _close_run(self, run_dir: Path, ending: Ending, reason: str) -> None:
-        try:
-            # The job is over, so whatever holds the run's lock is a dying straggler (a killed
-            # trainer's data-loader workers): wait for it rather than give up.
-            run_id = close_abandoned_run(run_dir, self.settings, ending, reason, wait_s=CLOSE_RUN_WAIT_S)
-        except Exception as e:  # the job's state is settled already; this is bookkeeping
-            log.warning("could not close the run in %s: %s", run_dir, e)
-            return
-        if run_id:
-            log.info("run %s (%s) ended without its trainer: marked %s", run_dir, run_id, ending)
-
-    def _reconcile(self, now: float) -> list[Attempt] | None:
-        """Poll every open attempt and settle those that ended. Returns the open attempts if
-        none ended meanwhile (the view can use them as they are), else None."""
-        ended_before = self._attempts_ended
-        attempts = self.store.active_attempts()
-        # The attempts' jobs in one query (without their spec documents, which reconcile does
-        # not read); a job in no active state (should not happen) is read on its own.
-        jobs = {j.id: j for j in self.store.list_jobs(states=ACTIVE)} if attempts else {}
-        beats: dict[int, float] = {}
-        for attempt in attempts:
-            job = jobs.get(attempt.job_id) or self.store.get_job(attempt.job_id)
-            handle: Handle = attempt.handle or {
-                "attempt_dir": str(self.job_dir(job.id) / f"attempt-{attempt.number}")
-            }
-            try:
-                self._reconcile_attempt(job, attempt, handle, now, beats)
-            except ExecutorError as e:
-                # The executor could not answer (the Ray dashboard is unreachable, say): this
-                # attempt keeps its state and GPUs until a later cycle gets an answer, and the
-                # other attempts and the scheduling go on. Nothing is concluded from silence,
-                # so nothing that may still run is requeued (and run twice).
-                log.warning(
-                    "job %s attempt %s: the executor did not answer (%s); asking again next cycle",
-                    job.id,
-                    attempt.number,
-                    e,
-                )
-        # Heartbeats in one write per cycle, and only those that moved: a job's beat is stored
-        # for `jobs show`; the timeout above is judged on the executor's answer, not on this.
-        changed = {k: v for k, v in beats.items() if self._beats_written.get(k) != v}
-        if changed:
-            self.store.heartbeats(changed)
-        open_jobs = {a.job_id for a in attempts}
-        self._beats_written = {k: v for k, v in (self._beats_written | changed).items() if k in open_jobs}
-        self._ckpt_steps = {k: v for k, v in self._ckpt_steps.items() if k in open_jobs}
-        return attempts if self._attempts_ended == ended_before else None
-
-    def _reconcile_attempt(
-        self, job: Job, attempt: Attempt, handle: Handle, now: float, beats: dict[int, float]
-    ) -> None:
-        t = self.config.timings
-        number = attempt.number
-        status = self.executor.poll(handle)
-        if status.state == "running":
-            self._scan_checkpoints(job)
-            beat = status.heartbeat_at
-            if beat is not None:
-                beats[job.id] = beat
-            if beat is not None and now - beat > t.heartbeat_timeout_s:
-                self.executor.kill(handle)
-                self._finish_lost(job, number, f"no heartbeat for {now - beat:.0f} s; killed", now)
-            elif (
-                job.state in (JobState.PREEMPTING, JobState.CANCELLING) and now - job.state_since > t.grace_s
-            ):
-                log.warning("job %s did not stop within %.0f s of SIGTERM: SIGKILL", job.id, t.grace_s)
-                self.executor.kill(handle)
-            return
-        if status.state == "lost":
-            self._finish_lost(job, number, status.detail or "process vanished", now)
-            return
-        self._finish_exited(job, attempt, status, handle, now)
-
-    def _scan_checkpoints(self, job: Job) -> None:
-        """Checkpoints the trainer wrote since the last look (its run dir is the record):
-        they decide which victim loses the least work, and what a preemption lost."""
-        folder = Path(job.run_dir) / "checkpoints"
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            return
-        known = self._ckpt_steps.get(job.id, set())
-        new = []
-        for entry in entries:
-            m = _CKPT_NAME.fullmatch(entry.name)
-            if m and int(m.group(1)) not in known:
-                new.append((int(m.group(1)), entry))
-        if not new:
-            return
-        # Something this process has not seen stored: the store decides (a restart, or
-        # another writer, may have recorded it already).
-        known = self._ckpt_steps[job.id] = {c.step for c in self.store.checkpoints(job.id)}
-        for step, entry in new:
-            if step in known:
-                continue
-            try:
-                at = entry.stat().st_mtime
-            except OSError:
-                continue  # pruned meanwhile
-            self.store.record_checkpoint(job.id, step, at)
-            known.add(step)
-
-    def _finish_exited(
-        self, job: Job, attempt: Attempt, status: AttemptStatus, handle: Handle, now: float
-    ) -> None:
-        number = attempt.number
-        code = status.exit_code if status.exit_code is not None else -1
-        if job.state == JobState.CANCELLING:
-            outcome, nxt, why = "cancelled", JobState.CANCELLED, f"cancelled (exit {code})"
-            if code == 0:
-                outcome, nxt, why = "succeeded", JobState.SUCCEEDED, "finished before the cancel took effect"
-            self._end_attempt(job.id, number, outcome, code, now, nxt, why)
-            return
-        if code == 0:
-            self._end_attempt(job.id, number, "succeeded", 0, now, JobState.SUCCEEDED, "finished (exit 0)")
-            return
-        if job.state == JobState.PREEMPTING:
-            # A preemption never counts as a failure, even if the victim had to be SIGKILLed:
-            # it resumes from its last checkpoint.
-            outcome = "interrupted" if self._on_down_gpu(attempt.gpu_ids) else "preempted"
-            how = (
-                "checkpointed and exited 75"
-                if code == EXIT_PREEMPTED
-                else f"exit {code} after the grace period"
-            )
-            self._end_attempt(
-                job.id,
-                number,
-                outcome,
-                code,
-                now,
-                JobState.QUEUED,
-                f"{outcome}: {how}; requeued to resume",
-                preemptions=job.preemptions + 1,
-            )
-            return
-        if code == EXIT_PREEMPTED:
-            self._end_attempt(
-                job.id,
-                number,
-                "preempted",
-                code,
-                now,
-                JobState.QUEUED,
-                "stopped after a checkpoint (exit 75, signalled outside visionloop); requeued to resume",
-            )
-            return
-        # The executor's word on it, if any (Ray's "could not start it: ..." for exit 126).
-        why = f"exit {code} ({status.detail})" if status.detail else f"exit {code}"
-        self._finish_failed(job, number, code, why, now, handle)
-
-    def _on_down_gpu(self, gpu_ids: tuple[str, ...]) -> bool:
-        """Whether the attempt held a GPU that is down now: its preemption was a spot
-        interruption (which `cost report` counts apart)."""
-        return any(not g.up for g in self.store.list_gpus() if g.id in gpu_ids)
-
-    def _finish_failed(
-        self, job: Job, number: int, code: int | None, why: str, now: float, handle: Handle | None = None
-    ) -> None:
-        if job.restarts < job.max_restarts:
-            delay = self.config.timings.retry_backoff_s * math.pow(2, job.restarts)
-            self._end_attempt(
-                job.id,
-                number,
-                "failed",
-                code,
-                now,
-                JobState.QUEUED,
-                f"{why}; retry {job.restarts + 1} of {job.max_restarts} in {delay:.0f} s",
-                restarts=job.restarts + 1,
-                not_before=now + delay,
-            )
-        else:
-            reason = f"{why}; no restarts left ({job.max_restarts})"
-            tail = _tail(self.executor, handle, FAILURE_LOG_LINES)
-            if tail:
-                reason += f". Last log lines:\n{tail}"
-            self._end_attempt(job.id, number, "failed", code, now, JobState.FAILED, reason)
-
-    def _finish_lost(self, job: Job, number: int, detail: str, now: float) -> None:
-        if job.state == JobState.CANCELLING:
-            self._end_attempt(
-                job.id, number, "cancelled", None, now, JobState.CANCELLED, f"cancelled ({detail})"
-            )
-            return
-        self._end_attempt(
-            job.id, number, "lost", None, now, JobState.QUEUED, f"process lost ({detail}); requeued to resume"
-        )
 
     # ------------------------------------------------------------------ the loop
 

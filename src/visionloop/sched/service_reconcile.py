@@ -1,0 +1,268 @@
+"""Reconciliation: every cycle, each open attempt is asked of its executor and settled
+(exits recorded, lost or silent processes requeued, victims past their grace period killed,
+new checkpoints stored). Because the store keeps an attempt open until it is settled, this
+is also what re-adopts the running jobs after a control-plane restart: see service.py for
+why that is safe."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from visionloop.core.errors import ExecutorError
+from visionloop.sched.executors.base import AttemptStatus, Executor, Handle
+from visionloop.sched.service_base import PlaneBase, log
+from visionloop.sched.states import ACTIVE, JobState
+from visionloop.sched.store import Attempt, Job
+from visionloop.train.abandoned import Ending, close_abandoned_run
+from visionloop.train.signals import EXIT_PREEMPTED
+
+# How many log lines a failed job shows as its reason.
+FAILURE_LOG_LINES = 20
+# How long an ended job's run waits for its lock before it is left as it is.
+CLOSE_RUN_WAIT_S = 120.0
+_CKPT_NAME = re.compile(r"step-(\d+)\.ckpt")
+
+_TAIL_BYTES = 64 * 1024
+
+
+def _tail(executor: Executor, handle: Handle | None, lines: int) -> str:
+    """The last `lines` lines of an attempt's log, through the executor (a Ray job's log is
+    on its node, not here). Best effort: a log that cannot be read says so, and never keeps
+    a failure from being recorded."""
+    if not handle:
+        return ""
+    try:
+        offset = 0
+        path = executor.log_path(handle)
+        if path is not None:
+            offset = max(0, path.stat().st_size - _TAIL_BYTES) if path.is_file() else 0
+        data = b""
+        for piece in executor.read_log(handle, offset):
+            data = (data + piece)[-_TAIL_BYTES:]
+    except (ExecutorError, OSError) as e:
+        return f"(the log could not be read: {e})"
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+class ReconcileMixin(PlaneBase):
+    """Settling the open attempts with what their executor says about them."""
+
+    def _end_attempt(
+        self,
+        job_id: int,
+        attempt: int,
+        outcome: str,
+        exit_code: int | None,
+        now: float,
+        next_state: JobState,
+        reason: str,
+        **kwargs: Any,
+    ) -> Job:
+        """Store.end_attempt, counted: the cycle re-reads the open attempts only if one ended.
+        A job that ended for good gets its run closed if its trainer could not (SIGKILL)."""
+        self._attempts_ended += 1
+        job = self.store.end_attempt(job_id, attempt, outcome, exit_code, now, next_state, reason, **kwargs)
+        if next_state in (JobState.FAILED, JobState.CANCELLED) and job.run_dir:
+            ending: Ending = "failed" if next_state == JobState.FAILED else "cancelled"
+            # Off the cycle: the tracking store may be remote and slow.
+            threading.Thread(
+                target=self._close_run,
+                args=(Path(job.run_dir), ending, f"job {job_id} {ending}: {reason}"),
+                name=f"close-run-{job_id}",
+                daemon=True,
+            ).start()
+        return job
+
+    def _close_run(self, run_dir: Path, ending: Ending, reason: str) -> None:
+        try:
+            # The job is over, so whatever holds the run's lock is a dying straggler (a killed
+            # trainer's data-loader workers): wait for it rather than give up.
+            run_id = close_abandoned_run(run_dir, self.settings, ending, reason, wait_s=CLOSE_RUN_WAIT_S)
+        except Exception as e:  # the job's state is settled already; this is bookkeeping
+            log.warning("could not close the run in %s: %s", run_dir, e)
+            return
+        if run_id:
+            log.info("run %s (%s) ended without its trainer: marked %s", run_dir, run_id, ending)
+
+    def _reconcile(self, now: float) -> list[Attempt] | None:
+        """Poll every open attempt and settle those that ended. Returns the open attempts if
+        none ended meanwhile (the view can use them as they are), else None."""
+        ended_before = self._attempts_ended
+        attempts = self.store.active_attempts()
+        # The attempts' jobs in one query (without their spec documents, which reconcile does
+        # not read); a job in no active state (should not happen) is read on its own.
+        jobs = {j.id: j for j in self.store.list_jobs(states=ACTIVE)} if attempts else {}
+        beats: dict[int, float] = {}
+        for attempt in attempts:
+            job = jobs.get(attempt.job_id) or self.store.get_job(attempt.job_id)
+            handle: Handle = attempt.handle or {
+                "attempt_dir": str(self.job_dir(job.id) / f"attempt-{attempt.number}")
+            }
+            try:
+                self._reconcile_attempt(job, attempt, handle, now, beats)
+            except ExecutorError as e:
+                # The executor could not answer (the Ray dashboard is unreachable, say): this
+                # attempt keeps its state and GPUs until a later cycle gets an answer, and the
+                # other attempts and the scheduling go on. Nothing is concluded from silence,
+                # so nothing that may still run is requeued (and run twice).
+                log.warning(
+                    "job %s attempt %s: the executor did not answer (%s); asking again next cycle",
+                    job.id,
+                    attempt.number,
+                    e,
+                )
+        # Heartbeats in one write per cycle, and only those that moved: a job's beat is stored
+        # for `jobs show`; the timeout above is judged on the executor's answer, not on this.
+        changed = {k: v for k, v in beats.items() if self._beats_written.get(k) != v}
+        if changed:
+            self.store.heartbeats(changed)
+        open_jobs = {a.job_id for a in attempts}
+        self._beats_written = {k: v for k, v in (self._beats_written | changed).items() if k in open_jobs}
+        self._ckpt_steps = {k: v for k, v in self._ckpt_steps.items() if k in open_jobs}
+        return attempts if self._attempts_ended == ended_before else None
+
+    def _reconcile_attempt(
+        self, job: Job, attempt: Attempt, handle: Handle, now: float, beats: dict[int, float]
+    ) -> None:
+        t = self.config.timings
+        number = attempt.number
+        status = self.executor.poll(handle)
+        if status.state == "running":
+            self._scan_checkpoints(job)
+            beat = status.heartbeat_at
+            if beat is not None:
+                beats[job.id] = beat
+            if beat is not None and now - beat > t.heartbeat_timeout_s:
+                self.executor.kill(handle)
+                self._finish_lost(job, number, f"no heartbeat for {now - beat:.0f} s; killed", now)
+            elif (
+                job.state in (JobState.PREEMPTING, JobState.CANCELLING) and now - job.state_since > t.grace_s
+            ):
+                log.warning("job %s did not stop within %.0f s of SIGTERM: SIGKILL", job.id, t.grace_s)
+                self.executor.kill(handle)
+            return
+        if status.state == "lost":
+            self._finish_lost(job, number, status.detail or "process vanished", now)
+            return
+        self._finish_exited(job, attempt, status, handle, now)
+
+    def _scan_checkpoints(self, job: Job) -> None:
+        """Checkpoints the trainer wrote since the last look (its run dir is the record):
+        they decide which victim loses the least work, and what a preemption lost."""
+        folder = Path(job.run_dir) / "checkpoints"
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return
+        known = self._ckpt_steps.get(job.id, set())
+        new = []
+        for entry in entries:
+            m = _CKPT_NAME.fullmatch(entry.name)
+            if m and int(m.group(1)) not in known:
+                new.append((int(m.group(1)), entry))
+        if not new:
+            return
+        # Something this process has not seen stored: the store decides (a restart, or
+        # another writer, may have recorded it already).
+        known = self._ckpt_steps[job.id] = {c.step for c in self.store.checkpoints(job.id)}
+        for step, entry in new:
+            if step in known:
+                continue
+            try:
+                at = entry.stat().st_mtime
+            except OSError:
+                continue  # pruned meanwhile
+            self.store.record_checkpoint(job.id, step, at)
+            known.add(step)
+
+    def _finish_exited(
+        self, job: Job, attempt: Attempt, status: AttemptStatus, handle: Handle, now: float
+    ) -> None:
+        number = attempt.number
+        code = status.exit_code if status.exit_code is not None else -1
+        if job.state == JobState.CANCELLING:
+            outcome, nxt, why = "cancelled", JobState.CANCELLED, f"cancelled (exit {code})"
+            if code == 0:
+                outcome, nxt, why = "succeeded", JobState.SUCCEEDED, "finished before the cancel took effect"
+            self._end_attempt(job.id, number, outcome, code, now, nxt, why)
+            return
+        if code == 0:
+            self._end_attempt(job.id, number, "succeeded", 0, now, JobState.SUCCEEDED, "finished (exit 0)")
+            return
+        if job.state == JobState.PREEMPTING:
+            # A preemption never counts as a failure, even if the victim had to be SIGKILLed:
+            # it resumes from its last checkpoint.
+            outcome = "interrupted" if self._on_down_gpu(attempt.gpu_ids) else "preempted"
+            how = (
+                "checkpointed and exited 75"
+                if code == EXIT_PREEMPTED
+                else f"exit {code} after the grace period"
+            )
+            self._end_attempt(
+                job.id,
+                number,
+                outcome,
+                code,
+                now,
+                JobState.QUEUED,
+                f"{outcome}: {how}; requeued to resume",
+                preemptions=job.preemptions + 1,
+            )
+            return
+        if code == EXIT_PREEMPTED:
+            self._end_attempt(
+                job.id,
+                number,
+                "preempted",
+                code,
+                now,
+                JobState.QUEUED,
+                "stopped after a checkpoint (exit 75, signalled outside visionloop); requeued to resume",
+            )
+            return
+        # The executor's word on it, if any (Ray's "could not start it: ..." for exit 126).
+        why = f"exit {code} ({status.detail})" if status.detail else f"exit {code}"
+        self._finish_failed(job, number, code, why, now, handle)
+
+    def _on_down_gpu(self, gpu_ids: tuple[str, ...]) -> bool:
+        """Whether the attempt held a GPU that is down now: its preemption was a spot
+        interruption (which `cost report` counts apart)."""
+        return any(not g.up for g in self.store.list_gpus() if g.id in gpu_ids)
+
+    def _finish_failed(
+        self, job: Job, number: int, code: int | None, why: str, now: float, handle: Handle | None = None
+    ) -> None:
+        if job.restarts < job.max_restarts:
+            delay = self.config.timings.retry_backoff_s * math.pow(2, job.restarts)
+            self._end_attempt(
+                job.id,
+                number,
+                "failed",
+                code,
+                now,
+                JobState.QUEUED,
+                f"{why}; retry {job.restarts + 1} of {job.max_restarts} in {delay:.0f} s",
+                restarts=job.restarts + 1,
+                not_before=now + delay,
+            )
+        else:
+            reason = f"{why}; no restarts left ({job.max_restarts})"
+            tail = _tail(self.executor, handle, FAILURE_LOG_LINES)
+            if tail:
+                reason += f". Last log lines:\n{tail}"
+            self._end_attempt(job.id, number, "failed", code, now, JobState.FAILED, reason)
+
+    def _finish_lost(self, job: Job, number: int, detail: str, now: float) -> None:
+        if job.state == JobState.CANCELLING:
+            self._end_attempt(
+                job.id, number, "cancelled", None, now, JobState.CANCELLED, f"cancelled ({detail})"
+            )
+            return
+        self._end_attempt(
+            job.id, number, "lost", None, now, JobState.QUEUED, f"process lost ({detail}); requeued to resume"
+        )
