@@ -1,6 +1,6 @@
 """The job store's schema (SQLAlchemy 2 ORM models) and its engines, for SQLite and PostgreSQL.
 
-Only `sched/store.py` uses these models; everything else sees the store's frozen records.
+Only the `sched/store/` package uses these models; everything else sees the store's frozen records.
 The schema is created and upgraded by the Alembic migrations in `sched/migrations/` (run by
 `migrate`, never by `metadata.create_all`), so a database made by any release can be opened
 by a later one. Changing a model here means adding a migration: `new_revision` writes one.
