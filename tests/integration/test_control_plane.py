@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -204,6 +205,15 @@ def test_a_higher_priority_job_preempts_through_a_checkpoint_and_the_victim_resu
     with cp.client() as c:
         second_log = c.get(f"/v1/jobs/{low['id']}/logs", params={"attempt": 2}).text
     assert "resuming from" in second_log
+    # The checkpoints came from the trainer's progress lines, attempt by attempt; the one the
+    # victim stopped on (written just before it exited 75) is the one the second attempt
+    # resumed from.
+    m = re.search(r"resuming from step-(\d+)\.ckpt", second_log)
+    assert m is not None, second_log
+    ckpts = cp.plane.store.checkpoints(low["id"])
+    first_steps = [c.step for c in ckpts if c.attempt == 1]
+    assert first_steps and first_steps[-1] == int(m.group(1)), (ckpts, m.group(0))
+    assert {c.attempt for c in ckpts} == {1, 2} and len({c.step for c in ckpts}) == len(ckpts)
 
 
 def test_failures_are_retried_with_backoff_then_fail_with_the_log(

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from visionloop.core.errors import SpecError, StoreError
 from visionloop.sched.states import JobState
 from visionloop.sched.view import Gpu, PriceClass, SpotPolicy, Team
 from visionloop.specs import TrainSpec
+
+if TYPE_CHECKING:
+    from visionloop.sched.workload import TrainWorkload
 
 # How an attempt ended: preempted (by the scheduler, exit 75 after SIGTERM), interrupted (a
 # spot GPU went away), lost (the process vanished or stopped heart-beating).
@@ -128,6 +131,14 @@ class Job:
             return TrainSpec.model_validate(self.train_doc)
         except ValueError as e:
             raise SpecError(f"job {self.id}'s stored train spec is no longer valid: {e}") from e
+
+    @property
+    def workload(self) -> TrainWorkload:
+        """What the job runs. Only training exists yet, so it is derived from the stored train
+        spec (no column of its own); a second kind will add one."""
+        from visionloop.sched.workload import TrainWorkload  # it imports this module
+
+        return TrainWorkload(train=self.train_spec)
 
 
 @dataclass(frozen=True, slots=True)

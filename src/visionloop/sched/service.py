@@ -2,10 +2,12 @@
 
 A cycle (every `cycle_s`, and at once after a submit, a cancel or a spot notice):
 
-1. **Reconcile** every open attempt with its executor: record exits (0 → succeeded; 75 →
-   requeued to resume from its checkpoint; other codes → retried with back-off until
-   `max_restarts`, then failed with its last log lines), detect processes that vanished or
-   stopped heart-beating (requeued), and SIGKILL victims whose grace period ran out. An
+1. **Reconcile** every open attempt with its executor: record the checkpoints the job
+   reported in its log (visionloop.sched.progress), record exits as the job's workload reads
+   them (visionloop.sched.workload; for training: 0 → succeeded; 75 → requeued to resume
+   from its checkpoint; other codes → retried with back-off until `max_restarts`, then
+   failed with its last log lines), detect processes that vanished or stopped
+   heart-beating (requeued), and SIGKILL victims whose grace period ran out. An
    attempt the executor cannot answer for (ExecutorError: Ray's dashboard unreachable, say)
    is left exactly as it is, GPUs included, and asked again next cycle; the others and the
    scheduling go on.
@@ -40,19 +42,19 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 
 from visionloop.core.errors import ExecutorError, ExecutorUnavailableError, VisionloopError
-from visionloop.core.fsutil import atomic_write_text
 from visionloop.core.settings import Settings
 from visionloop.sched.config import ClusterConfig
 from visionloop.sched.executors.base import Executor, LaunchRequest
 from visionloop.sched.policy import PolicyConfig, schedule
 from visionloop.sched.prices import load_catalog
+from visionloop.sched.progress import ProgressReader
 from visionloop.sched.records import ViewJob
 from visionloop.sched.service_admission import AdmissionMixin, Principal, SubmitError
 from visionloop.sched.service_base import log
@@ -61,7 +63,8 @@ from visionloop.sched.service_reconcile import ReconcileMixin
 from visionloop.sched.states import JobState, TransitionError
 from visionloop.sched.store import Attempt, Job, Store
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
-from visionloop.specs import spec_to_yaml
+from visionloop.sched.workload import CommandContext
+from visionloop.train.progress import ENV as PROGRESS_ENV
 
 QUEUED, RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
 
@@ -97,6 +100,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         # decision; empty after a restart, which costs one full round of writes):
         self._beats_written: dict[int, float] = {}  # job → the heartbeat last stored
         self._ckpt_steps: dict[int, set[int]] = {}  # job → checkpoint steps known stored
+        self._progress = ProgressReader()  # where each open attempt's log was read up to
         self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
         self._attempts_ended = 0
         # Launches (and the evictions made for them) wait until then: the executor was unreachable.
@@ -247,14 +251,9 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
     # ------------------------------------------------------------------ launching
 
     def _command(self, job: Job) -> list[str]:
-        spec_path = self.job_dir(job.id) / "train.yaml"
-        if not spec_path.is_file():
-            spec_path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(spec_path, spec_to_yaml(job.train_spec))
-        cmd = [sys.executable, "-m", "visionloop", "train", str(spec_path), "--run-dir", str(job.run_dir)]
-        if job.gpus > 1:
-            cmd += ["--nproc-per-node", str(job.gpus)]
-        return cmd
+        """The attempt's command, as the job's workload builds it (files it needs are written
+        in the job's folder first)."""
+        return job.workload.command(CommandContext(self.job_dir(job.id), Path(job.run_dir), job.gpus))
 
     def _job_env(self) -> dict[str, str]:
         """The variables the control plane gives a job, on top of the executor's clean base
@@ -266,6 +265,8 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             VISIONLOOP_TRACKING_URI=self.settings.tracking_uri,
             VISIONLOOP_EXPERIMENT=self.settings.experiment,
         )
+        # The job reports its checkpoints in its log (the control plane reads them there).
+        env[PROGRESS_ENV] = "1"
         return env
 
     def _start(self, job_id: int, gpus: list[Gpu], now: float) -> None:

@@ -14,6 +14,7 @@ from visionloop.core.settings import Settings
 from visionloop.sched.config import ClusterConfig
 from visionloop.sched.executors.base import Executor
 from visionloop.sched.prices import PriceCatalog
+from visionloop.sched.progress import ProgressReader
 from visionloop.sched.store import Store
 
 # One logger for the whole control plane, named as before it was split into modules, so log
@@ -36,6 +37,7 @@ class PlaneBase:
     # Caches that only spare the store redundant writes and reads (see ControlPlane.__init__).
     _beats_written: dict[int, float]
     _ckpt_steps: dict[int, set[int]]
+    _progress: ProgressReader
     _attempts_ended: int
     _inventory_at: float
 

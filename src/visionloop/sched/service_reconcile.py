@@ -1,31 +1,31 @@
 """Reconciliation: every cycle, each open attempt is asked of its executor and settled
-(exits recorded, lost or silent processes requeued, victims past their grace period killed,
-new checkpoints stored). Because the store keeps an attempt open until it is settled, this
-is also what re-adopts the running jobs after a control-plane restart: see service.py for
-why that is safe."""
+(exits recorded as its workload says, lost or silent processes requeued, victims past their
+grace period killed, the checkpoints the job reported in its log stored). Because the store
+keeps an attempt open until it is settled, this is also what re-adopts the running jobs
+after a control-plane restart: see service.py for why that is safe."""
 
 from __future__ import annotations
 
 import math
-import os
-import re
 import threading
 from pathlib import Path
 from typing import Any
 
-from visionloop.core.errors import ExecutorError
+from visionloop.core.errors import ExecutorError, VisionloopError
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle
+from visionloop.sched.progress import CheckpointEvent
 from visionloop.sched.service_base import PlaneBase, log
 from visionloop.sched.states import ACTIVE, JobState
 from visionloop.sched.store import Attempt, Job
+from visionloop.sched.workload import AttemptExit
 from visionloop.train.abandoned import Ending, close_abandoned_run
-from visionloop.train.signals import EXIT_PREEMPTED
 
 # How many log lines a failed job shows as its reason.
 FAILURE_LOG_LINES = 20
 # How long an ended job's run waits for its lock before it is left as it is.
 CLOSE_RUN_WAIT_S = 120.0
-_CKPT_NAME = re.compile(r"step-(\d+)\.ckpt")
+# A read of a job's progress records at most this many new checkpoints (the newest).
+MAX_CHECKPOINTS_PER_READ = 8
 
 _TAIL_BYTES = 64 * 1024
 
@@ -124,6 +124,7 @@ class ReconcileMixin(PlaneBase):
         open_jobs = {a.job_id for a in attempts}
         self._beats_written = {k: v for k, v in (self._beats_written | changed).items() if k in open_jobs}
         self._ckpt_steps = {k: v for k, v in self._ckpt_steps.items() if k in open_jobs}
+        self._progress.forget_except({(a.job_id, a.number) for a in attempts})
         return attempts if self._attempts_ended == ended_before else None
 
     def _reconcile_attempt(
@@ -132,8 +133,8 @@ class ReconcileMixin(PlaneBase):
         t = self.config.timings
         number = attempt.number
         status = self.executor.poll(handle)
+        self._record_progress(job, attempt, handle, now, final=status.state != "running")
         if status.state == "running":
-            self._scan_checkpoints(job)
             beat = status.heartbeat_at
             if beat is not None:
                 beats[job.id] = beat
@@ -151,83 +152,62 @@ class ReconcileMixin(PlaneBase):
             return
         self._finish_exited(job, attempt, status, handle, now)
 
-    def _scan_checkpoints(self, job: Job) -> None:
-        """Checkpoints the trainer wrote since the last look (its run dir is the record):
-        they decide which victim loses the least work, and what a preemption lost."""
-        folder = Path(job.run_dir) / "checkpoints"
+    def _record_progress(
+        self, job: Job, attempt: Attempt, handle: Handle, now: float, *, final: bool
+    ) -> None:
+        """Checkpoints the job reported in its log since the last look (see
+        visionloop.sched.progress): they decide which victim loses the least work, and what a
+        preemption lost. `final`: the attempt ended, so its last lines are read now (a victim
+        reports the checkpoint it stopped on just before it exits)."""
         try:
-            entries = list(os.scandir(folder))
-        except OSError:
+            key = (job.id, attempt.number)
+            events = self._progress.read(self.executor, handle, key, now=now, final=final)
+        except (ExecutorError, OSError) as e:
+            # Progress is advisory: the attempt's state is settled without it, and the log is
+            # read again (from where it stopped) next cycle.
+            log.warning("job %s attempt %s: could not read its progress (%s)", job.id, attempt.number, e)
             return
+        steps: dict[int, float] = {}
+        for event in events:
+            if isinstance(event, CheckpointEvent):
+                steps[event.step] = event.at
         known = self._ckpt_steps.get(job.id, set())
-        new = []
-        for entry in entries:
-            m = _CKPT_NAME.fullmatch(entry.name)
-            if m and int(m.group(1)) not in known:
-                new.append((int(m.group(1)), entry))
+        # A job floods its log with made-up steps? Only the newest few of a read count.
+        new = [(step, at) for step, at in steps.items() if step not in known][-MAX_CHECKPOINTS_PER_READ:]
         if not new:
             return
         # Something this process has not seen stored: the store decides (a restart, or
         # another writer, may have recorded it already).
         known = self._ckpt_steps[job.id] = {c.step for c in self.store.checkpoints(job.id)}
-        for step, entry in new:
+        for step, at in new:
             if step in known:
                 continue
-            try:
-                at = entry.stat().st_mtime
-            except OSError:
-                continue  # pruned meanwhile
-            self.store.record_checkpoint(job.id, step, at)
+            # The job's clock, within what this attempt can have done: a line cannot move the
+            # job's last checkpoint before its start or into the future.
+            at = min(max(at, attempt.started_at), now)
+            self.store.record_checkpoint(job.id, step, at, attempt=attempt.number)
             known.add(step)
 
     def _finish_exited(
         self, job: Job, attempt: Attempt, status: AttemptStatus, handle: Handle, now: float
     ) -> None:
+        """The workload says what its exit means (`Workload.ending`); the queue applies it,
+        and owns only the retries of a failure."""
         number = attempt.number
         code = status.exit_code if status.exit_code is not None else -1
-        if job.state == JobState.CANCELLING:
-            outcome, nxt, why = "cancelled", JobState.CANCELLED, f"cancelled (exit {code})"
-            if code == 0:
-                outcome, nxt, why = "succeeded", JobState.SUCCEEDED, "finished before the cancel took effect"
-            self._end_attempt(job.id, number, outcome, code, now, nxt, why)
+        try:
+            workload = self.store.get_job(job.id).workload
+        except VisionloopError as e:  # its stored spec no longer validates: it cannot run again
+            self._end_attempt(job.id, number, "failed", code, now, JobState.FAILED, f"exit {code}; and {e}")
             return
-        if code == 0:
-            self._end_attempt(job.id, number, "succeeded", 0, now, JobState.SUCCEEDED, "finished (exit 0)")
+        ending = workload.ending(
+            AttemptExit(code, job.state, status.detail, gpu_lost=self._on_down_gpu(attempt.gpu_ids))
+        )
+        if ending.state == JobState.FAILED:
+            self._finish_failed(job, number, code, ending.reason, now, handle, retry=ending.retry)
             return
-        if job.state == JobState.PREEMPTING:
-            # A preemption never counts as a failure, even if the victim had to be SIGKILLed:
-            # it resumes from its last checkpoint.
-            outcome = "interrupted" if self._on_down_gpu(attempt.gpu_ids) else "preempted"
-            how = (
-                "checkpointed and exited 75"
-                if code == EXIT_PREEMPTED
-                else f"exit {code} after the grace period"
-            )
-            self._end_attempt(
-                job.id,
-                number,
-                outcome,
-                code,
-                now,
-                JobState.QUEUED,
-                f"{outcome}: {how}; requeued to resume",
-                preemptions=job.preemptions + 1,
-            )
-            return
-        if code == EXIT_PREEMPTED:
-            self._end_attempt(
-                job.id,
-                number,
-                "preempted",
-                code,
-                now,
-                JobState.QUEUED,
-                "stopped after a checkpoint (exit 75, signalled outside visionloop); requeued to resume",
-            )
-            return
-        # The executor's word on it, if any (Ray's "could not start it: ..." for exit 126).
-        why = f"exit {code} ({status.detail})" if status.detail else f"exit {code}"
-        self._finish_failed(job, number, code, why, now, handle)
+        extra = {"preemptions": job.preemptions + 1} if ending.preemption else {}
+        self._end_attempt(job.id, number, ending.outcome, code, now, ending.state, ending.reason, **extra)
 
     def _on_down_gpu(self, gpu_ids: tuple[str, ...]) -> bool:
         """Whether the attempt held a GPU that is down now: its preemption was a spot
@@ -235,9 +215,19 @@ class ReconcileMixin(PlaneBase):
         return any(not g.up for g in self.store.list_gpus() if g.id in gpu_ids)
 
     def _finish_failed(
-        self, job: Job, number: int, code: int | None, why: str, now: float, handle: Handle | None = None
+        self,
+        job: Job,
+        number: int,
+        code: int | None,
+        why: str,
+        now: float,
+        handle: Handle | None = None,
+        *,
+        retry: bool = True,
     ) -> None:
-        if job.restarts < job.max_restarts:
+        """A failure: retried with back-off while the job has restarts left (and `retry`),
+        else the job fails with its last log lines."""
+        if retry and job.restarts < job.max_restarts:
             delay = self.config.timings.retry_backoff_s * math.pow(2, job.restarts)
             self._end_attempt(
                 job.id,
@@ -251,7 +241,7 @@ class ReconcileMixin(PlaneBase):
                 not_before=now + delay,
             )
         else:
-            reason = f"{why}; no restarts left ({job.max_restarts})"
+            reason = f"{why}; no restarts left ({job.max_restarts})" if retry else why
             tail = _tail(self.executor, handle, FAILURE_LOG_LINES)
             if tail:
                 reason += f". Last log lines:\n{tail}"

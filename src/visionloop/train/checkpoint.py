@@ -43,6 +43,7 @@ import torch
 from visionloop.core.errors import CheckpointError
 from visionloop.core.fsutil import UMASK as _UMASK
 from visionloop.core.fsutil import fsync_dir
+from visionloop.train import progress
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +358,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         path = self.dir / checkpoint_name(step)
         write_checkpoint(path, state, step, metric, before_commit)
+        progress.checkpoint(step)  # durable now: renamed, and its folder synced
         self.last_write_s = time.perf_counter() - t0
         self.prune()
         return path

@@ -24,7 +24,7 @@ from visionloop.data.loader import make_loader
 from visionloop.data.normalize import Normalizer
 from visionloop.data.sampler import EvalBatchSampler, ResumableBatchSampler
 from visionloop.tasks import EvalResult
-from visionloop.train import dist
+from visionloop.train import dist, progress
 from visionloop.train import rng as rng_state
 from visionloop.train.checkpoint import CheckpointManager
 from visionloop.train.device import Precision
@@ -423,6 +423,7 @@ class Loop:
             self.c.last_eval_dir = out_dir
             epochs_done = pos.epoch + pos.batch / self.sampler.steps_per_epoch
             self.reporter.eval_end(epochs_done, pos.step, result.metrics, result.summary)
+            progress.evaluation(pos.step, epochs_done, result.metrics)
             log.info("eval at step %d (epoch %d): %s", pos.step, pos.epoch, result.summary)
         self.save_checkpoint(metric)
         self.c.model.train()

@@ -1,0 +1,130 @@
+"""What a job runs: a typed workload, one kind per sort of work.
+
+The queue itself knows nothing of training. A workload says three things:
+
+- **its command** (`command`): the process an attempt runs, and the files it needs in the
+  job's folder (written there first);
+- **its progress**: what it reports on its stdout as progress lines (see
+  visionloop.train.progress), which the control plane reads back from the attempt's log;
+- **what its exit means** (`ending`): an `Ending`, which the reconciler applies as it is.
+  Only the queue's own rules stay in the reconciler: a failure's retries with back-off
+  until `max_restarts`, a vanished process (lost, requeued), and which attempts a spot
+  interruption took.
+
+So a later kind (a tuning trial that stops "pruned" at a rung, or pauses there through a
+checkpoint with its own exit status) adds a class to `Workload` and its own `ending`,
+without touching the reconciler.
+
+Workloads are pydantic models, discriminated on `kind`, so they validate and serialise like
+every spec. Only training exists today, and a job's workload is derived from its stored train
+spec (`Job.workload`); a second kind will need its own column.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from visionloop.core.fsutil import atomic_write_text
+from visionloop.sched.records import Outcome
+from visionloop.sched.states import JobState
+from visionloop.specs import TrainSpec, spec_to_yaml
+from visionloop.train.signals import EXIT_PREEMPTED
+
+
+@dataclass(frozen=True)
+class CommandContext:
+    """Where and how big an attempt is, for building its command."""
+
+    job_dir: Path  # the job's own folder on the control plane's side (specs and files go here)
+    run_dir: Path
+    gpus: int
+    python: str = sys.executable
+
+
+@dataclass(frozen=True)
+class AttemptExit:
+    """How an attempt's process ended, and what the control plane had asked of it."""
+
+    code: int  # the exit status (-1 if the executor could not tell)
+    state: JobState  # the job's state when it exited: RUNNING, PREEMPTING or CANCELLING
+    detail: str = ""  # the executor's word on it (Ray's "could not start it: ..."), if any
+    gpu_lost: bool = False  # it held a GPU that went down (a spot interruption)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What the reconciler does with an attempt that exited: end it with `outcome`, move the
+    job to `state` with `reason`.
+
+    `retry`: a failure (state FAILED) that the queue retries with back-off while the job has
+    restarts left; the reconciler then requeues it (and says "retry N of M") instead.
+    `preemption`: counts towards the job's preemptions (a stop the job resumes from)."""
+
+    outcome: Outcome
+    state: JobState
+    reason: str
+    retry: bool = False
+    preemption: bool = False
+
+
+class TrainWorkload(BaseModel):
+    """One `visionloop train` run: exit 0 is done, exit 75 (EXIT_PREEMPTED) is "checkpointed
+    and stopped" (resumed from that checkpoint on the next attempt), anything else a failure."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["train"] = "train"
+    train: TrainSpec
+
+    # Where the spec goes in the job's folder; written once, so every attempt runs the same spec.
+    SPEC_FILE: ClassVar[str] = "train.yaml"
+
+    def command(self, ctx: CommandContext) -> list[str]:
+        spec_path = ctx.job_dir / self.SPEC_FILE
+        if not spec_path.is_file():
+            spec_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(spec_path, spec_to_yaml(self.train))
+        cmd = [ctx.python, "-m", "visionloop", "train", str(spec_path), "--run-dir", str(ctx.run_dir)]
+        if ctx.gpus > 1:
+            cmd += ["--nproc-per-node", str(ctx.gpus)]
+        return cmd
+
+    def ending(self, ex: AttemptExit) -> Ending:
+        code = ex.code
+        if ex.state == JobState.CANCELLING:
+            if code == 0:
+                return Ending("succeeded", JobState.SUCCEEDED, "finished before the cancel took effect")
+            return Ending("cancelled", JobState.CANCELLED, f"cancelled (exit {code})")
+        if code == 0:
+            return Ending("succeeded", JobState.SUCCEEDED, "finished (exit 0)")
+        if ex.state == JobState.PREEMPTING:
+            # A preemption never counts as a failure, even if the victim had to be SIGKILLed:
+            # it resumes from its last checkpoint.
+            outcome: Outcome = "interrupted" if ex.gpu_lost else "preempted"
+            how = (
+                "checkpointed and exited 75"
+                if code == EXIT_PREEMPTED
+                else f"exit {code} after the grace period"
+            )
+            return Ending(outcome, JobState.QUEUED, f"{outcome}: {how}; requeued to resume", preemption=True)
+        if code == EXIT_PREEMPTED:
+            return Ending(
+                "preempted",
+                JobState.QUEUED,
+                "stopped after a checkpoint (exit 75, signalled outside visionloop); requeued to resume",
+            )
+        why = f"exit {code} ({ex.detail})" if ex.detail else f"exit {code}"
+        return Ending("failed", JobState.FAILED, why, retry=True)
+
+
+# Every kind of workload, told apart by `kind` (one member today; later kinds join the union).
+Workload = Annotated[TrainWorkload, Field(discriminator="kind")]
+WORKLOAD: TypeAdapter[TrainWorkload] = TypeAdapter(Workload)
+
+
+__all__ = ["WORKLOAD", "AttemptExit", "CommandContext", "Ending", "TrainWorkload", "Workload"]

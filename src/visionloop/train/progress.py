@@ -1,0 +1,80 @@
+"""Progress lines: how a job tells the control plane what it has done, through its own log.
+
+The control plane may not share the job's filesystem (a Ray cluster), so it cannot learn of
+checkpoints by listing the run directory. Instead, when it sets `VISIONLOOP_PROGRESS=1` in
+the job's environment, the trainer's rank 0 writes one line per event to stdout:
+
+    @@visionloop-progress {"event":"checkpoint","step":200,"at":1764040000.5}
+    @@visionloop-progress {"event":"eval","step":200,"epoch":2,"metrics":{"accuracy":0.91}}
+
+and the control plane reads them back from the attempt's log (`Executor.read_log`). A
+checkpoint line is written only once the checkpoint is durable (renamed and its folder
+synced), so a step the control plane records can always be resumed from. Every line is one
+`write` of at most MAX_LINE_BYTES, so it lands whole in the log and the reader never drops it.
+
+The log is written by user code: the reader (visionloop.sched.progress) trusts a line no
+further than recording its own job's checkpoint steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+
+ENV = "VISIONLOOP_PROGRESS"
+PREFIX = "@@visionloop-progress "
+# Longer lines are ignored by the reader; the emitter drops metrics until a line fits.
+MAX_LINE_BYTES = 4096
+# An eval event carries at most this many metrics (the headline ones, not per-class tables).
+MAX_METRICS = 32
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def checkpoint(step: int) -> None:
+    """A checkpoint at `step` is durable. Call on the rank that wrote it."""
+    if enabled():
+        _emit({"event": "checkpoint", "step": int(step), "at": round(time.time(), 3)})
+
+
+def evaluation(step: int, epoch: float, metrics: Mapping[str, float]) -> None:
+    """An evaluation at `step` finished with these metrics (names without the "val/" prefix).
+    Only finite scalar metrics with plain names go out, at most MAX_METRICS of them."""
+    if not enabled():
+        return
+    kept: dict[str, float] = {}
+    for name, value in metrics.items():
+        if len(kept) >= MAX_METRICS:
+            break
+        if "/" in name or len(name) > 64 or isinstance(value, bool):
+            continue
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(v):
+            kept[name] = v
+    event = {"event": "eval", "step": int(step), "epoch": float(epoch), "metrics": kept}
+    while len(_line(event).encode()) > MAX_LINE_BYTES and kept:
+        kept.popitem()
+    _emit(event)
+
+
+def _line(event: Mapping[str, object]) -> str:
+    return PREFIX + json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n"
+
+
+def _emit(event: Mapping[str, object]) -> None:
+    # One write of the whole line: with the log opened for appending, it is not interleaved
+    # with other writers' output. Progress is advisory: a closed stdout must not fail training.
+    try:
+        sys.stdout.write(_line(event))
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
