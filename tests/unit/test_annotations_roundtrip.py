@@ -10,6 +10,9 @@ import pytest
 from test_annotations_common import make_image, rotated_jpeg
 
 from visionloop.core.errors import DataError
+from visionloop.data.ingest import IngestOptions, ingest
+from visionloop.data.manifest import read_manifest
+from visionloop.data.shards import ShardReader
 from visionloop.tasks.detection.annotations import (
     DetectionSample,
     DetectionSource,
@@ -23,6 +26,8 @@ from visionloop.tasks.detection.annotations import (
     write_yolo,
 )
 from visionloop.tasks.detection.annotations.yolo import flat_name
+from visionloop.tasks.detection.boxes import decode_boxes
+from visionloop.tasks.detection.task import DetectionTask
 
 
 def _source(root: Path) -> DetectionSource:
@@ -124,6 +129,49 @@ def test_round_trip_voc(tmp_path: Path) -> None:
     assert back.format == "voc"
     # VOC has no class list: the names found, sorted (here the same order).
     _same(src, back, 0.005 + 1e-9, difficult=True, split=True, by_name=True)
+
+
+def _stored_flags(out: Path) -> dict[str, tuple[list[int], list[bool]]]:
+    """rel -> (labels, ignore flags) of every stored image, decoded from the dataset's shards."""
+    m = read_manifest(out)
+    src = read_detection_source(Path(m.source.path))
+    found = {}
+    for info in m.splits.values():
+        reader = ShardReader(out / info.shard_dir)
+        for k in range(len(reader)):
+            rec = reader[k]
+            _, labels, ignore = decode_boxes(rec["boxes"], len(m.classes))
+            found[src.samples[rec["index"]].rel] = (labels.tolist(), ignore.tolist())
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["coco", "voc"])
+def test_crowd_and_difficult_flags_reach_the_shard(tmp_path: Path, fmt: str) -> None:
+    src = _source(tmp_path / "imgs")
+    if fmt == "coco":
+        write_coco(src, tmp_path / "imgs" / "instances.json", tmp_path / "imgs")
+        source = tmp_path / "imgs"
+    else:
+        source = write_voc(src, tmp_path / "voc")
+    m = ingest(source, tmp_path / "ds", IngestOptions(workers=1)).manifest
+    stored = _stored_flags(tmp_path / "ds")
+    key = (lambda rel: rel) if fmt == "coco" else (lambda rel: Path(rel).name)
+    assert {key(rel): v for rel, v in stored.items()} == {
+        key(s.rel if fmt == "coco" else flat_name(s.rel)): (s.labels, s.difficult) for s in src.samples
+    }
+    stats = DetectionTask().dataset_stats(m)
+    assert stats is not None and sum(s.difficult_boxes for s in stats.splits.values()) == 2
+    # The flags are part of the data: without them, the same boxes give another version.
+    for s in src.samples:
+        s.difficult = [False] * len(s.boxes)
+    if fmt == "coco":
+        write_coco(src, tmp_path / "imgs" / "instances.json", tmp_path / "imgs")
+    else:
+        write_voc(src, tmp_path / "voc2")
+        source = tmp_path / "voc2"
+    plain = ingest(source, tmp_path / "plain", IngestOptions(workers=1)).manifest
+    assert plain.version != m.version
+    assert all(not any(flags) for _, flags in _stored_flags(tmp_path / "plain").values())
 
 
 def test_round_trip_label_studio(tmp_path: Path) -> None:

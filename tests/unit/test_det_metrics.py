@@ -38,10 +38,12 @@ pycocotools = pytest.importorskip("pycocotools", reason="pycocotools is the refe
 Sample = tuple[list[dict[str, Any]], list[dict[str, Any]]]
 
 
-def _random_split(n_images: int, n_classes: int, seed: int) -> Sample:
+def _random_split(n_images: int, n_classes: int, seed: int, *, crowd: bool = False) -> Sample:
     """Seeded images with small, medium and large boxes (areas from 4² to 400² px), jittered
     true positives, wrong-class and background false positives, background images, and a
-    last class that has predictions but no ground truth."""
+    last class that has predictions but no ground truth. `crowd`: besides, about a fifth of
+    the boxes are flagged iscrowd, and every other image gets a large crowd region with a few
+    predictions inside it and across its edge (targets then carry "iscrowd")."""
     rng = np.random.default_rng(seed)
     preds: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
@@ -65,14 +67,26 @@ def _random_split(n_images: int, n_classes: int, seed: int) -> Sample:
             x, y = rng.uniform(0, 640 - w), rng.uniform(0, 640 - h)
             p_boxes.append([x, y, x + w, y + h])
             p_labels.append(int(rng.integers(0, n_classes)))
-        targets.append(
-            {
-                "boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
-                "labels": torch.tensor(labels, dtype=torch.int64),
-                "image_id": 1000 + i,
-                "size": (640, 640),
-            }
-        )
+        target: dict[str, Any] = {"image_id": 1000 + i, "size": (640, 640)}
+        if crowd:
+            flags = [bool(rng.random() < 0.2) for _ in boxes]
+            if i % 2 == 0:
+                w, h = rng.uniform(100, 300, 2)
+                x, y = rng.uniform(0, 640 - w), rng.uniform(0, 640 - h)
+                k = int(rng.integers(0, gt_classes))
+                boxes.append([x, y, x + w, y + h])
+                labels.append(k)
+                flags.append(True)
+                for _ in range(int(rng.integers(1, 5))):
+                    # inside the region, or straddling its right edge
+                    bw, bh = rng.uniform(10, 0.5 * w), rng.uniform(10, 0.5 * h)
+                    bx, by = rng.uniform(x, x + w - bw / 2), rng.uniform(y, y + h - bh)
+                    p_boxes.append([bx, by, bx + bw, by + bh])
+                    p_labels.append(k)
+            target["iscrowd"] = torch.tensor(flags, dtype=torch.bool)
+        target["boxes"] = torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
+        target["labels"] = torch.tensor(labels, dtype=torch.int64)
+        targets.append(target)
         preds.append(
             {
                 "boxes": torch.tensor(p_boxes, dtype=torch.float32).reshape(-1, 4),
@@ -94,7 +108,8 @@ def _pycocotools(preds: list[dict[str, Any]], targets: list[dict[str, Any]], n_c
     images, annotations, results = [], [], []
     for i, (p, t) in enumerate(zip(preds, targets, strict=True)):
         images.append({"id": i, "height": 640, "width": 640})
-        for box, k in zip(t["boxes"].double().tolist(), t["labels"].tolist(), strict=True):
+        crowd = t["iscrowd"].tolist() if "iscrowd" in t else [False] * len(t["labels"])
+        for box, k, c in zip(t["boxes"].double().tolist(), t["labels"].tolist(), crowd, strict=True):
             b = xywh(box)
             annotations.append(
                 {
@@ -103,7 +118,7 @@ def _pycocotools(preds: list[dict[str, Any]], targets: list[dict[str, Any]], n_c
                     "category_id": k,
                     "bbox": b,
                     "area": b[2] * b[3],
-                    "iscrowd": 0,
+                    "iscrowd": int(c),
                 }
             )
         for box, s, k in zip(
@@ -150,11 +165,11 @@ def _none(scores: bool = True) -> dict[str, Any]:
 # --------------------------------------------------------------------------- against pycocotools
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_statistic_matches_pycocotools(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "crowd"), [(0, False), (1, False), (2, False), (0, True), (3, True)])
+def test_every_statistic_matches_pycocotools(seed: int, crowd: bool) -> None:
     n_classes = 5
     names = [f"c{k}" for k in range(n_classes)]
-    preds, targets = _random_split(50, n_classes, seed)
+    preds, targets = _random_split(50, n_classes, seed, crowd=crowd)
     ref = _pycocotools(preds, targets, n_classes)
     report = _evaluate(preds, targets, names).report()
 
@@ -183,6 +198,17 @@ def test_every_statistic_matches_pycocotools(seed: int) -> None:
     assert report.per_class[-1]["num_gt"] == 0 and report.per_class[-1]["num_pred"] > 0
     assert report.per_class[-1]["AP"] is None and "AP/c4" not in report.metrics
     assert 0.05 < report.metrics["mAP"] < 0.95, "a split that exercises the ranking, not a trivial one"
+    if crowd:
+        # The crowd boxes matter: read as ordinary objects they give other numbers.
+        plain = [{k: v for k, v in t.items() if k != "iscrowd"} for t in targets]
+        assert _evaluate(preds, plain, names).compute()["mAP"] != pytest.approx(
+            report.metrics["mAP"], abs=1e-3
+        )
+        flagged = sum(int(t["iscrowd"].sum()) for t in targets)
+        assert sum(row["num_ignored"] for row in report.per_class) == flagged > 20
+        assert (
+            sum(row["num_gt"] for row in report.per_class) == sum(len(t["labels"]) for t in targets) - flagged
+        )
 
 
 # --------------------------------------------------------------------------- hand-computed
@@ -202,6 +228,38 @@ def test_a_prediction_at_iou_062_counts_at_050_to_060_only() -> None:
     assert m["mAP75"] == 0.0
     assert m["mAP"] == pytest.approx(0.3, abs=1e-12)
     assert m["AR100"] == pytest.approx(0.3, abs=1e-12)
+
+
+def test_a_crowd_region_is_neither_found_nor_missed_nor_a_false_alarm() -> None:
+    a = [200.0, 300, 220, 320]
+    crowd = [0.0, 0, 100, 100]
+    preds = [
+        {  # the object found (0.9); a detection inside the crowd, ranked first (0.95)
+            "boxes": torch.tensor([a, [10.0, 10, 30, 30]]),
+            "scores": torch.tensor([0.9, 0.95]),
+            "labels": torch.tensor([0, 0]),
+        }
+    ]
+    targets = [{"boxes": torch.tensor([a, crowd]), "labels": torch.tensor([0, 0])}]
+    # Read as an object, the crowd is missed (recall 1/2) and its detection (IoU 0.04) a false
+    # alarm ranked first (precision 1/2): precision 1/2 at 51 of COCO's 101 recall thresholds.
+    assert _evaluate(preds, targets, ["a"]).compute()["mAP"] == pytest.approx(0.5 * 51 / 101, abs=1e-12)
+    targets[0]["iscrowd"] = torch.tensor([False, True])
+    ev = _evaluate(preds, targets, ["a"])
+    m = ev.compute()
+    assert m["mAP"] == m["AR100"] == m["AP/a"] == 1.0
+    assert ev.report().per_class[0]["num_gt"] == 1 and ev.report().per_class[0]["num_ignored"] == 1
+    # A class whose only boxes are crowds has nothing to find: no AP, as in COCO.
+    only = _evaluate(
+        [_one([10, 10, 30, 30], label=1, score=0.9)],
+        [{"boxes": torch.tensor([crowd]), "labels": torch.tensor([1]), "iscrowd": [1]}],
+        ["a", "b"],
+    )
+    assert only.compute() == {} and only.report().per_class[1]["num_ignored"] == 1
+    with pytest.raises(DataError, match="iscrowd must be 0 or 1"):
+        DetectionEvaluator(["a"]).update([_none()], [{**_one(a), "iscrowd": [2]}])
+    with pytest.raises(DataError, match="iscrowd has 2 values for 1 boxes"):
+        DetectionEvaluator(["a"]).update([_none()], [{**_one(a), "iscrowd": [0, 1]}])
 
 
 def test_the_wrong_class_is_a_miss() -> None:
@@ -241,6 +299,7 @@ def test_classes_without_ground_truth_are_absent_and_without_predictions_are_zer
         "AP50": None,
         "AP75": None,
         "num_gt": 0,
+        "num_ignored": 0,
         "num_pred": 1,
     }
 
@@ -316,6 +375,33 @@ def test_state_round_trips_exactly_and_concatenated_states_merge(tmp_path: Path)
     empty = DetectionEvaluator(names)
     empty.load_state(DetectionEvaluator(names).state())
     assert empty.num_images == 0 and empty.compute() == {}
+
+
+def test_crowd_flags_survive_the_state_and_a_version_1_state_still_loads() -> None:
+    names = ["a", "b", "c", "d"]
+    preds, targets = _random_split(20, 4, seed=4, crowd=True)
+    whole = _evaluate(preds, targets, names)
+    restored = DetectionEvaluator(names)
+    restored.load_state(whole.state())
+    assert restored.compute() == whole.compute()
+    np.testing.assert_array_equal(restored.confusion_matrix(), whole.confusion_matrix())
+    # A state written before iscrowd (version 1: six ground-truth columns) reads as no crowd.
+    plain = [{k: v for k, v in t.items() if k != "iscrowd"} for t in targets]
+    expected = _evaluate(preds, plain, names)
+    flat = expected.state().numpy().copy()
+    n_img, n_gt = int(flat[3]), int(flat[4])
+    start = 6 + 3 * n_img
+    gt = flat[start : start + 7 * n_gt].reshape(-1, 7)
+    v1 = np.concatenate([flat[:start], gt[:, :6].ravel(), flat[start + 7 * n_gt :]])
+    v1[1] = 1.0
+    old = DetectionEvaluator(names)
+    old.load_state(torch.from_numpy(v1))
+    assert old.compute() == expected.compute() != whole.compute()
+    bad = whole.state().clone()
+    start = 6 + 3 * int(bad[3])
+    bad[start + 6] = 0.5  # the first box's iscrowd
+    with pytest.raises(DataError, match="neither 0 nor 1"):
+        DetectionEvaluator(names).load_state(bad)
 
 
 def _gather_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
@@ -428,6 +514,31 @@ def test_confusion_matrix_counts_a_hand_built_case() -> None:
     assert m[2].tolist() == [1, 2, 0]
 
 
+def test_confusion_matrix_neither_misses_a_crowd_nor_counts_a_detection_on_it() -> None:
+    preds = [
+        {  # the a found; two detections inside the crowd (one of another class); one beside it
+            "boxes": torch.tensor(
+                [[200.0, 200, 220, 220], [10, 10, 30, 30], [50, 50, 90, 90], [95, 0, 125, 20]]
+            ),
+            "scores": torch.tensor([0.9, 0.8, 0.7, 0.6]),
+            "labels": torch.tensor([0, 0, 1, 0]),
+        }
+    ]
+    targets = [
+        {
+            "boxes": torch.tensor([[200.0, 200, 220, 220], [0, 0, 100, 100]]),
+            "labels": torch.tensor([0, 0]),
+            "iscrowd": torch.tensor([False, True]),
+        }
+    ]
+    # [95, 0, 125, 20] has 5 / 30 of its area in the crowd: a false alarm still.
+    m = _evaluate(preds, targets, ["a", "b"]).confusion_matrix(iou_threshold=0.5, score_threshold=0.25)
+    assert m.tolist() == [[1, 0, 0], [0, 0, 0], [1, 0, 0]]
+    targets[0]["iscrowd"] = torch.tensor([False, False])  # read as an object: one more story
+    m = _evaluate(preds, targets, ["a", "b"]).confusion_matrix(iou_threshold=0.5, score_threshold=0.25)
+    assert m.tolist() == [[1, 0, 1], [0, 0, 0], [2, 1, 0]]
+
+
 def test_confusion_matrix_prefers_the_highest_iou() -> None:
     # One true box, two predictions of different classes: the better overlap wins the match.
     preds = [
@@ -467,6 +578,14 @@ def test_plots_are_written(tmp_path: Path) -> None:
     images.append(torch.rand(3, 640, 640))  # float [0, 1] as well
     grid = plot_detection_grid(images, preds[:6], targets[:6], names, tmp_path / "grid.png")
     assert _png_size(grid)[0] > 600 and grid.stat().st_size > 50_000
+
+    # Crowd boxes are drawn, differently (dotted, "ignored"): another picture, same size.
+    crowd_preds, crowd_targets = _random_split(4, 5, seed=1, crowd=True)
+    flat = [torch.full((3, 640, 640), 40, dtype=torch.uint8) for _ in range(4)]
+    dotted = plot_detection_grid(flat, crowd_preds, crowd_targets, names, tmp_path / "crowd.png")
+    plain = [{k: v for k, v in t.items() if k != "iscrowd"} for t in crowd_targets]
+    solid = plot_detection_grid(flat, crowd_preds, plain, names, tmp_path / "solid.png")
+    assert _png_size(dotted) == _png_size(solid) and dotted.read_bytes() != solid.read_bytes()
 
     # A split without boxes still gives readable files, not an exception.
     empty = DetectionEvaluator(["a"])

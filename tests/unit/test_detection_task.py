@@ -21,7 +21,7 @@ from visionloop.models.native_detector import build_native_detector
 from visionloop.specs import AugmentSpec
 from visionloop.tasks import get_task
 from visionloop.tasks.detection.boxes import encode_boxes
-from visionloop.tasks.detection.data import ShardDetectionDataset
+from visionloop.tasks.detection.data import ShardDetectionDataset, record_target
 from visionloop.tasks.detection.evaluate import DetectionComparison, DetectionTaskEvaluator, MapScorer
 from visionloop.tasks.detection.metrics import DetectionEvaluator
 from visionloop.tasks.detection.task import DetectionTask
@@ -57,14 +57,19 @@ def _png(img: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def _shards(tmp: Path, scenes: list[tuple[int, int, list[list[int]], list[int]]]) -> ShardReader:
+def _shards(
+    tmp: Path,
+    scenes: list[tuple[int, int, list[list[int]], list[int]]],
+    flags: list[list[bool]] | None = None,
+) -> ShardReader:
     writer = ShardWriter(tmp / "shards")
     for i, (h, w, boxes, labels) in enumerate(scenes):
+        ignore = flags[i] if flags is not None else None
         record: Record = {
             "image": _png(_scene(h, w, boxes)),
             "label": len(boxes),
             "index": 100 + i,
-            "boxes": encode_boxes(np.asarray(boxes, dtype=np.float32).reshape(-1, 4), labels),
+            "boxes": encode_boxes(np.asarray(boxes, dtype=np.float32).reshape(-1, 4), labels, ignore),
         }
         writer.add(record)
     writer.close()
@@ -194,6 +199,40 @@ def test_eval_dataset_and_record_targets_agree(tmp_path: Path) -> None:
         task.record_targets(reader.read_many([0]))
     moved = task.targets_to(targets, torch.device("cpu"))
     assert torch.equal(moved[2]["boxes"], targets[2]["boxes"]) and moved[2]["scale"] == targets[2]["scale"]
+
+
+def test_ignored_boxes_leave_training_targets_and_stay_flagged_in_evaluation(tmp_path: Path) -> None:
+    scenes = [
+        (40, 80, [[20, 10, 60, 30], [2, 2, 12, 12]], [1, 0]),
+        (50, 50, [[1, 2, 3, 4], [5, 5, 45, 45], [10, 10, 20, 20]], [0, 2, 1]),
+        (32, 32, [[4, 4, 20, 20]], [2]),
+    ]
+    flags = [[False, True], [True, False, True], [False]]
+    reader = _shards(tmp_path, scenes, flags)
+    assert reader[2]["boxes"] == encode_boxes([[4, 4, 20, 20]], [2])  # unflagged: the old layout
+    ev = ShardDetectionDataset(reader, DetectionEvalTransform(64), CLASSES)
+    _, targets = get_task("detection").collate([ev[(i, 0)] for i in range(3)])
+    assert [t["iscrowd"].tolist() for t in targets] == flags
+    assert [t["labels"].tolist() for t in targets] == [[1, 0], [0, 2, 1], [2]]
+    assert targets[0]["iscrowd"].dtype == torch.bool
+    assert torch.allclose(targets[0]["boxes"], torch.tensor([[16.0, 8, 48, 24], [1.6, 1.6, 9.6, 9.6]]))
+    for i, target in enumerate(targets):
+        again = record_target(reader[i], 64, len(CLASSES))
+        for key in ("boxes", "labels", "iscrowd"):
+            assert torch.equal(again[key], target[key]), key
+        assert (again["scale"], again["image_id"], again["orig_size"]) == (
+            target["scale"],
+            target["image_id"],
+            target["orig_size"],
+        )
+    # No augmentation to move the boxes: training sees exactly the unflagged ones.
+    still = DetectionTrainTransform(64, AugmentSpec(hflip=0.0, random_resized_crop=False), seed=0)
+    train = ShardDetectionDataset(reader, still, CLASSES)
+    samples = [train[(i, 0)] for i in range(3)]
+    assert [t["labels"].tolist() for _, t in samples] == [[1], [2], [2]]
+    assert [t["iscrowd"].tolist() for _, t in samples] == [[False], [False], [False]]
+    assert torch.allclose(samples[1][1]["boxes"], torch.tensor([[5.0, 5, 45, 45]]) * 64 / 50)
+    assert torch.allclose(samples[0][1]["boxes"], targets[0]["boxes"][:1])
 
 
 # ---------------------------------------------------------------------- model half
@@ -378,6 +417,44 @@ def test_export_comparison_identical_and_perturbed() -> None:
     scorer = MapScorer()
     scorer.update([t.numpy() for t in moved], targets)
     assert scorer.compute() == pytest.approx(w.score)
+
+
+def test_export_comparison_scorer_and_evaluator_ignore_crowd_boxes() -> None:
+    rng = np.random.default_rng(5)
+    targets = [t for t in _targets(rng, 16, apart=True) if len(t["labels"]) >= 2]
+    assert len(targets) >= 4
+    for t in targets:  # the first box of each image is a crowd region
+        t["iscrowd"] = torch.zeros(len(t["labels"]), dtype=torch.bool)
+        t["iscrowd"][0] = True
+    found = [{**t, "boxes": t["boxes"][1:], "labels": t["labels"][1:]} for t in targets]
+    raw = _raw(found)  # every object found, every crowd region left alone
+    # plus, ranked first, a detection inside each crowd region (half its width and height)
+    for i, t in enumerate(targets):
+        x1, y1, x2, y2 = t["boxes"][0].tolist()
+        raw[0][i, -1] = torch.tensor([x1, y1, (x1 + x2) / 2, (y1 + y2) / 2])
+        raw[1][i, -1] = 0.95
+        raw[2][i, -1] = t["labels"][0]
+    comparison = DetectionComparison(CLASSES)
+    comparison.update(raw, [r.clone() for r in raw], targets)
+    scorer = MapScorer(CLASSES)
+    scorer.update([r.numpy() for r in raw], targets)
+    assert comparison.result().score == pytest.approx(1.0) and scorer.compute() == pytest.approx(1.0)
+    plain = [{k: v for k, v in t.items() if k != "iscrowd"} for t in targets]
+    as_objects = MapScorer(CLASSES)
+    as_objects.update([r.numpy() for r in raw], plain)
+    assert as_objects.compute() < 0.8  # read as objects, the crowds are missed and hit wrongly
+    # The trainer's evaluator: the same semantics, through its dataset targets.
+    preds = [
+        {k: v[i] for k, v in zip(("boxes", "scores", "labels"), raw, strict=True)} for i in range(len(raw[0]))
+    ]
+    for p in preds:
+        keep = p["scores"] > 0
+        for k in ("boxes", "scores", "labels"):
+            p[k] = p[k][keep]
+    adapter = DetectionTaskEvaluator(CLASSES)
+    adapter.update(preds, targets, 0.0)
+    assert adapter.compute().metrics["mAP"] == pytest.approx(1.0)
+    assert sum(row["num_ignored"] for row in adapter.compute().report["per_class"]) == len(targets)
 
 
 # ---------------------------------------------------------------------- model card

@@ -57,7 +57,7 @@ def _records(out: Path, num_classes: int) -> dict[int, tuple[str, bytes, np.ndar
         reader = ShardReader(out / info.shard_dir)
         for k in range(len(reader)):
             rec = reader[k]
-            boxes, labels = decode_boxes(rec["boxes"], num_classes)
+            boxes, labels, _ = decode_boxes(rec["boxes"], num_classes)
             assert rec["label"] == len(labels)  # a detection record's label is its box count
             found[rec["index"]] = (split, rec["image"], boxes, labels)
     return found

@@ -1,22 +1,32 @@
 """Shard records → detection samples: (uint8 image (3, S, S), target dict).
 
 A target is `{"boxes": float32 (N, 4) xyxy in the letterboxed input's pixels, "labels":
-int64 (N,) 0-based class indices, "scale": the letterbox scale (input pixels per stored-image
-pixel; the boxes divided by it are in the stored image's pixels), "image_id": the record's
-dataset-wide index, "orig_size": (height, width) of the stored image}`.
+int64 (N,) 0-based class indices, "iscrowd": bool (N,), "scale": the letterbox scale (input
+pixels per stored-image pixel; the boxes divided by it are in the stored image's pixels),
+"image_id": the record's dataset-wide index, "orig_size": (height, width) of the stored
+image}`.
+
+Ignored boxes (`iscrowd` True: COCO's crowd regions, VOC's difficult objects, stored with
+their flag by ingest) follow torchvision's detection references: a training sample leaves
+them out before augmentation (a crowd box is not one object to regress to), so its
+`iscrowd` is all False; an evaluation sample keeps them, flagged, for the COCO evaluation to
+ignore (a detection on one is neither right nor wrong, and it is never missed).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
 from visionloop.data.loader import decode_rgb
 from visionloop.data.sampler import SampleKey
 from visionloop.data.shards import Record, ShardReader, record_field
+from visionloop.models.card import letterbox_scale
 from visionloop.tasks.detection.boxes import decode_boxes
 from visionloop.tasks.detection.transforms import DetectionEvalTransform, DetectionTrainTransform
 
@@ -24,23 +34,53 @@ Target = dict[str, Any]
 Sample = tuple[torch.Tensor, Target]
 
 
-def record_boxes(record: Record, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A record's boxes (N, 4) float32 xyxy in stored-image pixels and labels (N,) int64."""
+def record_objects(record: Record, num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A record's boxes (N, 4) float32 xyxy in stored-image pixels, labels (N,) int64 and
+    ignore flags (N,) bool."""
     data = record_field(record, "boxes")
-    boxes, labels = decode_boxes(data, num_classes, where=f"record {record['index']}")
-    return torch.from_numpy(boxes), torch.from_numpy(labels)
+    boxes, labels, ignore = decode_boxes(data, num_classes, where=f"record {record['index']}")
+    return torch.from_numpy(boxes), torch.from_numpy(labels), torch.from_numpy(ignore)
+
+
+def record_boxes(record: Record, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A record's boxes and labels, ignored ones included and their flag dropped: prefer
+    `record_objects` or `record_target`, which keep it."""
+    boxes, labels, _ = record_objects(record, num_classes)
+    return boxes, labels
 
 
 def make_target(
-    boxes: torch.Tensor, labels: torch.Tensor, scale: float, image_id: int, orig_size: tuple[int, int]
+    boxes: torch.Tensor,
+    labels: torch.Tensor,
+    scale: float,
+    image_id: int,
+    orig_size: tuple[int, int],
+    iscrowd: torch.Tensor | None = None,
 ) -> Target:
+    """A target dict (see the module docstring); `iscrowd` None: no box is ignored."""
+    labels = labels.to(torch.int64).reshape(-1)
+    crowd = torch.zeros(len(labels), dtype=torch.bool) if iscrowd is None else iscrowd.to(torch.bool)
     return {
         "boxes": boxes.to(torch.float32).reshape(-1, 4),
-        "labels": labels.to(torch.int64).reshape(-1),
+        "labels": labels,
+        "iscrowd": crowd.reshape(-1),
         "scale": float(scale),
         "image_id": int(image_id),
         "orig_size": (int(orig_size[0]), int(orig_size[1])),
     }
+
+
+def record_target(record: Record, image_size: int, num_classes: int = 2**24) -> Target:
+    """A raw record's evaluation target, as the eval dataset makes it without decoding the
+    image: boxes in the pixels of the image letterboxed to `image_size`, ignored boxes kept
+    and flagged. `num_classes` defaults to the encoding's limit for callers without the
+    class list (the rows are still checked whole and finite)."""
+    with Image.open(io.BytesIO(record["image"])) as im:
+        w, h = im.size
+    scale = letterbox_scale(h, w, (image_size, image_size))
+    boxes, labels, ignore = record_objects(record, num_classes)
+    scaled = (boxes * scale).clamp(0.0, float(image_size))
+    return make_target(scaled, labels, scale, record["index"], (h, w), ignore)
 
 
 class ShardDetectionDataset(Dataset[Sample]):
@@ -70,10 +110,14 @@ class ShardDetectionDataset(Dataset[Sample]):
 
     def _sample(self, record: Record, epoch: int) -> Sample:
         image = decode_rgb(record["image"])
-        boxes, labels = record_boxes(record, self.num_classes)
+        boxes, labels, ignore = record_objects(record, self.num_classes)
         orig = (int(image.shape[-2]), int(image.shape[-1]))
         if isinstance(self.transform, DetectionTrainTransform):
-            out, boxes, labels, scale = self.transform(image, boxes, labels, epoch, record["index"])
-        else:
-            out, boxes, labels, scale = self.transform(image, boxes, labels)
-        return out, make_target(boxes, labels, scale, record["index"], orig)
+            keep = ~ignore
+            out, boxes, labels, scale = self.transform(
+                image, boxes[keep], labels[keep], epoch, record["index"]
+            )
+            return out, make_target(boxes, labels, scale, record["index"], orig)
+        # The eval transform only letterboxes: every box stays, in order, with its flag.
+        out, boxes, labels, scale = self.transform(image, boxes, labels)
+        return out, make_target(boxes, labels, scale, record["index"], orig, ignore)

@@ -5,6 +5,10 @@ Frames: models see letterboxed S x S inputs, so predictions and the dataset's ta
 input pixels; every target carries its letterbox `scale`. Both are divided by it before
 they reach COCO, so that the small / medium / large buckets are measured in the stored
 image's pixels, as COCO's are.
+
+Ignored boxes: a target's `iscrowd` flags (crowd regions, difficult objects; see `data`)
+travel with its boxes to COCO, which ignores them — in the trainer's evaluation, the export
+gate's comparison and a benchmark's mAP alike, since all three go through `to_image_frame`.
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ def to_image_frame(
     pred: Mapping[str, Any], target: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One image's prediction and target, from input pixels to stored-image pixels (the
-    boxes divided by the target's letterbox `scale`)."""
+    boxes divided by the target's letterbox `scale`); the target's `iscrowd` flags, when it
+    has them, come along."""
     scale = float(target.get("scale", 1.0))
     t: dict[str, Any] = {"boxes": _f32(target["boxes"]) / scale, "labels": target["labels"]}
+    if target.get("iscrowd") is not None:
+        t["iscrowd"] = _cpu(target["iscrowd"])
     if target.get("image_id") is not None:
         t["image_id"] = target["image_id"]
     if target.get("orig_size") is not None:
@@ -51,6 +58,10 @@ def _f32(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().to(device="cpu", dtype=torch.float32).reshape(-1, 4)
     return torch.as_tensor(np.asarray(x, dtype=np.float32)).reshape(-1, 4)
+
+
+def _cpu(x: Any) -> Any:
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
 
 
 def _state_device() -> torch.device:
@@ -88,6 +99,8 @@ class DetectionTaskEvaluator(Evaluator):
             if len(self.grid) < GRID_IMAGES and pred.get("image") is not None:
                 keep = {k: v.detach().cpu() for k, v in pred.items() if k in ("boxes", "scores", "labels")}
                 shown = {"boxes": _f32(target["boxes"]), "labels": target["labels"].detach().cpu()}
+                if target.get("iscrowd") is not None:
+                    shown["iscrowd"] = _cpu(target["iscrowd"])
                 shown["image_id"] = target.get("image_id")
                 self.grid.append((pred["image"].detach().cpu(), keep, shown))
         self.inner.update(preds, tgts)

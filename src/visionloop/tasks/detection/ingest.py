@@ -10,7 +10,8 @@ The stages mirror classification ingest (`ingest`), with boxes carried alongside
 4. decode and normalise every image in worker processes (`imageio`, the same checks and
    `--max-side` as classification), scale its boxes by exactly the factor the image was
    resized by on each axis, clip them to the stored image, and write records of image bytes
-   + `encode_boxes` bytes (the record's "boxes" field; `label` = the number of boxes);
+   + `encode_boxes` bytes (the record's "boxes" field, with each box's ignore flag: COCO's
+   iscrowd, VOC's difficult; `label` = the number of boxes);
 5. write `dataset.json` (task "detection", `DetectionStats` as its task_stats), `rejected.jsonl` (every
    reader issue as `Issue.to_row()`, images that failed to decode, boxes lost to scaling)
    and `duplicates.jsonl`, and publish the folder atomically.
@@ -193,7 +194,8 @@ class _Run:
                     "kept": kept.rel,
                     "duplicate": dup.rel,
                     "sha256": d.sha256,
-                    "boxes_conflict": (kept.boxes, kept.labels) != (dup.boxes, dup.labels),
+                    "boxes_conflict": (kept.boxes, kept.labels, kept.difficult)
+                    != (dup.boxes, dup.labels, dup.difficult),
                     "kept_split": self.splits.get(d.kept),
                     "duplicate_split": self.splits.get(d.duplicate, dup.split),
                     "dropped": not self.options.keep_duplicates,
@@ -310,16 +312,16 @@ class _Run:
                     "kept": False,
                 }
             )
-        encoded = encode_boxes(boxes, labels)
+        # A reader that gives no flag per box (YOLO, Label Studio) flags none.
+        flagged = len(sample.difficult) == len(sample.boxes)
+        ignore = [flagged and bool(sample.difficult[k]) for k in kept]
+        encoded = encode_boxes(boxes, labels, ignore)
         split = self.splits[i]
         writers[split].add(make_record(outcome.data, len(labels), i, boxes=encoded))
         self.stats.add_image(split, sorted({int(v) for v in labels}), outcome)
         clips = self._clips.get(sample.rel, 0)
         self._clips_placed += clips
-        difficult = (
-            sum(sample.difficult[k] for k in kept) if len(sample.difficult) == len(sample.boxes) else 0
-        )
-        self.boxes.add(split, boxes, labels, clipped=clips + moved, difficult=difficult)
+        self.boxes.add(split, boxes, labels, clipped=clips + moved, difficult=sum(ignore))
         self.versioned.append((split, outcome.sha256, encoded))
 
     def finish(self) -> DatasetManifest:

@@ -12,7 +12,11 @@ Choices COCO leaves to the caller, made here:
   so boxes must be in the original image's coordinates for the buckets to mean what COCO's do.
 - `area` is the box's `w * h`. COCO's own ground truth uses the segmentation's area; we have
   boxes only, so an object's bucket can differ from what COCO's json would say for it.
-- Every ground-truth box has `iscrowd = 0`: there are no crowd regions to ignore.
+- A ground-truth box may be flagged `iscrowd` (COCO's crowd regions; the detection task
+  maps VOC's difficult objects onto it too): COCO ignores it, exactly as pycocotools does —
+  a detection that matches it (IoU measured over the detection's own area, and several may)
+  is neither a true nor a false positive, and it is never counted as missed. A class whose
+  only boxes are ignored has no AP.
 - COCO's default detection budget: at most 100 detections per image and class count.
 - A value COCO cannot define — AP of a class without ground truth, `mAP_small` when no box
   is small, anything on a split without boxes — is left out of the metrics dict rather than
@@ -41,10 +45,12 @@ from visionloop.core.errors import DataError
 log = logging.getLogger(__name__)
 
 STATE_MAGIC = float(0x56444554)  # "VDET": marks the start of each block
-STATE_VERSION = 1.0
+STATE_VERSION = 2.0
 _HEADER = 6  # magic, version, num_classes, images, ground-truth boxes, predictions
 _IMG_COLS = 3  # image_id (-1: none given), height, width (0: unknown)
-_GT_COLS = 6  # image index within the block, label, x1, y1, x2, y2
+_GT_COLS = 7  # image index within the block, label, x1, y1, x2, y2, iscrowd (0 or 1)
+# Version 1 blocks (before iscrowd) still load, with no box ignored.
+_GT_COLS_V1 = 6
 _DT_COLS = 7  # image index within the block, label, score, x1, y1, x2, y2
 
 # COCOeval_faster.stats, in order (bbox, default area ranges and maxDets [1, 10, 100]).
@@ -119,6 +125,13 @@ def _labels(value: Any, what: str, n: int, num_classes: int) -> np.ndarray:
     return a
 
 
+def _flags(value: Any, what: str, n: int) -> np.ndarray:
+    a = _vector(value, what, n)
+    if ((a != 0) & (a != 1)).any():
+        raise DataError(f"{what} must be 0 or 1 (or booleans) per box, got {sorted(set(a.tolist()))[:5]}")
+    return a
+
+
 def _scalar_id(value: Any) -> float:
     v = float(value.item()) if isinstance(value, torch.Tensor) else float(value)
     if v != round(v) or not 0 <= v < 2**53:
@@ -129,7 +142,9 @@ def _scalar_id(value: Any) -> float:
 @dataclass(frozen=True)
 class DetectionReport:
     """One evaluation pass. `precision50[k]` is class k's interpolated precision at IoU 0.5 at
-    each of COCO's 101 `recall_thresholds`, NaN where the class has no ground truth."""
+    each of COCO's 101 `recall_thresholds`, NaN where the class has no ground truth.
+    A row of `per_class` counts its ground-truth boxes (`num_gt`, the ones evaluated) apart
+    from the ignored ones (`num_ignored`, iscrowd)."""
 
     class_names: list[str]
     num_images: int
@@ -153,10 +168,11 @@ class DetectionEvaluator:
 
     `update(predictions, targets)` takes one dict per image, in the same order:
     predictions `{"boxes": (N, 4) xyxy, "scores": (N,), "labels": (N,)}`; targets
-    `{"boxes": (M, 4) xyxy, "labels": (M,)}` plus, optionally, `"image_id"` (an int, unique
-    over the split: a repeat is an error, so no image is counted twice) and `"size"`
-    (height, width). Tensors on any device, numpy arrays or lists. An image without boxes is
-    a background image: its predictions are all false positives.
+    `{"boxes": (M, 4) xyxy, "labels": (M,)}` plus, optionally, `"iscrowd"` ((M,) 0/1 or
+    bool: boxes COCO ignores; none when absent), `"image_id"` (an int, unique over the
+    split: a repeat is an error, so no image is counted twice) and `"size"` (height, width).
+    Tensors on any device, numpy arrays or lists. An image without boxes is a background
+    image: its predictions are all false positives.
     """
 
     def __init__(self, class_names: Sequence[str]) -> None:
@@ -189,6 +205,9 @@ class DetectionEvaluator:
             index = self._num_images + i
             gt_boxes = _boxes(target["boxes"], f"image {index}: target boxes")
             gt_labels = _labels(target["labels"], f"image {index}: target labels", len(gt_boxes), c)
+            gt_crowd = np.zeros(len(gt_boxes))
+            if target.get("iscrowd") is not None:
+                gt_crowd = _flags(target["iscrowd"], f"image {index}: target iscrowd", len(gt_boxes))
             dt_boxes = _boxes(pred["boxes"], f"image {index}: predicted boxes")
             n = len(dt_boxes)
             dt_scores = _vector(pred["scores"], f"image {index}: predicted scores", n)
@@ -206,7 +225,7 @@ class DetectionEvaluator:
             if target.get("size") is not None:
                 height, width = (float(v) for v in _vector(target["size"], f"image {index}: size", 2))
             images.append([image_id, height, width])
-            gts.append(np.column_stack([np.full(len(gt_boxes), index), gt_labels, gt_boxes]))
+            gts.append(np.column_stack([np.full(len(gt_boxes), index), gt_labels, gt_boxes, gt_crowd]))
             dts.append(np.column_stack([np.full(n, index), dt_labels, dt_scores, dt_boxes]))
         if images:
             self._images.append(np.asarray(images, dtype=np.float64).reshape(-1, _IMG_COLS))
@@ -264,25 +283,31 @@ class DetectionEvaluator:
     def _blocks(self, flat: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         pos = 0
         while pos < len(flat):
-            if len(flat) - pos < _HEADER or flat[pos] != STATE_MAGIC or flat[pos + 1] != STATE_VERSION:
+            if len(flat) - pos < _HEADER or flat[pos] != STATE_MAGIC or flat[pos + 1] not in (1.0, 2.0):
                 raise DataError(
                     f"not a detection evaluator state at offset {pos} (version {STATE_VERSION:g} "
                     "expected): save it with DetectionEvaluator.state()"
                 )
+            gt_cols = _GT_COLS if flat[pos + 1] == STATE_VERSION else _GT_COLS_V1
             _, _, classes, n_img, n_gt, n_dt = (int(v) for v in flat[pos : pos + _HEADER])
             if classes != self.num_classes:
                 raise DataError(
                     f"a state of {classes} classes cannot be loaded into a {self.num_classes}-class evaluator"
                 )
             pos += _HEADER
-            sizes = (n_img * _IMG_COLS, n_gt * _GT_COLS, n_dt * _DT_COLS)
+            sizes = (n_img * _IMG_COLS, n_gt * gt_cols, n_dt * _DT_COLS)
             if pos + sum(sizes) > len(flat):
                 raise DataError("detection evaluator state is truncated")
             parts = []
-            for size, cols in zip(sizes, (_IMG_COLS, _GT_COLS, _DT_COLS), strict=True):
+            for size, cols in zip(sizes, (_IMG_COLS, gt_cols, _DT_COLS), strict=True):
                 parts.append(flat[pos : pos + size].reshape(-1, cols))
                 pos += size
-            yield parts[0], parts[1], parts[2]
+            gt = parts[1]
+            if gt_cols == _GT_COLS_V1:
+                gt = np.column_stack([gt, np.zeros(len(gt))])
+            elif ((gt[:, 6] != 0) & (gt[:, 6] != 1)).any():
+                raise DataError("detection evaluator state holds an iscrowd flag that is neither 0 nor 1")
+            yield parts[0], gt, parts[2]
 
     # ----------------------------------------------------------------- report
 
@@ -297,11 +322,13 @@ class DetectionEvaluator:
         c = self.num_classes
         recall_thresholds = np.linspace(0.0, 1.0, 101)
         precision50 = np.full((c, len(recall_thresholds)), np.nan)
-        num_gt = np.bincount(gt[:, 1].astype(np.int64), minlength=c)
+        crowd = gt[:, 6] == 1
+        num_gt = np.bincount(gt[~crowd, 1].astype(np.int64), minlength=c)
+        num_ignored = np.bincount(gt[crowd, 1].astype(np.int64), minlength=c)
         num_pred = np.bincount(dt[:, 1].astype(np.int64), minlength=c)
         metrics: dict[str, float] = {}
         ap = np.full((c, 3), np.nan)  # AP@[.5:.95], AP50, AP75 per class
-        if len(gt):  # without ground truth every COCO number is undefined
+        if (~crowd).any():  # without ground truth to find every COCO number is undefined
             coco = _run_cocoeval(images, gt, dt, c)
             stats = np.asarray(coco.stats, dtype=np.float64)
             metrics = {name: float(v) for name, v in zip(COCO_STAT_NAMES, stats, strict=False) if v >= 0}
@@ -332,6 +359,7 @@ class DetectionEvaluator:
                     "AP50": values[1],
                     "AP75": values[2],
                     "num_gt": int(num_gt[k]),
+                    "num_ignored": int(num_ignored[k]),
                     "num_pred": int(num_pred[k]),
                 }
             )
@@ -355,6 +383,10 @@ class DetectionEvaluator:
         unmatched ground-truth box at (its class, background): missed; an unmatched prediction
         at (background, its class): a false alarm. (background, background) stays 0: the
         negatives of detection are not countable.
+
+        Ignored (iscrowd) boxes are matched by nothing and never counted as missed; a
+        prediction left unmatched that lies on one (at least `iou_threshold` of its own area
+        inside it, COCO's measure for crowd regions) is not counted as a false alarm either.
         """
         images, gt, dt = self._arrays()
         c = self.num_classes
@@ -368,6 +400,8 @@ class DetectionEvaluator:
         for i in range(n):
             g = gt[g_cuts[i] : g_cuts[i + 1]]
             d = dt[d_cuts[i] : d_cuts[i + 1]]
+            crowd = g[g[:, 6] == 1]
+            g = g[g[:, 6] == 0]
             g_cls = g[:, 1].astype(np.int64)
             d_cls = d[:, 1].astype(np.int64)
             g_used = np.zeros(len(g), dtype=bool)
@@ -381,6 +415,9 @@ class DetectionEvaluator:
                     if not g_used[a] and not d_used[b]:
                         g_used[a] = d_used[b] = True
                         m[g_cls[a], d_cls[b]] += 1
+            if len(crowd) and len(d):
+                on_crowd = (crowd_iou(crowd[:, 2:6], d[:, 3:7]) >= iou_threshold).any(axis=0)
+                d_used |= on_crowd
             m[:c, c] += np.bincount(g_cls[~g_used], minlength=c)
             m[c, :c] += np.bincount(d_cls[~d_used], minlength=c)
         return m
@@ -400,10 +437,24 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return iou
 
 
+def crowd_iou(crowd: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """COCO's overlap of a crowd region with a detection: their intersection over the
+    detection's own area (a detection wholly inside a crowd scores 1). `crowd` (N, 4) and `b`
+    (M, 4) xyxy → (N, M); 0 for a detection without area."""
+    lt = np.maximum(crowd[:, None, :2], b[None, :, :2])
+    rb = np.minimum(crowd[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(rb - lt, 0, None), axis=2)
+    area_b = np.broadcast_to(np.prod(b[:, 2:] - b[:, :2], axis=1)[None, :], inter.shape)
+    out: np.ndarray = np.zeros(inter.shape, dtype=np.float64)
+    np.divide(inter, area_b, out=out, where=area_b > 0)
+    return out
+
+
 def to_coco(
     images: np.ndarray, gt: np.ndarray, dt: np.ndarray, num_classes: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """COCO ground-truth dataset and detection results (xyxy → xywh, area w*h, iscrowd 0).
+    """COCO ground-truth dataset and detection results (xyxy → xywh, area w*h; a
+    ground-truth box's iscrowd from its flag, a detection's 0).
 
     Image ids are the row indices of `images` — unique even when callers gave none — and
     annotation ids start at 1 (COCOeval reads id 0 as "unmatched").
@@ -419,13 +470,14 @@ def to_coco(
 
     g_boxes, g_area = xywh(gt[:, 2:6])
     annotations = [
-        {"id": j + 1, "image_id": im, "category_id": k, "bbox": b, "area": ar, "iscrowd": 0}
-        for j, (im, k, b, ar) in enumerate(
+        {"id": j + 1, "image_id": im, "category_id": k, "bbox": b, "area": ar, "iscrowd": crowd}
+        for j, (im, k, b, ar, crowd) in enumerate(
             zip(
                 gt[:, 0].astype(np.int64).tolist(),
                 gt[:, 1].astype(np.int64).tolist(),
                 g_boxes,
                 g_area,
+                gt[:, 6].astype(np.int64).tolist(),
                 strict=True,
             )
         )

@@ -82,7 +82,8 @@ def plot_detection_confusion_matrix(
     matrix: np.ndarray | Sequence[Sequence[int]], class_names: Sequence[str], path: Path
 ) -> Path:
     """Counts of `DetectionEvaluator.confusion_matrix()`: rows true, columns predicted, the
-    last of each "background" (column: missed boxes; row: false alarms)."""
+    last of each "background" (column: missed boxes; row: false alarms). Ignored (crowd,
+    difficult) boxes are in neither."""
     m = np.asarray(matrix, dtype=np.int64)
     names = [*class_names, "background"]
     missed = int(m[:-1, -1].sum())
@@ -123,10 +124,11 @@ def plot_detection_grid(
     score_threshold: float = 0.25,
     max_images: int = MAX_GRID_IMAGES,
 ) -> Path:
-    """A grid of up to `max_images` images with their true boxes (green) and the predictions
-    scoring at least `score_threshold` (red, with class and score). Images are uint8 or [0, 1]
-    float, CHW tensors or HWC arrays, un-normalised; boxes are xyxy in their pixels and the
-    dicts are those `DetectionEvaluator.update` takes."""
+    """A grid of up to `max_images` images with their true boxes (green; ignored ones —
+    a target's `iscrowd` — dotted, their class marked "ignored") and the predictions scoring
+    at least `score_threshold` (red, dashed, with class and score). Images are uint8 or
+    [0, 1] float, CHW tensors or HWC arrays, un-normalised; boxes are xyxy in their pixels and
+    the dicts are those `DetectionEvaluator.update` takes."""
     n = min(len(images), max_images)
     if len(predictions) < n or len(targets) < n:
         raise ValueError(f"{n} images need as many predictions and targets")
@@ -134,21 +136,32 @@ def plot_detection_grid(
     rows = max(1, math.ceil(n / cols))
     fig = Figure(figsize=(3.6 * cols, 3.6 * rows + 0.4), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    fig.suptitle(f"true (green) and predicted (red, score ≥ {score_threshold:g}) boxes")
+    fig.suptitle(f"true (green, ignored dotted) and predicted (red, score ≥ {score_threshold:g}) boxes")
     axes = fig.subplots(rows, cols, squeeze=False)
     for i, ax in enumerate(axes.flat):
         ax.set_axis_off()
         if i >= n:
             continue
         ax.imshow(_hwc_uint8(images[i]), cmap="gray")
-        for (x1, y1, x2, y2), k in zip(
-            _as_rows(targets[i]["boxes"]), _as_list(targets[i]["labels"]), strict=True
-        ):
-            ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, color=TRUE_COLOUR, linewidth=1.5))
+        boxes, labels = _as_rows(targets[i]["boxes"]), _as_list(targets[i]["labels"])
+        crowd = targets[i].get("iscrowd")
+        ignored = [bool(v) for v in _as_list(crowd)] if crowd is not None else [False] * len(labels)
+        for (x1, y1, x2, y2), k, ignore in zip(boxes, labels, ignored, strict=True):
+            ax.add_patch(
+                Rectangle(
+                    (x1, y1),
+                    x2 - x1,
+                    y2 - y1,
+                    fill=False,
+                    color=TRUE_COLOUR,
+                    linewidth=1.0 if ignore else 1.5,
+                    linestyle=":" if ignore else "-",
+                )
+            )
             ax.text(
                 x1,
                 y2,
-                class_names[int(k)][:16],
+                class_names[int(k)][:16] + (" (ignored)" if ignore else ""),
                 color="white",
                 fontsize=6,
                 va="top",

@@ -38,7 +38,9 @@ class DetectionSplitStats(_Strict):
     box_sizes: BoxSizes
     clipped_boxes: int = Field(0, description="boxes clipped to the image edges (kept)")
     difficult_boxes: int = Field(
-        0, description="boxes the source flags difficult (VOC) or crowd (COCO), stored as ordinary boxes"
+        0,
+        description="boxes the source flags difficult (VOC) or crowd (COCO): stored with the flag, "
+        "left out of training targets and ignored by evaluation",
     )
 
 

@@ -3,8 +3,9 @@
 Read: `categories` (id, name) in id order become the classes (two ids with one name share a
 class); `images` (id, file_name relative to the images folder, width, height); `annotations`
 (id, image_id, category_id, bbox `[x, y, w, h]` in absolute pixels, iscrowd). An image with no
-annotation is a background image. `iscrowd: 1` boxes are kept with `difficult=True` (an
-evaluator ignores them, as COCO's does). Segmentations are not read.
+annotation is a background image. `iscrowd: 1` boxes are kept with `difficult=True`: ingest
+stores the flag, evaluation ignores them (as COCO's does) and training leaves them out of its
+targets (as torchvision's references do). Segmentations are not read.
 
 Orientation: COCO's `width`/`height` are, in most tools, of the stored pixel array, and its
 boxes are drawn on it (pycocotools and torchvision's CocoDetection never apply EXIF). So boxes

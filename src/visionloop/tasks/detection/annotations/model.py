@@ -79,7 +79,8 @@ class Issue:
 class DetectionSample:
     """One image and its boxes. `width`/`height` are of the upright image; `boxes[i]` has class
     `labels[i]` (an index into `DetectionSource.classes`) and `difficult[i]` (VOC's difficult
-    flag, COCO's iscrowd: kept for training, for an evaluator to ignore)."""
+    flag, COCO's iscrowd: stored with the box by ingest; training leaves such boxes out of its
+    targets and evaluation ignores them)."""
 
     image: Path  # absolute path of the file to read
     rel: str  # its path relative to the source root, posix

@@ -15,9 +15,11 @@ Coordinates: VOC's are 1-based pixel indices, both ends included, so a box is re
 `(xmin - 1, ymin - 1, xmax, ymax)` in continuous pixels (as detectron2 does) and written back
 with `xmin = x1 + 1`, two decimals (as CVAT writes them).
 
-Difficult boxes (`<difficult>1</difficult>`) are kept, with `difficult=True`: they are real
-objects (dropping them teaches that they are background), and VOC's evaluation ignores them,
-which an evaluator can do from the flag.
+Difficult boxes (`<difficult>1</difficult>`) are kept, with `difficult=True`, and ingest
+stores the flag: VOC's evaluation ignores them, and so does ours (mapped onto COCO's iscrowd);
+training leaves them out of its targets, as torchvision's detection references do with COCO's
+crowd boxes, since a box too hard to label reliably is a poor regression target. The writer
+writes the flag back.
 
 Orientation: as COCO, `<size>` is of the stored pixel array in the tools that write VOC
 (LabelImg, CVAT), so boxes are in the raw frame unless the declared size says upright (see
