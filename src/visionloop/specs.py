@@ -180,19 +180,15 @@ class ResourcesSpec(_Spec):
     memory_gb: float = Field(8.0, gt=0.0, le=65536, examples=[16])
 
 
-class JobSpec(_Spec):
-    """A queued training job: a train spec plus what the scheduler needs to place it.
+class JobFields(_Spec):
+    """What the scheduler needs to place a job, whatever it runs: its resources, priority,
+    team, spot policy and restart budget (a tuning study gives every trial the same)."""
 
-    `visionloop submit` accepts this document, or a bare train spec that it wraps with the
-    defaults below and the command-line flags."""
-
-    train: TrainSpec
     resources: ResourcesSpec = ResourcesSpec()
     priority: str = Field("normal", min_length=1, max_length=64, examples=["normal"])
     team: str | None = Field(None, min_length=1, max_length=64, examples=["detection"])
     spot: Literal["never", "allowed", "preferred"] = Field("allowed", examples=["allowed"])
     max_restarts: int = Field(3, ge=0, le=100, examples=[3])
-    name: str | None = Field(None, min_length=1, max_length=200, examples=["resnet50-baseline"])
 
     @field_validator("priority", "team")
     @classmethod
@@ -202,10 +198,20 @@ class JobSpec(_Spec):
         return v
 
 
+class JobSpec(JobFields):
+    """A queued training job: a train spec plus what the scheduler needs to place it.
+
+    `visionloop submit` accepts this document, or a bare train spec that it wraps with the
+    defaults below and the command-line flags."""
+
+    train: TrainSpec
+    name: str | None = Field(None, min_length=1, max_length=200, examples=["resnet50-baseline"])
+
+
 # --------------------------------------------------------------------------- loading
 
 
-def _example_for(model: type[BaseModel], loc: Sequence[int | str]) -> Any:
+def example_for(model: type[BaseModel], loc: Sequence[int | str]) -> Any:
     """The `examples` of the field at `loc`, walking nested spec models."""
     current: Any = model
     example: Any = None
@@ -225,7 +231,7 @@ def _is_model(obj: Any) -> bool:
     return isinstance(obj, type) and issubclass(obj, BaseModel)
 
 
-def _fields_at(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
+def fields_at(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
     current: Any = model
     for part in loc:
         field = current.model_fields.get(str(part)) if _is_model(current) else None
@@ -244,7 +250,7 @@ def format_validation_error(e: ValidationError, model: type[BaseModel], source: 
         dotted = ".".join(str(p) for p in loc) or "(top level)"
         value = err.get("input")
         if err["type"] == "extra_forbidden":
-            known = _fields_at(model, loc[:-1])
+            known = fields_at(model, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
             hint = f" Did you mean `{close[0]}`?" if close else f" Known fields here: {', '.join(known)}."
             lines.append(f"  - {dotted}: unknown field.{hint}")
@@ -252,14 +258,14 @@ def format_validation_error(e: ValidationError, model: type[BaseModel], source: 
         msg = err["msg"].removeprefix("Value error, ")
         shown = "missing" if err["type"] == "missing" else f"got {value!r}"
         line = f"  - {dotted}: {msg} ({shown})."
-        example = _example_for(model, [p for p in loc if isinstance(p, str)])
+        example = example_for(model, [p for p in loc if isinstance(p, str)])
         if example is not None and loc:
-            line += f" Example: {loc[-1]}: {_yaml_inline(example)}"
+            line += f" Example: {loc[-1]}: {yaml_inline(example)}"
         lines.append(line)
     return "\n".join(lines)
 
 
-def _yaml_inline(value: Any) -> str:
+def yaml_inline(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
 
 

@@ -40,23 +40,23 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
-    create_model,
     field_validator,
     model_validator,
 )
 
 from visionloop.core.errors import SpecError
 from visionloop.specs import (
+    JobFields,
     JobSpec,
     TrainSpec,
-    _example_for,
-    _fields_at,
-    _yaml_inline,
+    example_for,
+    fields_at,
     format_validation_error,
     load_train_spec,
     read_spec_text,
     resolve_paths,
     validate_train_spec,
+    yaml_inline,
 )
 from visionloop.tasks.registry import get_task
 
@@ -351,24 +351,6 @@ class BudgetSpec(_TuneModel):
         return self
 
 
-# The queue's job fields of every trial: JobSpec's own fields (same types, limits, defaults and
-# examples), less the train spec and the name, which are each trial's. `trial_job` builds the
-# JobSpec itself, so JobSpec's validators judge them too.
-_JOB_FIELDS = tuple(name for name in JobSpec.model_fields if name not in ("train", "name"))
-if TYPE_CHECKING:
-    TrialJobSpec: TypeAlias = _TuneModel
-else:
-    TrialJobSpec = create_model(
-        "TrialJobSpec",
-        __base__=_TuneModel,
-        __doc__="The job fields of every trial (JobSpec's, less train and name).",
-        **{
-            name: (JobSpec.model_fields[name].annotation, copy.copy(JobSpec.model_fields[name]))
-            for name in _JOB_FIELDS
-        },
-    )
-
-
 # --------------------------------------------------------------------------- the tune spec
 
 
@@ -390,9 +372,8 @@ class TuneSpec(_TuneModel):
     trials: int = Field(ge=1, le=100_000, examples=[40])
     concurrency: int = Field(1, ge=1, le=10_000, examples=[4])
     budget: BudgetSpec | None = Field(None, examples=[{"gpu_hours": 10}])
-    job: TrialJobSpec = Field(
-        default_factory=TrialJobSpec, examples=[{"team": "vision", "spot": "preferred"}]
-    )
+    # The queue's job fields of every trial (JobSpec's own type, less train and name).
+    job: JobFields = Field(default_factory=JobFields, examples=[{"team": "vision", "spot": "preferred"}])
 
     @model_validator(mode="before")
     @classmethod
@@ -448,14 +429,14 @@ class TuneSpec(_TuneModel):
     def trial_job(self, train: TrainSpec, name: str) -> JobSpec:
         """The queue job of one trial: its own train spec, with this spec's job fields."""
         try:
-            return JobSpec(train=train, name=name, **{k: getattr(self.job, k) for k in _JOB_FIELDS})
+            return JobSpec(train=train, name=name, **self.job.model_dump())
         except ValidationError as e:
             raise SpecError(format_validation_error(e, JobSpec, "the trial's job")) from e
 
 
 def _job_problems(spec: TuneSpec) -> list[str]:
     try:
-        JobSpec(train=spec.train, **{k: getattr(spec.job, k) for k in _JOB_FIELDS})
+        JobSpec(train=spec.train, **spec.job.model_dump())
     except ValidationError as e:
         lines = format_validation_error(e, JobSpec, "").splitlines()[1:]
         return [f"job.{line.strip().removeprefix('- ')}" for line in lines]
@@ -584,8 +565,8 @@ def _space_problems(spec: TuneSpec) -> list[str]:
 
 def _path_example(path: str) -> str:
     """' Example: lr: 0.1', the train spec's own example of the field, when it has one."""
-    value = _example_for(TrainSpec, path.split("."))
-    return f" Example value: {path}: {_yaml_inline(value)}" if value is not None else ""
+    value = example_for(TrainSpec, path.split("."))
+    return f" Example value: {path}: {yaml_inline(value)}" if value is not None else ""
 
 
 def _set_path(doc: dict[str, Any], path: str, value: Any) -> None:
@@ -623,7 +604,7 @@ def _combinations(space: Mapping[str, AnyDimension], cap: int) -> Iterator[dict[
 
 
 def _assignments(params: Mapping[str, Any]) -> str:
-    return ", ".join(f"{path} = {_yaml_inline(value)}" for path, value in params.items())
+    return ", ".join(f"{path} = {yaml_inline(value)}" for path, value in params.items())
 
 
 def _corner_problems(train: TrainSpec, space: Mapping[str, AnyDimension]) -> list[str]:
@@ -853,7 +834,7 @@ def format_tune_error(e: ValidationError, source: str) -> str:
                 fields = _KIND_CLASSES[kind].model_fields.items()
                 known = [field.alias or name for name, field in fields]
             else:
-                known = _fields_at(TuneSpec, loc[:-1])
+                known = fields_at(TuneSpec, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1)
             hint = f" Did you mean `{close[0]}`?" if close else f" Known fields here: {', '.join(known)}."
             lines.append(f"  - {dotted}: unknown field.{hint}")
@@ -863,8 +844,8 @@ def format_tune_error(e: ValidationError, source: str) -> str:
         if loc[0] == "space" and len(loc) >= 2:
             line += f" Example: {DISTRIBUTION_EXAMPLES[kind or 'loguniform']}"
         else:
-            example = _example_for(TuneSpec, [p for p in loc if isinstance(p, str)])
+            example = example_for(TuneSpec, [p for p in loc if isinstance(p, str)])
             if example is not None:
-                line += f" Example: {loc[-1]}: {_yaml_inline(example)}"
+                line += f" Example: {loc[-1]}: {yaml_inline(example)}"
         lines.append(line)
     return "\n".join(lines)
