@@ -216,6 +216,9 @@ def test_ignored_boxes_leave_training_targets_and_stay_flagged_in_evaluation(tmp
     assert [t["labels"].tolist() for t in targets] == [[1, 0], [0, 2, 1], [2]]
     assert targets[0]["iscrowd"].dtype == torch.bool
     assert torch.allclose(targets[0]["boxes"], torch.tensor([[16.0, 8, 48, 24], [1.6, 1.6, 9.6, 9.6]]))
+    # The export gate and bench score through the contract's record_targets: same flags.
+    contract = get_task("detection").record_targets(reader.read_many([0, 1, 2]), image_size=64)  # type: ignore[call-arg]
+    assert [t["iscrowd"].tolist() for t in contract] == flags
     for i, target in enumerate(targets):
         again = record_target(reader[i], 64, len(CLASSES))
         for key in ("boxes", "labels", "iscrowd"):

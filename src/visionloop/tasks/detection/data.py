@@ -42,13 +42,6 @@ def record_objects(record: Record, num_classes: int) -> tuple[torch.Tensor, torc
     return torch.from_numpy(boxes), torch.from_numpy(labels), torch.from_numpy(ignore)
 
 
-def record_boxes(record: Record, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A record's boxes and labels, ignored ones included and their flag dropped: prefer
-    `record_objects` or `record_target`, which keep it."""
-    boxes, labels, _ = record_objects(record, num_classes)
-    return boxes, labels
-
-
 def make_target(
     boxes: torch.Tensor,
     labels: torch.Tensor,

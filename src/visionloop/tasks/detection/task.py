@@ -208,18 +208,11 @@ class DetectionTask(Task):
                 "detection targets depend on the model's input size: call "
                 "record_targets(records, image_size=card.input_size[1])"
             )
-        from visionloop.models.card import letterbox_scale
-        from visionloop.tasks.detection.data import make_target, record_boxes
+        from visionloop.tasks.detection.data import record_target
 
-        out = []
-        for r in records:
-            h, w = _image_hw(r["image"])
-            scale = letterbox_scale(h, w, (image_size, image_size))
-            # No class count at hand: decode_boxes still checks the rows are whole and finite.
-            boxes, labels = record_boxes(r, 2**24)
-            scaled = (boxes * scale).clamp(0.0, float(image_size))
-            out.append(make_target(scaled, labels, scale, r["index"], (h, w)))
-        return out
+        # Ignored (crowd, difficult) boxes stay in the targets, flagged, as the eval dataset
+        # keeps them: the export gate and bench score mAP by the same rule as training's eval.
+        return [record_target(r, image_size) for r in records]
 
     # ------------------------------------------------------------------ model
     def build_model(
@@ -419,14 +412,3 @@ def _summary(manifest: DatasetManifest, stats: DetectionStats) -> DatasetSummary
         ),
         table=table,
     )
-
-
-def _image_hw(data: bytes) -> tuple[int, int]:
-    """(height, width) of an encoded image, from its header (no pixel decode)."""
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        w, h = im.size
-    return int(h), int(w)
