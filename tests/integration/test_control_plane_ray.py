@@ -205,6 +205,71 @@ def test_an_executor_that_cannot_answer_stalls_only_its_own_attempt(
         store.close()
 
 
+class RemoteLogExecutor(ScriptedExecutor):
+    """A ScriptedExecutor whose attempts' logs, like Ray's, come whole with every read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = b""
+        self.reads = 0
+
+    def read_log(self, handle: Handle, offset: int = 0) -> Iterator[bytes]:
+        self.reads += 1
+        yield self.log[offset:]
+
+
+def _progress_line(step: int, at: float) -> bytes:
+    return f'@@visionloop-progress {{"event":"checkpoint","step":{step},"at":{at}}}\n'.encode()
+
+
+def test_a_log_read_whole_each_time_is_read_for_progress_less_often_the_longer_it_is(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
+    from visionloop.sched.progress import REMOTE_EVERY_S
+
+    settings = load_settings().ensure()
+    store = Store.open(f"sqlite:///{tmp_path / 'state.db'}")
+    executor = RemoteLogExecutor()
+    now = [1000.0]
+    plane = ControlPlane(store, executor, cluster_config(), settings, clock=lambda: now[0])
+    try:
+        job = plane.submit(ADMIN, {"train": _train(digits_dataset)}).id
+        executor.log = _progress_line(5, 1000.5)
+        plane.cycle()  # launches it
+        now[0] += 1
+        plane.cycle()  # reads the log: step 5
+        assert [(c.step, c.at) for c in store.checkpoints(job)] == [(5, 1000.5)]
+        # A short log is cheap to fetch: read again at the next cycle.
+        executor.log += _progress_line(6, 1000.8)
+        now[0] += 0.2
+        plane.cycle()
+        assert [c.step for c in store.checkpoints(job)] == [5, 6]
+        # A long log (3 MiB) takes a while to fetch whole each time.
+        noise = b"x" * 79 + b"\n"
+        executor.log += noise * (3 * 2**20 // len(noise)) + _progress_line(10, 1001.1)
+        now[0] += 0.2
+        plane.cycle()
+        assert [c.step for c in store.checkpoints(job)] == [5, 6, 10]
+        reads = executor.reads
+        executor.log += b"noise\n" + _progress_line(20, 1001.5)
+        for _ in range(3):  # well within REMOTE_EVERY_S: the log is not fetched again
+            now[0] += REMOTE_EVERY_S / 4
+            plane.cycle()
+        assert executor.reads == reads and [c.step for c in store.checkpoints(job)] == [5, 6, 10]
+        now[0] += REMOTE_EVERY_S / 4
+        plane.cycle()
+        assert executor.reads == reads + 1 and [c.step for c in store.checkpoints(job)] == [5, 6, 10, 20]
+        # The attempt ends: what it wrote last is read at once, whatever the interval.
+        executor.log += _progress_line(30, now[0] + 0.5)
+        executor.script[job] = AttemptStatus("exited", exit_code=0)
+        now[0] += 1
+        plane.cycle()
+        assert store.get_job(job).state == "succeeded"
+        assert [c.step for c in store.checkpoints(job)] == [5, 6, 10, 20, 30]
+    finally:
+        store.close()
+
+
 # -- end to end on the Ray cluster -----------------------------------------------------------------
 
 

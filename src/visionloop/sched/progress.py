@@ -13,10 +13,10 @@ The log is written by user code, so the reader trusts nothing in it:
   MAX_LINE_BYTES is skipped whole, however it arrives;
 - a line's JSON must be an object with a known `event` and fields of the right types and
   ranges, or it is ignored;
-- a read consumes at most MAX_READ_BYTES; when the executor can say the log's size (a
-  local file) and more than that is new, the reader jumps to the newest MAX_READ_BYTES
-  (older progress is superseded by newer anyway), so a job flooding its log costs a bounded
-  read per cycle and never lags further and further behind;
+- a read parses at most the newest MAX_READ_BYTES of what is new (older progress is
+  superseded by newer anyway); when the executor can say the log's size (a local file), it
+  seeks there rather than read the rest, so a job flooding its log costs a bounded read per
+  cycle and never lags further and further behind;
 - what a line can do is limited to its own job: record a checkpoint step (at a time within
   the attempt's life). Eval events are parsed, typed, for the tuner; nothing keeps them.
 """
@@ -32,8 +32,11 @@ from visionloop.sched.executors.base import Executor, Handle
 from visionloop.train.progress import MAX_LINE_BYTES, MAX_METRICS, PREFIX
 
 MAX_READ_BYTES = 1 << 20
-# A log the control plane cannot read locally (Ray's) comes whole with every read: read it at
-# most this often while the attempt runs (and once more when it ends).
+# A log the control plane cannot read locally (Ray's) comes whole with every read, so while
+# the attempt runs it is read at most once per (its size / REMOTE_BYTES_PER_S) seconds, and
+# at least every REMOTE_EVERY_S: a short log every cycle, a long one every few seconds (and
+# once more when the attempt ends).
+REMOTE_BYTES_PER_S = 256 * 1024
 REMOTE_EVERY_S = 10.0
 # A step is stored in a 32-bit integer column (PostgreSQL's INTEGER).
 MAX_STEP = 2**31 - 1
@@ -111,6 +114,7 @@ class ProgressReader:
 
     max_read_bytes: int = MAX_READ_BYTES
     remote_every_s: float = REMOTE_EVERY_S
+    remote_bytes_per_s: float = REMOTE_BYTES_PER_S
     _cursors: dict[tuple[int, int], _Cursor] = field(default_factory=dict)
 
     def read(
@@ -123,7 +127,8 @@ class ProgressReader:
         offset, skipping = cur.offset, cur.skipping
         path = executor.log_path(handle)
         if path is None:
-            if not final and now - cur.read_at < self.remote_every_s:
+            interval = min(self.remote_every_s, offset / self.remote_bytes_per_s)
+            if not final and now - cur.read_at < interval:
                 return []
         else:
             try:
@@ -137,9 +142,10 @@ class ProgressReader:
         data = bytearray()
         for piece in executor.read_log(handle, offset):
             data += piece
-            if len(data) >= self.max_read_bytes:
-                break
-        del data[self.max_read_bytes :]
+            if len(data) > self.max_read_bytes:  # (a log with no size to jump by) keep the newest
+                cut = len(data) - self.max_read_bytes
+                del data[:cut]
+                offset, skipping = offset + cut, True
         events: list[Event] = []
         start = 0
         while (end := data.find(b"\n", start)) >= 0:

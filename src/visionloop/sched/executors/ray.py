@@ -63,7 +63,9 @@ Decisions worth knowing:
   tolerance) is `lost`.
 - **Logs** live on the driver's node: `log_path` is None and `read_log` fetches them through
   the dashboard (the whole log per call; Ray has no ranged read). Ray prefixes a line or two
-  of its own ("Running entrypoint for job ...").
+  of its own ("Running entrypoint for job ..."). Because each read costs the whole log, the
+  control plane reads a running attempt's progress lines from it at most every
+  `visionloop.sched.progress.REMOTE_EVERY_S` (and once more when the attempt ends).
 - **Timeouts.** Every HTTP request has a timeout (`request_timeout_s`), so an unresponsive
   dashboard raises ExecutorError instead of hanging the control plane's cycle. RAY_ADDRESS
   or RAY_API_SERVER_ADDRESS in the control plane's environment would silently override
