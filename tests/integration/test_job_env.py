@@ -111,6 +111,7 @@ def test_a_queue_job_gets_the_allow_listed_variables_and_no_secret(
     assert "UNSET_BUT_ALLOWED" not in env
     assert env["VISIONLOOP_HOME"] == str(vl_home)
     assert env["VISIONLOOP_TRACKING_URI"] == cp.plane.settings.tracking_uri
+    assert env["VISIONLOOP_PROGRESS"] == "1"  # the job reports its checkpoints in its log
 
 
 def test_a_ray_job_gets_only_the_requests_env_from_the_control_plane(
