@@ -22,7 +22,23 @@ app = typer.Typer(
 )
 
 
-@app.command("train", context_settings={"help_option_names": ["-h", "--help"]})
+_TRAIN_HELP = "\n\n".join(
+    (
+        "For every GPU type in the device catalog and 1 to 8 GPUs: does the job fit in memory, how long "
+        "will it train, what does it cost on demand and on spot. Recommends the cheapest option that meets "
+        "--deadline and --budget, on spot (training resumes from checkpoints after an interruption), and "
+        "says why every other option loses.",
+        "Memory and FLOPs are measured with a real forward and backward pass of the spec's model on a few "
+        "of its training images, on this machine's CPU (seconds). The time assumes the catalog's sustained "
+        "share of peak throughput, replaced by what earlier runs of the same architecture and image size "
+        "measured on a GPU type when the tracking store has any.",
+        "Exit codes: 0 an option meets the limits; 3 none does (the closest one and what to change are "
+        "printed); 1 or 2 a bad spec, catalog or dataset.",
+    )
+)
+
+
+@app.command("train", help=_TRAIN_HELP, context_settings={"help_option_names": ["-h", "--help"]})
 def size_train(
     spec: Path = typer.Argument(..., help="The YAML train spec to size (its dataset must exist here)."),
     deadline: str | None = typer.Option(
@@ -45,19 +61,6 @@ def size_train(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
-    """For every GPU type in the device catalog and 1 to 8 GPUs: does the job fit in memory, how
-    long will it train, what does it cost on demand and on spot. Recommends the cheapest option
-    that meets --deadline and --budget, on spot (training resumes from checkpoints after an
-    interruption), and says why every other option loses.
-
-    Memory and FLOPs are measured with a real forward and backward pass of the spec's model on
-    a few of its training images, on this machine's CPU (a few seconds). The time assumes the
-    catalog's sustained share of peak throughput, replaced by what earlier runs of the same
-    architecture measured on a GPU type when the tracking store has any.
-
-    Exit codes: 0 an option meets the limits; 3 none does (the closest one and what to change
-    are printed); 1 or 2 a bad spec, catalog or dataset.
-    """
     from visionloop.core.settings import load_settings
     from visionloop.sched.prices import load_catalog
     from visionloop.size.api import device_catalog, size_training
