@@ -95,12 +95,6 @@ def size_train(
         raise NothingMeetsError(rec.advice)
 
 
-def _money(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"${v:,.2f}" if v >= 1 else f"${v:.4f}"
-
-
 def _hours(v: float | None) -> str:
     if v is None:
         return "-"
@@ -108,6 +102,8 @@ def _hours(v: float | None) -> str:
 
 
 def _render(report: SizingReport) -> None:
+    from visionloop.size.recommend import money
+
     rec = report.recommendation
     out.print(
         f"[bold]{escape(report.spec_arch)}[/] ({report.task}), {report.num_params:,} parameters, "
@@ -151,8 +147,8 @@ def _render(report: SizingReport) -> None:
             str(o.gpus),
             mem,
             _hours(o.time.hours if o.time else None),
-            _money(o.spot_usd),
-            _money(o.on_demand_usd),
+            money(o.spot_usd),
+            money(o.on_demand_usd),
             escape(o.verdict),
             style=style,
         )
@@ -166,8 +162,8 @@ def _render(report: SizingReport) -> None:
         c = rec.choice
         assert c.time is not None
         out.print(
-            f"[bold green]recommended[/]: {c.label} on spot, {_hours(c.time.hours)}, {_money(c.spot_usd)} "
-            f"({_money(c.on_demand_usd)} on demand). Spot is safe: training resumes from its latest "
+            f"[bold green]recommended[/]: {c.label} on spot, {_hours(c.time.hours)}, {money(c.spot_usd)} "
+            f"({money(c.on_demand_usd)} on demand). Spot is safe: training resumes from its latest "
             "checkpoint after an interruption."
         )
     out.print(f"[dim]devices: {escape(report.devices_source)}; prices: {escape(report.prices_source)}[/]")

@@ -91,6 +91,19 @@ class Recommendation:
     advice: str = ""
 
 
+def money(usd: float | None) -> str:
+    """Dollars with cents, or four decimals under a dollar (a small job costs fractions of a cent)."""
+    if usd is None:
+        return "-"
+    return f"${usd:,.2f}" if usd >= 1 else f"${usd:.4f}"
+
+
+def _round_up(usd: float) -> float:
+    """Up to the shown precision, so that the budget advised does meet the price."""
+    step = 0.01 if usd >= 1 else 0.0001
+    return math.ceil(usd / step) * step
+
+
 def _fmt_h(hours: float) -> str:
     return f"{hours:.2f} h" if hours < 10 else f"{hours:.1f} h"
 
@@ -128,9 +141,9 @@ def recommend(
         elif deadline_h is not None and hours(o) > deadline_h:
             verdict = f"too slow: {_fmt_h(hours(o))} > deadline {_fmt_h(deadline_h)}"
         elif budget_usd is not None and cost(o) > budget_usd:
-            verdict = f"too expensive: ${cost(o):,.2f} > budget ${budget_usd:,.2f}"
+            verdict = f"too expensive: {money(cost(o))} > budget {money(budget_usd)}"
         elif choice is not None and cost(o) > cost(choice):
-            verdict = f"costs more: ${cost(o):,.2f} vs ${cost(choice):,.2f}"
+            verdict = f"costs more: {money(cost(o))} vs {money(cost(choice))}"
         elif choice is not None:
             verdict = f"same cost, slower ({_fmt_h(hours(o))} vs {_fmt_h(hours(choice))}) or more GPUs"
         else:
@@ -169,7 +182,7 @@ def _closest(
         assert fastest.time is not None and deadline_h is not None
         return by_key[(fastest.device, fastest.gpus)], (
             f"no option finishes within {_fmt_h(deadline_h)}: the fastest is {fastest.label} at "
-            f"{_fmt_h(fastest.time.hours)} (${fastest.cost(price_class) or 0:,.2f} on {price_class}). Raise "
+            f"{_fmt_h(fastest.time.hours)} ({money(fastest.cost(price_class))} on {price_class}). Raise "
             f"--deadline to at least {math.ceil(fastest.time.hours * 10) / 10:g}h, or train fewer epochs "
             "or at a smaller image size."
         )
@@ -178,7 +191,7 @@ def _closest(
     assert budget_usd is not None
     more = f" or relax --deadline from {_fmt_h(deadline_h)}" if deadline_h is not None else ""
     return by_key[(cheapest.device, cheapest.gpus)], (
-        f"no option meeting the deadline costs at most ${budget_usd:,.2f}: the cheapest is {cheapest.label} "
-        f"at ${price:,.2f} on {price_class}. Raise --budget to at least ${math.ceil(price * 100) / 100:,.2f}"
+        f"no option meeting the deadline costs at most {money(budget_usd)}: the cheapest is {cheapest.label} "
+        f"at {money(price)} on {price_class}. Raise --budget to at least {money(_round_up(price))}"
         f"{more}, or train fewer epochs."
     )
