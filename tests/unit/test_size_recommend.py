@@ -78,8 +78,18 @@ def test_a_tiny_model_fits_everywhere_and_the_cheapest_gpu_wins(digits_dataset: 
     assert others and all(o.verdict.startswith("costs more") for o in others)
     by = {(o.device, o.gpus): o for o in rec.options}
     assert by[("T4", 3)].verdict == "data.batch_size 64 does not divide over 3 GPUs"
-    unpriced = [o for o in rec.options if o.device in ("A10G", "A100-40GB") and o.gpus == 1]
-    assert all("no price for" in o.verdict for o in unpriced)
+    assert by[("A10G", 1)].verdict.startswith("costs more")
+
+
+def test_a_gpu_type_without_a_price_is_never_recommended(digits_dataset: Path, tmp_path: Path) -> None:
+    prices = tmp_path / "prices.toml"
+    prices.write_text('[gpus."L4"]\nowned = 0.3\non_demand = 0.8\nspot = 0.35\n')
+    spec = validate_train_spec(spec_doc(digits_dataset))
+    report = size_training(spec, load_devices(None), load_catalog(prices), settings=load_settings())
+    rec = report.recommendation
+    assert rec.choice is not None and (rec.choice.device, rec.choice.gpus) == ("L4", 1)
+    unpriced = [o for o in rec.options if o.device != "L4" and o.gpus == 1]
+    assert unpriced and all(o.verdict.startswith("no price for") for o in unpriced)
 
 
 def test_a_large_batch_does_not_fit_a_t4_and_says_why(digits_dataset: Path) -> None:
