@@ -23,6 +23,7 @@ from visionloop.cli import runs as runs_cli
 from visionloop.cli import serve as serve_cli
 from visionloop.cli import size as size_cli
 from visionloop.cli import train as train_cli
+from visionloop.cli import tune as tune_cli
 from visionloop.cli.console import err
 from visionloop.core.errors import VisionloopError
 
@@ -50,6 +51,7 @@ app.add_typer(queue_cli.jobs_app, name="jobs")
 app.add_typer(queue_cli.admin_app, name="admin")
 app.add_typer(queue_cli.cost_app, name="cost")
 app.add_typer(models_cli.app, name="models")
+app.add_typer(tune_cli.app, name="tune")
 app.add_typer(size_cli.app, name="size")
 app.command("export", context_settings={"help_option_names": ["-h", "--help"]})(export_cli.export)
 app.command("bench", context_settings={"help_option_names": ["-h", "--help"]})(bench_cli.bench)

@@ -6,14 +6,17 @@ after a control-plane restart: see service.py for why that is safe."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import ExecutorError, VisionloopError
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle
-from visionloop.sched.progress import CheckpointEvent
+from visionloop.sched.progress import CheckpointEvent, EvalEvent
 from visionloop.sched.service_base import PlaneBase, log
 from visionloop.sched.states import ACTIVE, JobState
 from visionloop.sched.store import Attempt, Job
@@ -28,6 +31,70 @@ CLOSE_RUN_WAIT_S = 120.0
 MAX_CHECKPOINTS_PER_READ = 8
 
 _TAIL_BYTES = 64 * 1024
+
+# The evaluations a job reported, one JSON object a line ({"attempt", "step", "epoch",
+# "metrics"}), in its job folder: what the tuner reads its trials' intermediate values from.
+# A file rather than a table because the schema's models (sched/db.py) are not this module's;
+# it asks that the tuner share the control plane's home (see visionloop.tune.tuner).
+EVALS_FILE = "evals.jsonl"
+# A read of a job's progress records at most this many new evaluations (the newest), and a
+# job's evaluations file stops growing at this size: a job flooding its log with made-up
+# evaluations costs a bounded write.
+MAX_EVALS_PER_READ = 8
+MAX_EVALS_BYTES = 4 * 1024 * 1024
+
+
+def _append_evals(path: Path, attempt: int, events: list[EvalEvent]) -> None:
+    """Append `events` to the job's evaluations file, synced: one write per read, so a
+    crash leaves at most a torn last line, which `read_evals` skips."""
+    try:
+        if path.stat().st_size > MAX_EVALS_BYTES:
+            return
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(
+        json.dumps(
+            {"attempt": attempt, "step": e.step, "epoch": e.epoch, "metrics": e.metrics},
+            separators=(",", ":"),
+            allow_nan=False,
+        )
+        + "\n"
+        for e in events
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        # A torn line from a crash mid-write would swallow the next one: start on a new line.
+        if os.fstat(fd).st_size and _ends_mid_line(path):
+            lines = "\n" + lines
+        os.write(fd, lines.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _ends_mid_line(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def read_evals(path: Path) -> Iterator[EvalEvent]:
+    """The evaluations in a job's evaluations file (`<job folder>/EVALS_FILE`), in the order
+    they were recorded; none if there is no file yet. A line that does not parse (torn by a
+    crash) is skipped. The same step can appear twice (a control-plane restart reads the
+    job's log again from its start): readers keep the first."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+            yield EvalEvent(
+                int(doc["step"]), float(doc["epoch"]), {str(k): float(v) for k, v in doc["metrics"].items()}
+            )
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            continue
 
 
 def _tail(executor: Executor, handle: Handle | None, lines: int) -> str:
@@ -158,7 +225,8 @@ class ReconcileMixin(PlaneBase):
         """Checkpoints the job reported in its log since the last look (see
         visionloop.sched.progress): they decide which victim loses the least work, and what a
         preemption lost. `final`: the attempt ended, so its last lines are read now (a victim
-        reports the checkpoint it stopped on just before it exits)."""
+        reports the checkpoint it stopped on just before it exits). Its evaluations are
+        appended to the job's EVALS_FILE, for the tuner."""
         try:
             key = (job.id, attempt.number)
             events = self._progress.read(self.executor, handle, key, now=now, final=final)
@@ -168,9 +236,18 @@ class ReconcileMixin(PlaneBase):
             log.warning("job %s attempt %s: could not read its progress (%s)", job.id, attempt.number, e)
             return
         steps: dict[int, float] = {}
+        evals: list[EvalEvent] = []
         for event in events:
             if isinstance(event, CheckpointEvent):
                 steps[event.step] = event.at
+            else:
+                evals.append(event)
+        if evals:
+            try:
+                path = self.job_dir(job.id) / EVALS_FILE
+                _append_evals(path, attempt.number, evals[-MAX_EVALS_PER_READ:])
+            except OSError as e:  # advisory, like the rest of progress
+                log.warning("job %s: could not record its evaluations (%s)", job.id, e)
         known = self._ckpt_steps.get(job.id, set())
         # A job floods its log with made-up steps? Only the newest few of a read count.
         new = [(step, at) for step, at in steps.items() if step not in known][-MAX_CHECKPOINTS_PER_READ:]

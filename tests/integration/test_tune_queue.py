@@ -1,0 +1,187 @@
+"""The tuner through the real control plane (SQLite, the local executor with fake GPUs, the
+real trainer on digits): trials become jobs, their evaluations become intermediate values,
+the pruner stops a bad trial through the queue, and a tuner killed at any point (between
+ask and submit, between submit and recording the job, or SIGKILLed mid-study) continues
+without a lost or duplicated trial."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from _cpkit import CP, TEAMS, cluster_config, control_plane
+from _cpkit import train_doc as _train
+from _dbkit import fresh_database
+from visionloop.api.client import Client
+from visionloop.core.settings import load_settings
+from visionloop.tune.space import apply, suggest
+from visionloop.tune.spec import TuneSpec, validate_tune_spec
+from visionloop.tune.study import create_or_load, load
+from visionloop.tune.tuner import JOB_ATTR, PRUNE_ATTR, Tuner, idempotency_key, job_name
+
+TWO_GPUS = [{"node": "local", "type": "fake", "count": 2, "price_class": "owned"}]
+GOOD_LR, BAD_LR = 0.003, 1e-4  # the space's low end: barely moves in one epoch
+
+
+@pytest.fixture
+def cp_url(tmp_path: Path) -> Iterator[tuple[CP, str]]:
+    cfg = cluster_config(inventory=TWO_GPUS, teams=TEAMS)
+    with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg) as plane:
+        yield plane, url
+
+
+def tune_doc(dataset: Path, **fields: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": "digits-lr",
+        "train": _train(dataset, epochs=2),
+        "space": {"optimizer.lr": {"loguniform": [1e-4, 1e-2]}},
+        "sampler": {"name": "random", "seed": 0},
+        "pruner": {"name": "asha", "min_epochs": 1, "reduction_factor": 2},
+        "trials": 3,
+        "concurrency": 2,
+        "job": {"team": "vision"},
+    }
+    doc.update(fields)
+    return doc
+
+
+def _within(seconds: float) -> Callable[[], bool]:
+    """A tuner's should_stop: a study that hangs fails its test (by _check_finished's count)
+    instead of holding CI until its global timeout."""
+    deadline = time.monotonic() + seconds
+    return lambda: time.monotonic() > deadline
+
+
+def _jobs(cp: CP) -> list[dict[str, Any]]:
+    with cp.client() as c:
+        return list(c.get("/v1/jobs", params={"limit": 100}).json())
+
+
+def _check_finished(cp: CP, url: str, spec: TuneSpec) -> list[Any]:
+    """Exactly `trials` finished trials, one job each (named after its trial), and every
+    completed trial's value is its last epoch's."""
+    trials = load(spec.name, url).get_trials()
+    assert len(trials) == spec.trials
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials), trials
+    jobs = _jobs(cp)
+    assert len(jobs) == spec.trials
+    names = Counter(j["name"] for j in jobs)
+    assert names == Counter(f"{spec.name}-t{t.number}" for t in trials)
+    assert sorted(t.user_attrs[JOB_ATTR] for t in trials) == sorted(j["id"] for j in jobs)
+    for t in trials:
+        if t.state == TrialState.COMPLETE:
+            assert sorted(t.intermediate_values) == [1, 2]
+            assert t.value == t.intermediate_values[2]
+            assert 0.0 <= t.value <= 1.0
+    return trials
+
+
+def test_trials_run_as_jobs_report_per_epoch_and_a_bad_one_is_pruned(
+    cp_url: tuple[CP, str], digits_dataset: Path
+) -> None:
+    cp, url = cp_url
+    # One at a time, a good learning rate first: the bad one is then behind it at epoch 1.
+    spec = validate_tune_spec(tune_doc(digits_dataset, concurrency=1, trials=2), "tune.yaml")
+    study = create_or_load(spec, url)
+    study.enqueue_trial({"optimizer.lr": GOOD_LR})
+    study.enqueue_trial({"optimizer.lr": BAD_LR})
+    with Client(cp.url, cp.admin_token) as client:
+        Tuner(spec, study, client, load_settings().home / "jobs").run(poll_s=0.2, should_stop=_within(300))
+    good, bad = _check_finished(cp, url, spec)
+    assert good.state == TrialState.COMPLETE and good.params["optimizer.lr"] == GOOD_LR
+    assert good.value > 0.5
+    assert bad.state == TrialState.PRUNED, bad
+    assert bad.user_attrs[PRUNE_ATTR] == 1 and sorted(bad.intermediate_values)[0] == 1
+    assert bad.intermediate_values[1] < good.intermediate_values[1]
+    bad_job = cp.wait_job(bad.user_attrs[JOB_ATTR], lambda j: j["state"] in ("cancelled", "succeeded"))
+    assert bad_job["job"]["state"] == "cancelled"
+
+
+def test_a_tuner_that_died_between_ask_submit_and_record_neither_loses_nor_repeats(
+    cp_url: tuple[CP, str], digits_dataset: Path
+) -> None:
+    cp, url = cp_url
+    spec = validate_tune_spec(tune_doc(digits_dataset, trials=3, concurrency=2), "tune.yaml")
+    study = create_or_load(spec, url)
+    # Died after ask (parameters stored), before submitting: trial 0 has no job.
+    asked = study.ask()
+    suggest(asked, spec.space)
+    # Died after submitting, before recording the job on the trial: trial 1.
+    second = study.ask()
+    job = spec.trial_job(apply(spec.train_doc(), suggest(second, spec.space)), job_name(study, 1))
+    with Client(cp.url, cp.admin_token) as client:
+        first_id = client.submit(
+            job.model_dump(mode="json", exclude_none=True), idempotency_key=idempotency_key(study, 1)
+        )["id"]
+        tuner = Tuner(spec, create_or_load(spec, url), client, load_settings().home / "jobs")
+        progress = tuner.step()
+        assert (progress.running, progress.asked) == (2, 2)  # no third trial while two run
+        assert load(spec.name, url).trials[1].user_attrs[JOB_ATTR] == first_id
+        assert len(_jobs(cp)) == 2
+        tuner.run(poll_s=0.2, should_stop=_within(300))
+    _check_finished(cp, url, spec)
+
+
+def test_a_sigkilled_tuner_restarted_finishes_the_study_exactly(
+    cp_url: tuple[CP, str], digits_dataset: Path, tmp_path: Path
+) -> None:
+    cp, url = cp_url
+    doc = tune_doc(digits_dataset, trials=3, concurrency=2)
+    spec_path = tmp_path / "tune.yaml"
+    spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    spec = validate_tune_spec(doc, "tune.yaml")
+    env = {
+        **os.environ,
+        "VISIONLOOP_API_URL": cp.url,
+        "VISIONLOOP_TOKEN": cp.admin_token,
+        "VISIONLOOP_DB_URL": url,
+    }
+    cmd = [sys.executable, "-m", "visionloop", "tune", "run", str(spec_path), "--poll", "0.2"]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        # Kill it once a trial has reported an epoch: mid-study, jobs running.
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if any(t.intermediate_values for t in load(spec.name, url).trials):
+                    break
+            except Exception:  # the study does not exist yet
+                pass
+            assert first.poll() is None, first.communicate()[0].decode()[-3000:]
+            time.sleep(0.2)
+        else:
+            raise AssertionError("no trial reported an epoch within 180 s")
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    before = load(spec.name, url).get_trials()
+    assert any(t.state == TrialState.RUNNING for t in before)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "3/3 finished" in second.stderr
+    _check_finished(cp, url, spec)
+    shown = subprocess.run(
+        [sys.executable, "-m", "visionloop", "tune", "show", spec.name, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    out = json.loads(shown.stdout)
+    assert [t["number"] for t in out["trials"]] == [0, 1, 2]
+    assert all(t["job_id"] is not None for t in out["trials"])
