@@ -28,6 +28,10 @@ continues the study and ends with exactly `trials` finished trials. Liveness is 
 job state, not Optuna's heartbeat (which ask-and-tell does not have): a preempted,
 spot-interrupted or retried job is still the same trial.
 
+Known gap: a prune decided in the moment before a SIGKILL (values reported, `prune_epoch`
+not yet stored) is not decided again after the restart (the pruner has moved past that
+rung), so that trial runs to its end and completes instead.
+
 The seam for pausing at a rung (ASHA promotion): `_on_prune` is where a trial that the
 pruner stops would instead be paused (a checkpointed stop with its own ending, left RUNNING
 in Optuna with a `paused_epoch` attribute) and `_fill` where a paused trial that the pruner
