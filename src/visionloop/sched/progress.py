@@ -18,7 +18,8 @@ The log is written by user code, so the reader trusts nothing in it:
   seeks there rather than read the rest, so a job flooding its log costs a bounded read per
   cycle and never lags further and further behind;
 - what a line can do is limited to its own job: record a checkpoint step (at a time within
-  the attempt's life). Eval events are parsed, typed, for the tuner; nothing keeps them.
+  the attempt's life). Eval events are parsed, typed, and appended to the job folder's
+  `evals.jsonl` (service_reconcile), which the tuner reads.
 """
 
 from __future__ import annotations
