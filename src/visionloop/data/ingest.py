@@ -29,17 +29,21 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 
 from visionloop import __version__
 from visionloop.core.errors import DataError
-from visionloop.data.imageio import Normalised, Rejection, RejectReason, init_worker, normalise_files
+from visionloop.data.imageio import Normalised, Rejection, RejectReason
 from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn, default_workers
-from visionloop.data.ingest_pool import chunks, decode_batches, hash_files, ordered_map, worker_context
+from visionloop.data.ingest_pool import (
+    chunks,
+    decode_batches,
+    decode_in_pool,
+    hash_files,
+    ordered_map,
+)
 from visionloop.data.ingest_stats import SPLIT_NAMES, StatsAccumulator, dataset_version
 from visionloop.data.manifest import (
     DUPLICATES_NAME,
@@ -256,37 +260,16 @@ class _Run:
         cands = self.listing.candidates
         writers = {s: ShardWriter(self.tmp / SHARDS_DIR / s) for s in SPLIT_NAMES}
         batches = list(self._batches(self.options.workers))
-        workers = max(1, min(self.options.workers, len(batches)))
-        pool = ProcessPoolExecutor(
-            max_workers=workers,
-            mp_context=worker_context(),
-            initializer=init_worker,
-        )
-        work = partial(normalise_files, policy=self.policy)
-        paths = ([cands[i].path for i in b] for b in batches)
-        done = 0
         self.progress("decode", 0, len(self.order))
-        try:
-            results = ordered_map(pool, work, paths, workers * 3)
-            for batch in batches:
-                try:
-                    outcomes = next(results)
-                except BrokenProcessPool as e:
-                    shown = ", ".join(cands[i].rel for i in batch[:5])
-                    raise DataError(
-                        "a decode worker process died (it could not start, ran out of memory, or crashed "
-                        f"inside an image codec) while reading one of: {shown}. If it recurs on the same "
-                        "files, move them aside and run ingest again. (Calling ingest() from a script? "
-                        'Guard the call with `if __name__ == "__main__":` - workers re-import the main '
-                        "module.)"
-                    ) from e
-                for i, outcome in zip(batch, outcomes, strict=True):
-                    self._store(i, outcome, writers)
-                done += len(batch)
-                self.progress("decode", done, len(self.order))
-        finally:
-            # Ctrl-C or an error: drop queued batches instead of decoding them for nothing.
-            pool.shutdown(wait=True, cancel_futures=True)
+        decode_in_pool(
+            batches,
+            path_of=lambda i: cands[i].path,
+            rel_of=lambda i: cands[i].rel,
+            policy=self.policy,
+            workers=self.options.workers,
+            store=lambda i, outcome: self._store(i, outcome, writers),
+            progress=lambda done: self.progress("decode", done, len(self.order)),
+        )
         for split, writer in writers.items():
             writer.close()
             self.stats.set_bytes(split, writer.bytes)

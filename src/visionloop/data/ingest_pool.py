@@ -8,11 +8,23 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from functools import partial
 from multiprocessing.context import BaseContext
 from typing import TypeVar
 
-from visionloop.data.imageio import Rejection, RejectReason, empty_file, unreadable
+from visionloop.core.errors import DataError
+from visionloop.data.imageio import (
+    Normalised,
+    Rejection,
+    RejectReason,
+    empty_file,
+    init_worker,
+    normalise_files,
+    unreadable,
+)
+from visionloop.data.manifest import ImagePolicy
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -89,3 +101,45 @@ def decode_batches(
         size += sizes[i]
     if batch:
         yield batch
+
+
+def decode_in_pool(
+    batches: Sequence[list[int]],
+    *,
+    path_of: Callable[[int], str],
+    rel_of: Callable[[int], str],
+    policy: ImagePolicy,
+    workers: int,
+    store: Callable[[int, Normalised | Rejection], None],
+    progress: Callable[[int], None],
+) -> None:
+    """Decode and normalise every image of `batches` in worker processes and hand each outcome
+    to `store` in batch order (so shards are written in the planned order whatever finishes
+    first); `progress(done)` after each batch. Every ingest shares this loop: what a task adds
+    is only what it stores per image."""
+    workers = max(1, min(workers, len(batches)))
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=worker_context(), initializer=init_worker)
+    work = partial(normalise_files, policy=policy)
+    paths = ([path_of(i) for i in b] for b in batches)
+    done = 0
+    try:
+        results = ordered_map(pool, work, paths, workers * 3)
+        for batch in batches:
+            try:
+                outcomes = next(results)
+            except BrokenProcessPool as e:
+                shown = ", ".join(rel_of(i) for i in batch[:5])
+                raise DataError(
+                    "a decode worker process died (it could not start, ran out of memory, or crashed "
+                    f"inside an image codec) while reading one of: {shown}. If it recurs on the same "
+                    "files, move them aside and run ingest again. (Calling ingest() from a script? "
+                    'Guard the call with `if __name__ == "__main__":` - workers re-import the main '
+                    "module.)"
+                ) from e
+            for i, outcome in zip(batch, outcomes, strict=True):
+                store(i, outcome)
+            done += len(batch)
+            progress(done)
+    finally:
+        # Ctrl-C or an error: drop queued batches instead of decoding them for nothing.
+        pool.shutdown(wait=True, cancel_futures=True)

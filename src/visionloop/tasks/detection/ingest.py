@@ -25,10 +25,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 
 from visionloop import __version__
@@ -37,13 +35,17 @@ from visionloop.data.imageio import (
     Normalised,
     Rejection,
     RejectReason,
-    init_worker,
-    normalise_files,
     target_size,
 )
 from visionloop.data.ingest import BATCH_BYTES, BATCH_FILES, check_out, write_jsonl
 from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
-from visionloop.data.ingest_pool import chunks, decode_batches, hash_files, ordered_map, worker_context
+from visionloop.data.ingest_pool import (
+    chunks,
+    decode_batches,
+    decode_in_pool,
+    hash_files,
+    ordered_map,
+)
 from visionloop.data.ingest_stats import SPLIT_NAMES, StatsAccumulator, labelled_version
 from visionloop.data.manifest import (
     DUPLICATES_NAME,
@@ -239,30 +241,16 @@ class _Run:
         fields = DetectionTask.record_fields
         writers = {s: ShardWriter(self.tmp / SHARDS_DIR / s, fields=fields) for s in SPLIT_NAMES}
         batches = list(self._batches(self.options.workers))
-        workers = max(1, min(self.options.workers, len(batches)))
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=worker_context(), initializer=init_worker)
-        work = partial(normalise_files, policy=self.policy)
-        paths = ([str(samples[i].image) for i in b] for b in batches)
-        done = 0
         self.progress("decode", 0, len(self.order))
-        try:
-            results = ordered_map(pool, work, paths, workers * 3)
-            for batch in batches:
-                try:
-                    outcomes = next(results)
-                except BrokenProcessPool as e:
-                    shown = ", ".join(samples[i].rel for i in batch[:5])
-                    raise DataError(
-                        "a decode worker process died (it could not start, ran out of memory, or crashed "
-                        f"inside an image codec) while reading one of: {shown}. If it recurs on the same "
-                        "files, move them aside and run ingest again."
-                    ) from e
-                for i, outcome in zip(batch, outcomes, strict=True):
-                    self._store(i, outcome, writers)
-                done += len(batch)
-                self.progress("decode", done, len(self.order))
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        decode_in_pool(
+            batches,
+            path_of=lambda i: str(samples[i].image),
+            rel_of=lambda i: samples[i].rel,
+            policy=self.policy,
+            workers=self.options.workers,
+            store=lambda i, outcome: self._store(i, outcome, writers),
+            progress=lambda done: self.progress("decode", done, len(self.order)),
+        )
         for split, writer in writers.items():
             writer.close()
             self.stats.set_bytes(split, writer.bytes)
