@@ -55,6 +55,14 @@ def run(
 
     settings = load_settings()
     tune_spec, _ = load_tune_spec(spec)
+    if tune_spec.budget is not None:
+        # Refused rather than ignored: a study told to stop at a budget must not spend past it.
+        err.print(
+            f"[red]error:[/] {spec}: `budget` is not enforced by this version of `visionloop tune run` "
+            f"(the study would run all {tune_spec.trials} trials whatever they cost). Remove `budget` "
+            "and bound the study with `trials` instead."
+        )
+        raise typer.Exit(2)
     study = create_or_load(tune_spec, _db_url(db, db_url_file))
     last: list[Progress] = []
 
