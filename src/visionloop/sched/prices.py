@@ -13,9 +13,9 @@ import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
+from visionloop.core.catalogs import read_catalog
 from visionloop.core.errors import ConfigError
 from visionloop.sched.view import PriceClass
 
@@ -54,19 +54,14 @@ class PriceCatalog:
 
 def load_catalog(path: Path | None = None) -> PriceCatalog:
     """The catalog at `path`, or the default one shipped with visionloop when None."""
-    if path is None:
-        text = resources.files("visionloop").joinpath("assets/prices.toml").read_text(encoding="utf-8")
-        return parse_catalog(text, DEFAULT_CATALOG)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(
-            f"price catalog {path} does not exist; give the path of a TOML file such as\n{_EXAMPLE}\n"
-            "or leave the price catalog unset to use the default one."
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read price catalog {path}: {e}") from None
-    return parse_catalog(text, str(path))
+    text = read_catalog(
+        path,
+        asset="prices.toml",
+        what="price catalog",
+        example=_EXAMPLE,
+        default_hint="leave the price catalog unset",
+    )
+    return parse_catalog(text, DEFAULT_CATALOG if path is None else str(path))
 
 
 def parse_catalog(text: str, source: str) -> PriceCatalog:

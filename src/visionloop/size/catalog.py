@@ -13,10 +13,10 @@ import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Literal
 
+from visionloop.core.catalogs import read_catalog
 from visionloop.core.errors import ConfigError
 
 DEFAULT_CATALOG = "visionloop/assets/devices.toml (shipped with visionloop)"
@@ -94,19 +94,14 @@ class DeviceCatalog:
 
 def load_devices(path: Path | None = None) -> DeviceCatalog:
     """The catalog at `path`, or the default one shipped with visionloop when None."""
-    if path is None:
-        text = resources.files("visionloop").joinpath("assets/devices.toml").read_text(encoding="utf-8")
-        return parse_devices(text, DEFAULT_CATALOG)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(
-            f"device catalog {path} does not exist; give the path of a TOML file such as\n{_EXAMPLE}\n"
-            "or leave --catalog out to use the default one."
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read device catalog {path}: {e}") from None
-    return parse_devices(text, str(path))
+    text = read_catalog(
+        path,
+        asset="devices.toml",
+        what="device catalog",
+        example=_EXAMPLE,
+        default_hint="leave --catalog out",
+    )
+    return parse_devices(text, DEFAULT_CATALOG if path is None else str(path))
 
 
 def _number(value: object) -> bool:

@@ -1,0 +1,29 @@
+"""Reading an editable TOML catalog: the one shipped in `visionloop/assets/`, or a user's copy.
+
+The price catalog (`sched.prices`) and the device catalog (`size.catalog`) are both read this
+way; each parses the text itself and names the file in its errors.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from visionloop.core.errors import ConfigError
+
+
+def read_catalog(path: Path | None, *, asset: str, what: str, example: str, default_hint: str) -> str:
+    """The text of the catalog at `path`, or of the shipped `visionloop/assets/<asset>` when
+    None. A missing or unreadable file is a ConfigError naming it (`what`, e.g. "price
+    catalog"), with a valid `example` and how to fall back to the default (`default_hint`)."""
+    if path is None:
+        return resources.files("visionloop").joinpath(f"assets/{asset}").read_text(encoding="utf-8")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{what} {path} does not exist; give the path of a TOML file such as\n{example}\n"
+            f"or {default_hint} to use the default one."
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {what} {path}: {e}") from None
