@@ -12,7 +12,7 @@ import typer
 
 from visionloop.cli.console import err, out
 from visionloop.core.errors import TrainingError
-from visionloop.train.signals import EXIT_PREEMPTED
+from visionloop.train.signals import EXIT_PAUSED, EXIT_PREEMPTED
 
 
 def train(
@@ -34,6 +34,13 @@ def train(
         "the global batch. Under torchrun, leave this out.",
     ),
     no_track: bool = typer.Option(False, "--no-track", help="Do not record the run in MLflow."),
+    until_epoch: int | None = typer.Option(
+        None,
+        "--until-epoch",
+        min=1,
+        help="Stop after this many epochs are done and evaluated, with a checkpoint, and exit 76; "
+        "rerun with a later --until-epoch (or none) to go on. What a tuning trial does at a rung.",
+    ),
 ) -> None:
     """Train a model from SPEC, or resume it from its latest valid checkpoint.
 
@@ -41,7 +48,8 @@ def train(
 
     Running the same command again resumes exactly where it stopped.
 
-    Exit codes: 0 done, 75 stopped and resumable, anything else failed.
+    Exit codes: 0 done, 75 stopped and resumable, 76 paused at --until-epoch (resumable),
+    anything else failed.
     """
     from visionloop.train.signals import StopRequest
 
@@ -63,7 +71,7 @@ def train(
             raise TrainingError(
                 "--nproc-per-node cannot be used inside torchrun; the launcher already set WORLD_SIZE."
             )
-        raise typer.Exit(_launch(spec, run_dir, overrides, nproc_per_node, no_track))
+        raise typer.Exit(_launch(spec, run_dir, overrides, nproc_per_node, no_track, until_epoch))
 
     from visionloop.cli.progress import RichReporter
     from visionloop.train.api import train as run_training
@@ -83,6 +91,7 @@ def train(
             reporter=reporter,
             track=not no_track,
             stop=stop,
+            until_epoch=until_epoch,
         )
     if is_main:
         extra = [f"--nproc-per-node {os.environ['WORLD_SIZE']}"] if "WORLD_SIZE" in os.environ else []
@@ -100,6 +109,10 @@ def _summary(result: object, spec: Path, overrides: list[str], flags: list[str])
     from visionloop.train.report import TrainResult
 
     assert isinstance(result, TrainResult)
+    if result.exit_code == EXIT_PAUSED:
+        out.print(f"[yellow]paused at step {result.step}/{result.total_steps}; checkpoint written.[/]")
+        out.print(f"go on with: {resume_command(spec, result.run_dir, overrides, flags)}")
+        return
     if result.exit_code == EXIT_PREEMPTED:
         out.print(f"[yellow]stopped at step {result.step}/{result.total_steps}; checkpoint written.[/]")
         out.print(f"resume with: {resume_command(spec, result.run_dir, overrides, flags)}")
@@ -128,7 +141,9 @@ def _summary(result: object, spec: Path, overrides: list[str], flags: list[str])
         out.print(f"  open the UI    {result.ui_command}")
 
 
-def _launch(spec: Path, run_dir: Path, overrides: list[str], n: int, no_track: bool) -> int:
+def _launch(
+    spec: Path, run_dir: Path, overrides: list[str], n: int, no_track: bool, until_epoch: int | None
+) -> int:
     """Run this same command in n DDP processes (see visionloop.train.launch)."""
     from visionloop.train.launch import launch
 
@@ -137,5 +152,7 @@ def _launch(spec: Path, run_dir: Path, overrides: list[str], n: int, no_track: b
         cmd += ["--set", o]
     if no_track:
         cmd.append("--no-track")
+    if until_epoch is not None:
+        cmd += ["--until-epoch", str(until_epoch)]
     err.print(f"launching {n} DDP processes on this machine", style="dim")
     return launch(cmd, n)

@@ -16,8 +16,8 @@ from visionloop.core.errors import VisionloopError
 from visionloop.core.settings import Settings
 from visionloop.train.rundir import RunDir
 
-Ending = Literal["failed", "cancelled"]
-_MLFLOW_STATUS = {"failed": "FAILED", "cancelled": "KILLED"}
+Ending = Literal["failed", "cancelled", "pruned"]
+_MLFLOW_STATUS = {"failed": "FAILED", "cancelled": "KILLED", "pruned": "KILLED"}
 
 
 def close_abandoned_run(
@@ -29,7 +29,8 @@ def close_abandoned_run(
 
     A run a trainer stopped itself after a checkpoint ("preempted": resumable) that will not
     be resumed, because its job ended, is marked too; its MLflow run is already ended (KILLED),
-    so only its `visionloop.state` tag changes. Nothing is touched while a trainer holds the run
+    so only its `visionloop.state` tag changes. So is a tuning trial's run paused at a rung
+    ("paused") that its study then pruned ("pruned"). Nothing is touched while a trainer holds the run
     directory's lock (it is alive: it writes its own ending), nor when the run finished or
     failed by itself. `wait_s`: how long to keep asking for the lock, for a caller that knows
     the trainer is dead (its killed children can hold the lock for a moment after it).
@@ -49,7 +50,7 @@ def close_abandoned_run(
     try:
         meta = rd.read_meta() or {}
         status = meta.get("status")
-        if status not in ("running", "preempted"):
+        if status not in ("running", "preempted", "paused"):
             return None
         rd.update_meta(status=ending, error=reason[:2000])
         run_id = meta.get("mlflow_run_id")
@@ -59,8 +60,9 @@ def close_abandoned_run(
 
         client = track_store.client(settings)
         mlflow_status = client.get_run(run_id).info.status
-        # RUNNING: the trainer died; KILLED after "preempted": it stopped itself and ended it.
-        if mlflow_status != "RUNNING" and not (status == "preempted" and mlflow_status == "KILLED"):
+        # RUNNING: the trainer died; KILLED after "preempted"/"paused": it stopped itself and ended it.
+        stopped_itself = status in ("preempted", "paused") and mlflow_status == "KILLED"
+        if mlflow_status != "RUNNING" and not stopped_itself:
             return None
         client.set_tag(run_id, "visionloop.state", ending)
         if mlflow_status == "RUNNING":

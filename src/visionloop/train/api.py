@@ -1,7 +1,8 @@
 """`train()`: one call that trains, or resumes, a run directory from a spec.
 
 Exit semantics (also the CLI's exit code): 0 done, 75 stopped by a signal after writing a
-checkpoint (rerun to resume); errors raise.
+checkpoint (rerun to resume), 76 paused at `until_epoch` after writing a checkpoint (rerun,
+with a later or no `until_epoch`, to go on); errors raise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from visionloop.train.loop import Loop
 from visionloop.train.report import Reporter, StartInfo, TrainResult
 from visionloop.train.rundir import RESUMABLE_CHANGES, RunDir, spec_fingerprint
 from visionloop.train.setup import Components, build
-from visionloop.train.signals import EXIT_PREEMPTED, StopRequest
+from visionloop.train.signals import EXIT_PAUSED, EXIT_PREEMPTED, StopRequest
 
 log = logging.getLogger("visionloop.train")
 
@@ -49,8 +50,14 @@ def train(
     reporter: Reporter | None = None,
     track: bool = True,
     stop: StopRequest | None = None,
+    until_epoch: int | None = None,
 ) -> TrainResult:
-    """Train (or resume) `run_dir` from `spec`. Safe to call under torchrun."""
+    """Train (or resume) `run_dir` from `spec`. Safe to call under torchrun.
+
+    `until_epoch`: stop after that many epochs are done and evaluated, with a checkpoint
+    (exit code 76), as a tuning trial does at a rung; the run goes on from there when called
+    again with a later one (or none). The learning-rate schedule is always the whole run's,
+    so a run paused and continued ends with the same weights as one never paused."""
     settings = settings or load_settings()
     reporter = reporter or Reporter()
     resolved = dict(resolved) if resolved is not None else spec.model_dump(mode="json")
@@ -91,6 +98,7 @@ def train(
             rng_state.seed_everything(spec.seed + 7919 * info.rank)  # per-rank dropout streams
         precision = resolve_precision(spec.precision, device, spec.deterministic)
         loop = Loop(c, precision=precision, reporter=reporter, stop=stop, tracker=None)
+        loop.until_epoch = until_epoch
         resumed_from = _resume(loop, info, reporter)
 
         if info.is_main and track:
@@ -108,10 +116,11 @@ def train(
         if not completed:
             # The run directory is the record a scheduler reads: it is written first, and the
             # tracking store (which may be unreachable) can never turn a clean stop into a failure.
+            state = "paused" if loop.paused else "preempted"
             if info.is_main:
-                rd.update_meta(status="preempted", step=loop.pos.step)
-            _end_tracking(tracker, "KILLED", {"visionloop.state": "preempted"})
-            result = _result(EXIT_PREEMPTED, c, loop, rd, tracker)
+                rd.update_meta(status=state, step=loop.pos.step)
+            _end_tracking(tracker, "KILLED", {"visionloop.state": state})
+            result = _result(EXIT_PAUSED if loop.paused else EXIT_PREEMPTED, c, loop, rd, tracker)
             reporter.finish(result)
             return result
 

@@ -116,6 +116,10 @@ class Loop:
             )
         self._last_ckpt_time = time.monotonic()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run holds
+        # Pause (checkpointed, exit 76) once this many epochs are done and evaluated: a tuning
+        # trial stops at its rung and waits to be promoted (see train/signals.py EXIT_PAUSED).
+        self.until_epoch: int | None = None
+        self.paused = False
         self._warned_metric = False
 
     def close(self) -> None:
@@ -241,27 +245,27 @@ class Loop:
                 if not self._evaluate():
                     return self._stop_now()
                 continue
+            if self.until_epoch is not None and self.pos.batch == 0 and self.pos.epoch >= self.until_epoch:
+                self.paused = True
+                return self._stop_now(f"paused after epoch {self.pos.epoch}")
             if not self._train_epoch():
                 return self._stop_now()
         self.ckpt.wait()
         return True
 
-    def _stop_now(self) -> bool:
-        log.info("stop requested (%s): checkpointing at step %d", self.stop.signal_name, self.pos.step)
+    def _stop_now(self, why: str | None = None) -> bool:
+        why = why or str(self.stop.signal_name)
+        log.info("stopping (%s): checkpointing at step %d", why, self.pos.step)
         if self._saved_step == self.pos.step:
             # Nothing happened since the last checkpoint (a stop during start-up, or one that
             # coincides with a periodic save): make that one durable rather than write it again,
             # which would also drop its "best" score.
-            self.reporter.message(
-                f"stopping ({self.stop.signal_name}): checkpoint at step {self.pos.step} kept"
-            )
+            self.reporter.message(f"stopping ({why}): checkpoint at step {self.pos.step} kept")
             if self.info.is_main:
                 self.ckpt.wait()
             dist.barrier(self.info)
             return False
-        self.reporter.message(
-            f"stopping ({self.stop.signal_name}): writing a checkpoint at step {self.pos.step}"
-        )
+        self.reporter.message(f"stopping ({why}): writing a checkpoint at step {self.pos.step}")
         self.save_checkpoint(block=True)
         return False
 

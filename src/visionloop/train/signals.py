@@ -9,6 +9,10 @@ import threading
 from types import FrameType
 
 EXIT_PREEMPTED = 75
+# Stopped, after a checkpoint, at the epoch it was told to stop at (`--until-epoch`): a tuning
+# trial at a rung of its study. Resumable like 75, but nobody asked it to stop: the queue
+# keeps it paused until its study promotes it (sched/workload.py TrialWorkload).
+EXIT_PAUSED = 76
 
 
 class StopRequest:
