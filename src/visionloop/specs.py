@@ -7,6 +7,7 @@ value given and a valid example (`load_train_spec`). Specs are saved verbatim wi
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -127,11 +128,47 @@ class EvalSpec(_Spec):
     every_epochs: int = Field(1, ge=1, examples=[1])
 
 
+_MLFLOW_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+_TAG_KEY = re.compile(r"^[A-Za-z0-9][\w./ -]{0,249}$")
+MAX_TRACKING_TAGS = 32
+MAX_TRACKING_TAG_VALUE = 1000
+
+
 class TrackingSpec(_Spec):
     experiment: str | None = Field(None, examples=["digits"])
     run_name: str | None = Field(None, examples=["digits-small-cnn"])
     log_every_steps: int = Field(1, ge=1, examples=[1])
     system_metrics_every_s: float = Field(10.0, gt=0.0, examples=[10])
+    # The MLflow run this run is nested under (MLflow's own `mlflow.parentRunId` tag): a
+    # tuning study's parent run for each of its trials.
+    parent_run_id: str | None = Field(None, examples=["5f0c3a9be0a54d0e9c8f3b2a1d4e6f70"])
+    # Extra tags on the run (e.g. visionloop.study / visionloop.trial). The trainer's own tags
+    # win over these, and `mlflow.*` is MLflow's: nesting goes through parent_run_id.
+    tags: dict[str, str] = Field(default_factory=dict, examples=[{"visionloop.study": "digits-lr"}])
+
+    @field_validator("parent_run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        if v is not None and not _MLFLOW_RUN_ID.match(v):
+            raise ValueError("must be an MLflow run id: 32 lowercase hex characters")
+        return v
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > MAX_TRACKING_TAGS:
+            raise ValueError(f"takes at most {MAX_TRACKING_TAGS} tags")
+        for key, value in v.items():
+            if not _TAG_KEY.match(key):
+                raise ValueError(
+                    f"tag key {key!r} is not usable: 1-250 letters, digits, '_', '.', '-', '/' or ' ', "
+                    "starting with a letter or digit"
+                )
+            if key.startswith("mlflow."):
+                raise ValueError(f"tag key {key!r} is MLflow's own; nest a run with parent_run_id instead")
+            if len(value) > MAX_TRACKING_TAG_VALUE:
+                raise ValueError(f"tag {key!r} is longer than {MAX_TRACKING_TAG_VALUE} characters")
+        return v
 
 
 class LossSpec(_Spec):

@@ -52,6 +52,8 @@ def open_run(
     run_name: str | None = None,
     run_dir: Path | None = None,
     tags: Mapping[str, Any] | None = None,
+    parent_run_id: str | None = None,
+    spec_tags: Mapping[str, str] | None = None,
     environment: bool = True,
     code_dir: Path | None = None,
     flush_interval_s: float = 1.0,
@@ -64,6 +66,10 @@ def open_run(
     <dir>` finds the run). With `environment`, git state of `code_dir` (default: the working
     directory), library versions, host and GPUs are tagged, refreshed on every resume: after a
     spot interruption the run may continue elsewhere. `visionloop.attempts` counts the starts.
+
+    `parent_run_id` nests the run under that MLflow run (MLflow's `mlflow.parentRunId` tag, set
+    in the insert that creates the run). `spec_tags` are the train spec's own
+    (`tracking.tags`); `tags` (the trainer's) win over them.
     """
     if not _UID.match(uid):
         raise TrackingError(
@@ -74,7 +80,10 @@ def open_run(
     user = _user()
     if user:
         run_tags["mlflow.user"] = user
+    run_tags.update({sanitize_key(k): tag_value(v) for k, v in (spec_tags or {}).items()})
     run_tags.update({sanitize_key(k): tag_value(v) for k, v in (tags or {}).items()})
+    if parent_run_id is not None:
+        run_tags[store.PARENT_RUN_TAG] = parent_run_id
     # Set last, so that a caller's tags cannot change what finding the run again relies on.
     run_tags[store.UID_TAG] = uid
     if run_dir is not None:

@@ -31,6 +31,7 @@ DATASET_VERSION_TAG = "visionloop.dataset_version"
 ATTEMPTS_TAG = "visionloop.attempts"
 DROPPED_TAG = "visionloop.metrics_dropped"
 GIT_COMMIT_TAG = "visionloop.git.commit"
+PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own nesting tag: its UI lists the run under it
 
 _SERVER_SCHEMES = ("http", "https", "databricks", "databricks-uc")
 _quieted = False
