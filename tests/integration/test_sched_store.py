@@ -96,11 +96,13 @@ def test_migrations_create_the_models_schema_and_reopen_is_idempotent(db_url: st
     try:
         tables = set(inspect(engine).get_table_names())
         assert {"teams", "api_tokens", "jobs", "job_transitions", "attempts", "allocations", "gpus"} <= tables
-        assert {"checkpoints", "alembic_version"} <= tables
+        assert {"checkpoints", db.VERSION_TABLE} <= tables
+        assert "alembic_version" not in tables  # Optuna's, on a database the tuner shares
         with engine.connect() as conn:
             assert db.current_revision(conn) == db.head_revision()
             # The migrations build exactly the schema the models describe, on this backend.
-            assert compare_metadata(MigrationContext.configure(conn), db.Base.metadata) == []
+            context = MigrationContext.configure(conn, opts={"version_table": db.VERSION_TABLE})
+            assert compare_metadata(context, db.Base.metadata) == []
         s.upsert_team("vision", 4, now=1.0)
         job = submit(s)
         s.close()
@@ -109,7 +111,7 @@ def test_migrations_create_the_models_schema_and_reopen_is_idempotent(db_url: st
         assert again.get_job(job.id) == job  # nothing migrated twice, nothing lost
         with engine.connect() as conn:
             assert db.current_revision(conn) == db.head_revision()
-            assert conn.scalar(text("SELECT count(*) FROM alembic_version")) == 1
+            assert conn.scalar(text(f"SELECT count(*) FROM {db.VERSION_TABLE}")) == 1
         again.close()
     finally:
         engine.dispose()
@@ -119,7 +121,7 @@ def test_a_database_from_a_newer_release_is_refused(db_url: str, tmp_path: Path)
     Store.open(db_url, runs_dir=tmp_path).close()
     engine = _raw_engine(db_url)
     with engine.begin() as conn:
-        conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+        conn.execute(text(f"UPDATE {db.VERSION_TABLE} SET version_num = '9999'"))
     engine.dispose()
     with pytest.raises(
         ConfigError, match=r"revision 9999, newer than this visionloop knows.*Upgrade visionloop"

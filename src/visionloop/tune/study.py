@@ -1,13 +1,21 @@
 """The Optuna study of a tune spec, kept in the control plane's own database.
 
 Optuna's RDB storage creates its tables (`studies`, `trials`, `trial_params`, ...) next to
-the job store's (`jobs`, `attempts`, ...): no name is shared but one, `alembic_version`, in
-which both Alembic histories record their revision. The queue's migrations own it: the
-job store is always opened (and migrated) first, after which Optuna finds a revision there
-and leaves it alone; Optuna's own check of that revision is skipped (it would read the
-queue's) and replaced by a check of Optuna's `version_info` row (`_check_optuna_schema`). A
-study opened on an empty database therefore never stamps Optuna's revision where the
-queue's migrations would then refuse it.
+the job store's (`jobs`, `attempts`, ...), and no name is shared: each Alembic history has
+its own version table, Optuna's the default `alembic_version`, the queue's
+`visionloop_alembic_version` (sched/db.py). Optuna therefore runs its own compatibility
+check (a study written by an Optuna with another schema is refused with Optuna's advice,
+`optuna storage upgrade`), and either side may open a fresh database first.
+
+The job store is still opened (and migrated) before Optuna here, for databases made by
+releases before the queue's revision 0002: those kept the queue's revision in
+`alembic_version` (and skipped Optuna's check), which Optuna would read as a revision of its
+own it does not know. The job store's migration moves it out and records Optuna's revision
+there instead.
+
+Optuna's own first use of a database (creating its tables, `version_info` and its revision)
+is not made safe against a second process doing the same at that moment; the tuner is one
+process per study.
 
 SQLite: every Optuna transaction takes the write lock up front (BEGIN IMMEDIATE) and waits
 for it, as the job store's do (sched/db.py says why): the control plane writes to the same
@@ -71,21 +79,22 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's storage in the control plane's database at `url`, after the job store's own
     migrations (see the module docstring for why in this order)."""
     parsed = db.parse_url(url)
-    Store.open(url).close()  # creates or upgrades the queue's schema, and owns alembic_version
+    Store.open(url).close()  # creates or upgrades the queue's schema, and frees alembic_version
     sqlite = parsed.get_backend_name() == "sqlite"
     kwargs: dict[str, Any] = (
         {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
         if sqlite
         else {"pool_pre_ping": True, "connect_args": {"connect_timeout": 10}}
     )
-    storage = optuna.storages.RDBStorage(
-        parsed.render_as_string(hide_password=False),
-        engine_kwargs=kwargs,
-        skip_compatibility_check=True,
-    )
+    try:
+        storage = optuna.storages.RDBStorage(
+            parsed.render_as_string(hide_password=False), engine_kwargs=kwargs
+        )
+    except RuntimeError as e:  # Optuna's compatibility check, which says what to run
+        shown = parsed.render_as_string(hide_password=True)
+        raise ConfigError(f"the studies in {shown} cannot be used by this Optuna: {e}") from e
     if sqlite:
         _immediate_writes(storage)
-    _check_optuna_schema(storage, parsed.render_as_string(hide_password=True))
     return storage
 
 
@@ -107,19 +116,6 @@ def _immediate_writes(storage: optuna.storages.RDBStorage) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     engine.dispose()  # the connections made while Optuna created its tables lack the above
-
-
-def _check_optuna_schema(storage: optuna.storages.RDBStorage, shown_url: str) -> None:
-    from optuna.storages._rdb import models  # the schema version this Optuna writes
-
-    with storage.engine.connect() as conn:
-        row = conn.exec_driver_sql("SELECT schema_version, library_version FROM version_info").first()
-    if row is not None and int(row[0]) != models.SCHEMA_VERSION:
-        raise ConfigError(
-            f"the studies in {shown_url} were written by Optuna {row[1]} (schema {row[0]}), which this "
-            f"Optuna {optuna.__version__} (schema {models.SCHEMA_VERSION}) cannot read; install "
-            f"optuna=={row[1]}, or use another database."
-        )
 
 
 def create_or_load(spec: TuneSpec, url: str | None = None) -> optuna.Study:

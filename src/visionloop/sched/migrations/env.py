@@ -4,6 +4,11 @@
 (passed as `config.attributes["connection"]`), so the whole upgrade commits or rolls back as
 one. Run from the alembic command line instead, it connects to the URL given as
 `-x url=...` or in VISIONLOOP_DB_URL.
+
+The revision is kept in `visionloop_alembic_version` (db.VERSION_TABLE), not Alembic's default
+`alembic_version`, which belongs to Optuna's history on a database the tuner shares. Run from
+the command line on a database of a release before 0002, `alembic` would not find the
+revision there: open it with visionloop once first (`Store.open` moves it).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import os
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from visionloop.sched.db import Base, make_engine, parse_url
+from visionloop.sched.db import VERSION_TABLE, Base, make_engine, parse_url
 
 config = context.config
 
@@ -29,6 +34,7 @@ def _run(connection: Connection) -> None:
         target_metadata=Base.metadata,
         render_as_batch=RENDER_AS_BATCH,
         compare_type=True,
+        version_table=VERSION_TABLE,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -52,6 +58,7 @@ elif context.is_offline_mode():
         target_metadata=Base.metadata,
         render_as_batch=RENDER_AS_BATCH,
         literal_binds=True,
+        version_table=VERSION_TABLE,
     )
     with context.begin_transaction():
         context.run_migrations()
