@@ -212,9 +212,52 @@ class TrainSpec(_Spec):
 
 
 class ResourcesSpec(_Spec):
+    """What a job needs. `gpus`, `cpus` and `memory_gb` are the job's totals; `nodes` spreads
+    one training run (one DDP process group) over that many machines, evenly:
+
+    - `gpus = nodes * gpus_per_node`: give either (`gpus_per_node` alone sets `gpus`) or
+      both, consistent. Each node runs one process per GPU.
+    - A CPU job (`gpus: 0`) with `nodes: N` runs one process per node.
+    - `cpus` and `memory_gb` are split evenly over the nodes.
+
+    Only the Ray executor places a job on several nodes."""
+
     gpus: int = Field(1, ge=0, le=1024, examples=[1], description="GPUs for the job (0: CPU only)")
     cpus: float = Field(2.0, gt=0.0, le=4096, examples=[4])
     memory_gb: float = Field(8.0, gt=0.0, le=65536, examples=[16])
+    nodes: int = Field(1, ge=1, le=256, examples=[2], description="machines one run spans (DDP)")
+    gpus_per_node: int | None = Field(None, ge=1, le=64, examples=[8])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpus_from_per_node(cls, data: Any) -> Any:
+        # `gpus` defaults to 1, which would contradict a bare `gpus_per_node`: derive it instead.
+        if isinstance(data, Mapping) and data.get("gpus_per_node") is not None and "gpus" not in data:
+            per_node, nodes = data["gpus_per_node"], data.get("nodes", 1)
+            if isinstance(per_node, int) and isinstance(nodes, int):
+                return {**data, "gpus": per_node * nodes}
+        return data
+
+    @model_validator(mode="after")
+    def _layout(self) -> ResourcesSpec:
+        if self.gpus_per_node is not None and self.gpus != self.nodes * self.gpus_per_node:
+            raise ValueError(
+                f"gpus ({self.gpus}) must equal nodes ({self.nodes}) x gpus_per_node ({self.gpus_per_node}); "
+                f"give gpus_per_node alone (gpus is then {self.nodes * self.gpus_per_node}), "
+                "or fix one of them"
+            )
+        if self.gpus % self.nodes:
+            fitting = max(self.gpus // self.nodes, 1) * self.nodes
+            raise ValueError(
+                f"gpus ({self.gpus}) must divide evenly over nodes ({self.nodes}): every node runs the same "
+                f"number of processes; use e.g. gpus: {fitting}, or gpus_per_node instead"
+            )
+        return self
+
+    @property
+    def procs_per_node(self) -> int:
+        """DDP processes on each node: one per GPU, or one on a CPU job."""
+        return max(self.gpus // self.nodes, 1)
 
 
 class JobFields(_Spec):

@@ -39,8 +39,11 @@ def pick(
     spot: SpotPolicy,
     same_node: bool,
     node_cap: Mapping[str, int] | None = None,
+    nodes: int = 1,
 ) -> list[Gpu] | None:
     """`n` GPUs from `pool` for a job with spot policy `spot`, or None if they do not fit.
+    A job spanning `nodes` > 1 nodes gets `n / nodes` GPUs on each of that many nodes
+    (`pick_nodes`), whatever `same_node` says.
 
     Preference, in order: the most preferred price classes alone, widening one class at a
     time (so an `allowed` job uses spot only when owned GPUs do not suffice); then a single
@@ -50,6 +53,8 @@ def pick(
     """
     if n <= 0:
         return []
+    if nodes > 1:
+        return pick_nodes(pool, nodes, n // nodes, spot, node_cap) if n % nodes == 0 else None
     order = CLASS_ORDER[spot]
     rank = {c: i for i, c in enumerate(order)}
     for k in range(1, len(order) + 1):
@@ -82,6 +87,56 @@ def pick(
         if got is not None:
             return got
     return None
+
+
+def pick_nodes(
+    pool: Mapping[str, Sequence[Gpu]],
+    nodes: int,
+    per_node: int,
+    spot: SpotPolicy,
+    node_cap: Mapping[str, int] | None = None,
+) -> list[Gpu] | None:
+    """`per_node` GPUs on each of `nodes` distinct nodes (one run across nodes: every node
+    runs the same number of ranks), or None. Same preferences as `pick`: the most preferred
+    price classes first, widening one at a time; then one GPU type for every node (DDP runs
+    at the pace of its slowest rank); then the tightest nodes, so whole nodes stay free.
+    The GPUs come grouped by node, nodes in the order chosen."""
+    if nodes <= 0 or per_node <= 0:
+        return []
+    order = CLASS_ORDER[spot]
+    rank = {c: i for i, c in enumerate(order)}
+    for k in range(1, len(order) + 1):
+        classes = order[:k]
+        per: dict[str, list[Gpu]] = {}
+        for node, gs in pool.items():
+            cap = per_node if node_cap is None else node_cap.get(node, per_node)
+            sel = sorted(
+                (g for g in gs if g.up and g.price_class in classes),
+                key=lambda g: (rank[g.price_class], g.id),
+            )
+            if cap >= per_node and len(sel) >= per_node:
+                per[node] = sel
+        if len(per) < nodes:
+            continue
+        # One type on every node if possible, the type with the fewest fitting nodes first
+        # (big pools stay for big jobs); else mixed types.
+        by_type = [{nd: [g for g in gs if g.type == t] for nd, gs in per.items()} for t in _types(per)]
+        fits = [(_fitting(c, per_node), c) for c in by_type]
+        fits = sorted((f for f in fits if len(f[0]) >= nodes), key=lambda f: len(f[0]))
+        fits.append((_fitting(per, per_node), per))
+        for fit, cand in fits:
+            if len(fit) >= nodes:
+                fit.sort(key=lambda nd: (len(cand[nd]), rank[cand[nd][0].price_class], nd))
+                return [g for nd in fit[:nodes] for g in cand[nd][:per_node]]
+    return None
+
+
+def _types(per: Mapping[str, Sequence[Gpu]]) -> list[str]:
+    return sorted({g.type for gs in per.values() for g in gs})
+
+
+def _fitting(per: Mapping[str, Sequence[Gpu]], need: int) -> list[str]:
+    return [nd for nd, gs in per.items() if len(gs) >= need]
 
 
 def _pack(

@@ -44,6 +44,10 @@ class CommandContext:
     run_dir: Path
     gpus: int
     python: str = sys.executable
+    # Machines the run spans (resources.nodes): `gpus` is the total over them. Each node's
+    # rendezvous (node rank, node 0's address and port) is the executor's, given through the
+    # environment (visionloop.train.launch), so one command serves every node.
+    nnodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,9 @@ class TrainWorkload(BaseModel):
             spec_path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(spec_path, spec_to_yaml(self.train))
         cmd = [ctx.python, "-m", "visionloop", "train", str(spec_path), "--run-dir", str(ctx.run_dir)]
-        if ctx.gpus > 1:
-            cmd += ["--nproc-per-node", str(ctx.gpus)]
+        per_node = ctx.gpus // max(ctx.nnodes, 1)
+        if per_node > 1:
+            cmd += ["--nproc-per-node", str(per_node)]
         return cmd
 
     def ending(self, ex: AttemptExit) -> Ending:

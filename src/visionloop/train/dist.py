@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from visionloop.core.errors import TrainingError
+from visionloop.train.launch import node_layout
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,11 @@ class DistInfo:
 
 
 def from_env() -> DistInfo:
+    if not os.environ.get("WORLD_SIZE"):
+        # One process per node, started by a multi-node launcher (visionloop.train.launch).
+        layout = node_layout(os.environ)
+        if layout is not None:
+            return DistInfo(rank=layout.node_rank, local_rank=0, world_size=layout.nnodes)
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
@@ -47,6 +53,8 @@ def init(info: DistInfo, device: torch.device) -> bool:
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(minutes=30)}
+    # Given explicitly: a one-process-per-node rank has no RANK/WORLD_SIZE in its environment.
+    kwargs.update(rank=info.rank, world_size=info.world_size)
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)

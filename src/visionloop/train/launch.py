@@ -4,8 +4,16 @@ Why not simply exec torchrun: torchrun turns any non-zero worker exit into its o
 and prints a SignalException traceback when it is asked to stop, so the "75 = stopped
 after a checkpoint, rerun to resume" contract would be lost. This launcher sets the same
 variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), forwards
-SIGTERM/SIGUSR1/SIGINT to every worker, and maps their exits to one code. For several
-machines, run the trainer under torchrun (or a cluster launcher) directly.
+SIGTERM/SIGUSR1/SIGINT to every worker, and maps their exits to one code.
+
+**Several machines** (one process group over N nodes): whoever starts the command on each
+node (the Ray executor does) sets, in its environment, VISIONLOOP_NNODES (N),
+VISIONLOOP_NODE_RANK (0 .. N-1), MASTER_ADDR and MASTER_PORT (where node 0's rank 0 listens;
+torchrun's names). The launcher then gives its local ranks the global RANK
+`node_rank * nproc + local_rank` and WORLD_SIZE `N * nproc`; a command without
+`--nproc-per-node` (one process per node, e.g. a CPU job) is itself rank `node_rank`
+(visionloop.train.dist.from_env reads the same variables). Every node must run the same
+`--nproc-per-node`. torchrun's own `--nnodes/--node-rank` work too: it sets WORLD_SIZE itself.
 """
 
 from __future__ import annotations
@@ -15,10 +23,15 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import FrameType
 
+from visionloop.core.errors import TrainingError
 from visionloop.train.signals import EXIT_PREEMPTED
+
+NNODES_ENV = "VISIONLOOP_NNODES"
+NODE_RANK_ENV = "VISIONLOOP_NODE_RANK"
 
 # After one worker fails, how long the others get to notice and exit before SIGKILL.
 FAILURE_GRACE_S = 30.0
@@ -28,6 +41,40 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """This node's place in a multi-node run, from the environment its launcher set."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+def node_layout(env: Mapping[str, str]) -> NodeLayout | None:
+    """The multi-node rendezvous in `env` (see the module docstring), or None on one node."""
+    raw = env.get(NNODES_ENV, "")
+    if not raw:
+        return None
+    try:
+        nnodes, node_rank = int(raw), int(env.get(NODE_RANK_ENV, ""))
+        port = int(env.get("MASTER_PORT", ""))
+    except ValueError as e:
+        raise TrainingError(
+            f"{NNODES_ENV}={raw!r} is set, so {NODE_RANK_ENV} and MASTER_PORT must be integers too "
+            f"({NODE_RANK_ENV}={env.get(NODE_RANK_ENV)!r}, MASTER_PORT={env.get('MASTER_PORT')!r}); "
+            "set all four (with MASTER_ADDR) or none."
+        ) from e
+    addr = env.get("MASTER_ADDR", "")
+    if nnodes < 1 or not 0 <= node_rank < nnodes or not addr or not 0 < port < 65536:
+        raise TrainingError(
+            f"bad multi-node rendezvous: {NNODES_ENV}={nnodes}, {NODE_RANK_ENV}={node_rank}, "
+            f"MASTER_ADDR={addr!r}, MASTER_PORT={port}; need 0 <= node rank < nodes, the address of "
+            "node 0 and a port in 1-65535."
+        )
+    return NodeLayout(nnodes, node_rank, addr, port) if nnodes > 1 else None
 
 
 def combine_exit_codes(codes: Sequence[int]) -> int:
@@ -40,7 +87,13 @@ def combine_exit_codes(codes: Sequence[int]) -> int:
 
 def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) -> int:
     base = dict(env if env is not None else os.environ)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
+    layout = node_layout(base)
+    first = 0
+    if layout is None:
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
+    else:
+        first = layout.node_rank * nproc
+        base["WORLD_SIZE"] = str(layout.nnodes * nproc)
     base.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
     procs: list[subprocess.Popen[bytes]] = []
 
@@ -56,7 +109,7 @@ def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) ->
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
         for r in range(nproc):
-            rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nproc)}
+            rank_env = {**base, "RANK": str(first + r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nproc)}
             procs.append(subprocess.Popen(list(cmd), env=rank_env))
         failed_at: float | None = None
         while any(p.poll() is None for p in procs):

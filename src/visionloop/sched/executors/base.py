@@ -30,8 +30,15 @@ class LaunchRequest:
     gpus: Sequence[Gpu]  # the GPUs the scheduler allocated (empty: a CPU job)
     attempt_dir: Path  # where the attempt's log, pid and exit files live
     env: Mapping[str, str] = field(default_factory=dict)
-    cpus: float = 1.0
-    memory_gb: float = 1.0
+    cpus: float = 1.0  # the job's total (split evenly over `nodes`)
+    memory_gb: float = 1.0  # likewise
+    # Machines one run spans (one DDP process group): `gpus` then lie on exactly `nodes`
+    # nodes, the same number on each (a CPU job: the executor picks the nodes). The executor
+    # starts `command` once per node, with the rendezvous in the environment (VISIONLOOP_NNODES,
+    # VISIONLOOP_NODE_RANK, MASTER_ADDR, MASTER_PORT: see visionloop.train.launch), and reports
+    # the attempt as one: exited when every node's process has, lost when any node was.
+    # Executors that run on one machine refuse nodes > 1 (see `multi_node`).
+    nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -72,3 +79,10 @@ class Executor(Protocol):
     def read_log(self, handle: Handle, offset: int = 0) -> Iterator[bytes]:
         """The log from byte `offset` on, in pieces (for `jobs logs --follow`)."""
         ...
+
+
+def multi_node(executor: object) -> bool:
+    """Whether `executor` runs one job across several nodes (LaunchRequest.nodes > 1): its
+    class says so with `multi_node = True`; the others (the local executor) cannot, and the
+    control plane must keep such jobs off them."""
+    return getattr(executor, "multi_node", False) is True

@@ -9,7 +9,7 @@ can run outside the cluster and never joins it. `ray` is imported lazily, on fir
 
 Decisions worth knowing:
 
-- **One submission per attempt, named by it.** The submission id is
+- **One submission per attempt (per node of it), named by it.** The submission id is
   `{prefix}-job-{job_id}-attempt-{attempt}` (`vl-job-12-attempt-3`): a control plane killed
   between submitting and storing the handle finds the job again from the attempt alone, and
   Ray refuses a second submission of the same id, so a re-launch *adopts* the job already
@@ -24,8 +24,28 @@ Decisions worth knowing:
   `accelerator_type:<TYPE>` resource, else "unknown". Price class: node label
   `visionloop.io/price-class` (owned | on_demand | spot), else a custom resource `spot` > 0,
   else Ray's `ray.io/market-type` label (spot | on-demand), else "owned".
+- **One run across nodes** (`LaunchRequest.nodes` > 1, `resources.nodes` in a job spec):
+  one submission per node, each pinned to its node: node 0's has the attempt's id, node k's
+  `{id}-node-{k}`. Each runs the same command with the rendezvous in its runtime env:
+  VISIONLOOP_NNODES, VISIONLOOP_NODE_RANK, MASTER_ADDR (node 0's IP as Ray knows it) and
+  MASTER_PORT (drawn from `rendezvous_ports` by the submission id); the trainer's launcher
+  (visionloop.train.launch) numbers the global ranks from them (gloo on CPU, NCCL on GPU).
+  The nodes are the ones the scheduler placed the GPUs on (the same count on each), or for a
+  CPU job (one process per node), alive nodes chosen here, most CPUs first. CPUs and memory
+  are split evenly between the nodes. The attempt reads as one: *lost* as soon as any node's
+  part is (its node died; the survivors, who cannot go on without it, are stopped and the
+  control plane requeues the job, which resumes from its checkpoint), *exited* when every
+  part has (codes combined as the launcher combines its ranks': all 0 → 0, 0 or 75 → 75,
+  else the failure of a part that was not stopped by us), *running* otherwise; a part that
+  failed while others run gives them `peer_grace_s` (they fail at their next collective, or
+  Ray declares their node dead) before they are stopped. terminate and kill go to every part;
+  the log is node 0's (the others: `ray job logs {id}-node-{k}`). Launch is all or nothing:
+  a part Ray refuses stops the parts already submitted. Across real machines, gloo and NCCL
+  pick a network interface themselves: pass GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME through
+  `[jobs] env_allow` where they guess wrong.
 - **How the scheduler's picture and Ray's stay consistent.** The scheduler places jobs only
-  on the GPUs `capacity()` reported, one node per job, and `launch` pins the job to that node
+  on the GPUs `capacity()` reported, one node per job (or per node of a multi-node job), and
+  `launch` pins the job to that node
   (label selector `ray.io/node-id`; on Ray versions without entrypoint label selectors, the
   node's `node:<ip>` resource) with `entrypoint_num_gpus` = the number of GPUs allocated. So
   per node, Ray never has to fit more than the scheduler counted, and a job that must not
@@ -86,12 +106,16 @@ Handle (JSON, stored by the control plane with the attempt):
     {"executor": "ray", "submission_id": "vl-job-12-attempt-3", "address": DASHBOARD URL,
      "node_id": RAY NODE ID | null, "attempt_dir": ABS PATH}
 
+and, for a run across nodes, `"nodes": [{"submission_id": ..., "node_id": ...}, ...]` (node
+rank order) and `"rendezvous": "IP:PORT"`.
+
 Only `submission_id` is indispensable; the bare pre-launch handle `{"attempt_dir":
 ".../job-12/attempt-3"}` also works (the id is rebuilt from the folder names; see `adopt`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -99,6 +123,7 @@ import re
 import shlex
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +132,8 @@ from typing import TYPE_CHECKING, Any
 from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
 from visionloop.sched.view import Gpu, PriceClass
+from visionloop.train.launch import NNODES_ENV, NODE_RANK_ENV, combine_exit_codes
+from visionloop.train.signals import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +145,12 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 EXIT_KILLED = 128 + 9  # SIGKILL, as a shell reports it
 EXIT_NOT_STARTED = 126  # the command could not be started (a shell's "cannot execute")
 READ_CHUNK = 64 * 1024
+# Multi-node attempts: where node 0's rank 0 listens (torchrun's default port starts the range),
+# and how long the other nodes may go on after one failed before they are stopped: they notice
+# a dead peer at their next collective, and Ray needs a while to declare a node dead (a lost
+# node requeues the job, a failure counts against its restarts, so Ray gets the time to say).
+DEFAULT_RENDEZVOUS_PORTS = (29500, 30499)
+PEER_GRACE_S = 90.0
 _SHORT = 8  # hex digits of a node id in Gpu ids
 _TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # A supervisor that died (with its node, usually): the attempt's fate is unknown, like a
@@ -155,10 +188,12 @@ class RayNode:
     node_id: str
     ip: str
     name: str  # the Gpu.node name: "{node_name}-{node_id[:8]}"
+    cpus: float = 0.0  # the node's CPU resource (total), for placing CPU jobs across nodes
 
 
 class RayExecutor:
     name = "ray"
+    multi_node = True  # LaunchRequest.nodes > 1: one submission per node (see the module docstring)
 
     def __init__(
         self,
@@ -166,9 +201,23 @@ class RayExecutor:
         *,
         prefix: str = "vl",
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        rendezvous_ports: tuple[int, int] = DEFAULT_RENDEZVOUS_PORTS,
+        peer_grace_s: float = PEER_GRACE_S,
     ) -> None:
         """`address`: the Ray dashboard URL (http://HEAD:8265). `prefix` starts every
-        submission id: give each visionloop installation sharing a cluster its own."""
+        submission id: give each visionloop installation sharing a cluster its own.
+        `rendezvous_ports`: the range (inclusive) a multi-node job's MASTER_PORT is drawn from
+        on its first node; keep it free of other services there. `peer_grace_s`: how long
+        the other nodes of a multi-node attempt may run on after one node's process failed,
+        before they are stopped."""
+        low, high = rendezvous_ports
+        if not 1024 <= low <= high <= 65535:
+            raise ExecutorError(
+                f"RayExecutor rendezvous_ports {rendezvous_ports} is not a port range; give (low, high) "
+                "with 1024 <= low <= high <= 65535, e.g. (29500, 30499)."
+            )
+        self.rendezvous_ports = (low, high)
+        self.peer_grace_s = peer_grace_s
         if not _PREFIX.fullmatch(prefix):
             raise ExecutorError(
                 f"RayExecutor prefix {prefix!r} is invalid; use lower-case letters, digits and '-', "
@@ -182,6 +231,7 @@ class RayExecutor:
         self._label_selectors: bool | None = None
         self._nodes: dict[str, RayNode] = {}  # short id -> node, from the last capacity()
         self._signal_jobs: dict[str, list[str]] = {}  # attempt's submission id -> signal jobs
+        self._peer_failed: dict[str, float] = {}  # multi-node attempt -> when a node first failed
 
     # -- the Ray client ---------------------------------------------------------------------
 
@@ -250,6 +300,27 @@ class RayExecutor:
     def submission_id(self, job_id: int, attempt: int) -> str:
         return f"{self.prefix}-job-{job_id}-attempt-{attempt}"
 
+    @staticmethod
+    def node_submission_id(sid: str, rank: int) -> str:
+        """Node `rank`'s submission of a multi-node attempt: node 0's is the attempt's own id
+        (its log is the attempt's log), the others' `{sid}-node-{rank}`."""
+        return sid if rank == 0 else f"{sid}-node-{rank}"
+
+    def _sids(self, handle: Handle) -> list[str] | None:
+        """Every submission of the attempt, node 0's first; None if the handle names none.
+        A bare pre-launch handle has no node list: the other nodes' are looked up in Ray."""
+        nodes = handle.get("nodes")
+        if isinstance(nodes, list) and nodes:
+            return [str(n["submission_id"]) for n in nodes]
+        sid = self._sid(handle)
+        if sid is None:
+            return None
+        sids = [sid]
+        if not handle.get("submission_id"):
+            while self._info_quietly(self.node_submission_id(sid, len(sids))) is not None:
+                sids.append(self.node_submission_id(sid, len(sids)))
+        return sids
+
     def _sid(self, handle: Handle) -> str | None:
         sid = handle.get("submission_id")
         if isinstance(sid, str) and sid:
@@ -293,7 +364,12 @@ class RayExecutor:
                 short = node_id
             resources: Mapping[str, float] = n.resources_total or {}
             labels: Mapping[str, str] = n.labels or {}
-            node = RayNode(node_id=node_id, ip=str(n.node_ip), name=f"{n.node_name or n.node_ip}-{short}")
+            node = RayNode(
+                node_id=node_id,
+                ip=str(n.node_ip),
+                name=f"{n.node_name or n.node_ip}-{short}",
+                cpus=float(resources.get("CPU", 0)),
+            )
             known[short] = node
             gpu_type = _gpu_type(resources, labels)
             price = _price_class(resources, labels, node.name)
@@ -303,31 +379,60 @@ class RayExecutor:
             self._nodes = known
         return sorted(gpus, key=lambda g: (g.node, int(g.id.rsplit("/", 1)[1])))
 
-    def _node_of(self, request: LaunchRequest) -> RayNode | None:
-        """The one node the scheduler placed the request's GPUs on (None: a CPU job)."""
+    def _nodes_of(self, request: LaunchRequest) -> list[tuple[RayNode | None, int]]:
+        """Where each node's part of the request runs, node rank order, with its GPU count:
+        the nodes the scheduler placed the GPUs on (in the order it listed them), or for a CPU
+        job, one unpinned entry (Ray's choice) or, across nodes, the nodes picked here."""
+        if request.nodes < 1:
+            raise ExecutorError(f"job {request.job_id}: nodes is {request.nodes}; it must be at least 1.")
         if not request.gpus:
-            return None
-        shorts = {g.id.split("/", 1)[0] for g in request.gpus}
-        if len(shorts) > 1:
+            if request.nodes == 1:
+                return [(None, 0)]
+            return [(node, 0) for node in self._cpu_nodes(request)]
+        by_node: dict[str, int] = {}
+        for g in request.gpus:
+            short = g.id.split("/", 1)[0]
+            by_node[short] = by_node.get(short, 0) + 1
+        if len(by_node) != request.nodes or len(set(by_node.values())) != 1:
+            layout = ", ".join(f"{n} on {short}" for short, n in by_node.items())
             raise ExecutorError(
-                f"job {request.job_id}: GPUs {[g.id for g in request.gpus]} span several Ray nodes, but a "
-                "Ray job's entrypoint runs on one node; allocate all of a job's GPUs from one node."
+                f"job {request.job_id} spans {request.nodes} node(s), but its GPUs "
+                f"{[g.id for g in request.gpus]} lie {layout}: allocate the same number of GPUs on each "
+                f"of exactly {request.nodes} node(s) "
+                "(visionloop.sched.placement.pick_nodes)."
             )
-        short = shorts.pop()
         with self._lock:
-            node = self._nodes.get(short)
-        if node is None:
+            known = dict(self._nodes)
+        if any(short not in known for short in by_node):
             ids = {g.id for g in self.capacity()}
             with self._lock:
-                node = self._nodes.get(short)
+                known = dict(self._nodes)
             missing = [g.id for g in request.gpus if g.id not in ids]
-            if node is None or missing:
+            if missing or any(short not in known for short in by_node):
                 raise ExecutorError(
                     f"job {request.job_id}: GPUs {missing or [g.id for g in request.gpus]} are not in the "
                     f"Ray cluster any more (it has {sorted(ids)}); a node left or restarted. Restart the "
                     "control plane so it reads the cluster's GPUs again."
                 )
-        return node
+        return [(known[short], n) for short, n in by_node.items()]
+
+    def _cpu_nodes(self, request: LaunchRequest) -> list[RayNode]:
+        """`request.nodes` distinct alive nodes for a CPU job across nodes: the scheduler
+        places no CPU job, so the executor does. Nodes with the most CPUs first (then by name:
+        the same choice every time); each must have the job's per-node share of CPUs."""
+        self.capacity()  # refreshes self._nodes: the alive nodes
+        need = request.cpus / request.nodes
+        with self._lock:
+            nodes = sorted(self._nodes.values(), key=lambda n: (-n.cpus, n.name))
+        fit = [n for n in nodes if n.cpus >= need]
+        if len(fit) < request.nodes:
+            has = ", ".join(f"{n.name}: {n.cpus:g}" for n in nodes) or "no alive node"
+            raise ExecutorError(
+                f"job {request.job_id} needs {request.nodes} Ray nodes with {need:g} CPUs each, and the "
+                f"cluster has {len(fit)} ({has}); "
+                "add nodes, or lower resources.nodes or resources.cpus."
+            )
+        return fit[: request.nodes]
 
     def _pin(self, node_id: str, ip: str | None) -> dict[str, Any]:
         """Scheduling kwargs that put an entrypoint on one node."""
@@ -343,29 +448,83 @@ class RayExecutor:
         if not request.command:
             raise ExecutorError(f"job {request.job_id}: the command is empty; give the trainer command.")
         sid = self.submission_id(request.job_id, request.attempt)
-        node = self._node_of(request)
+        placed = self._nodes_of(request)
         self._stop_orphans(request)
-        # Ray sets CUDA_VISIBLE_DEVICES only for entrypoints that request GPUs; a CPU job left
-        # without it would see every GPU of its node, other jobs' included.
-        no_gpus = "" if request.gpus else "CUDA_VISIBLE_DEVICES= "
-        entrypoint = f"exec env {no_gpus}{SUBMISSION_ENV}={sid} {shlex.join(request.command)}"
-        env = {
+        base_env = {
             **request.env,
             "VISIONLOOP_JOB_ID": str(request.job_id),
             "VISIONLOOP_ATTEMPT": str(request.attempt),
             # Read by the job's supervisor actor: `stop_job` (our kill) SIGKILLs at once.
             "RAY_JOB_STOP_WAIT_TIME_S": "0",
         }
+        nodes: list[dict[str, Any]] = []
+        rendezvous = None
+        if len(placed) > 1:
+            first = placed[0][0]
+            assert first is not None  # several nodes are always chosen ones
+            rendezvous = f"{first.ip}:{self._rendezvous_port(sid)}"
+        try:
+            for rank, (node, n_gpus) in enumerate(placed):
+                node_sid = self.node_submission_id(sid, rank)
+                env = dict(base_env)
+                if rendezvous is not None:
+                    addr, port = rendezvous.rsplit(":", 1)
+                    env.update(
+                        {
+                            NNODES_ENV: str(len(placed)),
+                            NODE_RANK_ENV: str(rank),
+                            "MASTER_ADDR": addr,
+                            "MASTER_PORT": port,
+                        }
+                    )
+                self._submit(request, node_sid, node, n_gpus, env, len(placed))
+                nodes.append({"submission_id": node_sid, "node_id": node.node_id if node else None})
+        except ExecutorError:
+            # All nodes or none: a part-started run would wait for its missing peers forever.
+            for started in nodes:
+                with contextlib.suppress(ExecutorError):
+                    self._call(
+                        f"stop job {started['submission_id']}",
+                        self._client().stop_job,
+                        started["submission_id"],
+                    )
+            raise
+        handle: Handle = {
+            "executor": self.name,
+            "submission_id": sid,
+            "address": self.address,
+            "node_id": nodes[0]["node_id"],
+            "attempt_dir": str(request.attempt_dir),
+        }
+        if rendezvous is not None:
+            handle.update(nodes=nodes, rendezvous=rendezvous)
+        return handle
+
+    def _submit(
+        self,
+        request: LaunchRequest,
+        sid: str,
+        node: RayNode | None,
+        n_gpus: int,
+        env: dict[str, str],
+        n_nodes: int,
+    ) -> None:
+        """Submit one node's part of the attempt (the whole of it on one node), or adopt it
+        if Ray already has it."""
+        # Ray sets CUDA_VISIBLE_DEVICES only for entrypoints that request GPUs; a CPU job left
+        # without it would see every GPU of its node, other jobs' included.
+        no_gpus = "" if n_gpus else "CUDA_VISIBLE_DEVICES= "
+        entrypoint = f"exec env {no_gpus}{SUBMISSION_ENV}={sid} {shlex.join(request.command)}"
         kwargs: dict[str, Any] = {
             "entrypoint": entrypoint,
             "submission_id": sid,
             "runtime_env": {"env_vars": env},
             "metadata": {"visionloop_job": str(request.job_id), "attempt": str(request.attempt)},
-            "entrypoint_num_cpus": request.cpus,
-            "entrypoint_num_gpus": len(request.gpus),
+            "entrypoint_num_cpus": request.cpus / n_nodes,
+            "entrypoint_num_gpus": n_gpus,
         }
         if request.memory_gb > 0:
-            kwargs["entrypoint_memory"] = int(request.memory_gb * 1024**3)
+            kwargs["entrypoint_memory"] = int(request.memory_gb / n_nodes * 1024**3)
         if node is not None:
             kwargs.update(self._pin(node.node_id, node.ip))
         client = self._client()
@@ -381,13 +540,14 @@ class RayExecutor:
             if self._info_quietly(sid) is None:
                 raise self._unreachable(e) from e
             self._check_adoptable(sid, entrypoint, request)
-        return {
-            "executor": self.name,
-            "submission_id": sid,
-            "address": self.address,
-            "node_id": node.node_id if node else None,
-            "attempt_dir": str(request.attempt_dir),
-        }
+
+    def _rendezvous_port(self, sid: str) -> int:
+        """MASTER_PORT of a multi-node attempt: drawn from the range by the submission id, so
+        a re-launch (adoption) gets the same one and the next attempt most likely another
+        (the control plane cannot see which ports are free on a Ray node; a taken one fails
+        the attempt, and its retry draws again)."""
+        low, high = self.rendezvous_ports
+        return low + zlib.crc32(sid.encode()) % (high - low + 1)
 
     def _check_adoptable(self, sid: str, entrypoint: str, request: LaunchRequest) -> None:
         """A submission with this id exists: adopt it if it is this very attempt."""
@@ -413,11 +573,15 @@ class RayExecutor:
         attempt N only after attempt N-1 ended in its books, so a live one is an orphan: a
         launch whose answer was lost (timeout) and then counted as failed. Never two at once."""
         for n in range(max(1, request.attempt - 3), request.attempt):
-            sid = self.submission_id(request.job_id, n)
-            info = self._info_quietly(sid)
-            if info is not None and _status(info) not in _TERMINAL:
-                log.warning("job %s: earlier attempt %s still runs in Ray; stopping it", request.job_id, sid)
-                self._call(f"stop job {sid}", self._client().stop_job, sid)
+            attempt_sid = self.submission_id(request.job_id, n)
+            for rank in range(max(request.nodes, 1)):
+                sid = self.node_submission_id(attempt_sid, rank)
+                info = self._info_quietly(sid)
+                if info is not None and _status(info) not in _TERMINAL:
+                    log.warning(
+                        "job %s: earlier attempt %s still runs in Ray; stopping it", request.job_id, sid
+                    )
+                    self._call(f"stop job {sid}", self._client().stop_job, sid)
 
     def _info_quietly(self, sid: str) -> Any:
         try:
@@ -435,20 +599,31 @@ class RayExecutor:
         if sid is None or info is None:
             return None
         node_id = getattr(info, "driver_node_id", None)
-        return {
+        handle: Handle = {
             "executor": self.name,
             "submission_id": sid,
             "address": self.address,
             "node_id": node_id,
             "attempt_dir": str(attempt_dir),
         }
+        sids = self._sids({"attempt_dir": str(attempt_dir)}) or [sid]
+        if len(sids) > 1:
+            infos = [info] + [self._info(s) for s in sids[1:]]
+            handle["nodes"] = [
+                {"submission_id": s, "node_id": getattr(i, "driver_node_id", None) if i else None}
+                for s, i in zip(sids, infos, strict=True)
+            ]
+        return handle
 
     # -- poll -------------------------------------------------------------------------------
 
     def poll(self, handle: Handle) -> AttemptStatus:
-        sid = self._sid(handle)
-        if sid is None:
+        sids = self._sids(handle)
+        if sids is None:
             return AttemptStatus("lost", detail=f"the handle {handle} names no Ray submission")
+        if len(sids) > 1:
+            return self._poll_nodes(sids)
+        sid = sids[0]
         info = self._info(sid)
         if info is None:
             return AttemptStatus(
@@ -460,12 +635,74 @@ class RayExecutor:
             self._forget_signal_jobs(sid)
         return status
 
+    def _poll_nodes(self, sids: list[str]) -> AttemptStatus:
+        """A multi-node attempt as one: lost as soon as any node's part is (its node died:
+        the whole job is requeued, and the other nodes, which cannot go on without it, are
+        stopped); exited when every node's part has, with their codes combined as the
+        launcher combines its ranks' (all 0 → 0; 0 or 75 → 75; else the first failure, a
+        node that failed by itself before one that was stopped); running otherwise. A node
+        that failed while others still run gives them `peer_grace_s` to notice (they fail
+        at their next collective) before they are stopped."""
+        infos = [self._info(sid) for sid in sids]
+        statuses = [
+            AttemptStatus("lost", detail=f"Ray has no job {sid}") if info is None else _attempt_status(info)
+            for sid, info in zip(sids, infos, strict=True)
+        ]
+        running = [sid for sid, st in zip(sids, statuses, strict=True) if st.state == "running"]
+        lost = [(rank, st) for rank, st in enumerate(statuses) if st.state == "lost"]
+        if lost:
+            self._stop_all(running, "lost a node")
+            self._end_nodes(sids)
+            rank, st = lost[0]
+            return AttemptStatus("lost", detail=f"node {rank} of {len(sids)} ({sids[rank]}): {st.detail}")
+        exited = [
+            (rank, st, _status(infos[rank]) == "STOPPED")
+            for rank, st in enumerate(statuses)
+            if st.state == "exited" and st.exit_code is not None
+        ]
+        failed = [f for f in exited if f[1].exit_code not in (0, EXIT_PREEMPTED)]
+        if running:
+            if failed:
+                now = time.monotonic()
+                with self._lock:
+                    since = self._peer_failed.setdefault(sids[0], now)
+                if now - since > self.peer_grace_s:
+                    self._stop_all(running, f"node {failed[0][0]} failed {now - since:.0f} s ago")
+            return AttemptStatus(
+                "running", detail=f"running in Ray on {len(sids)} nodes ({len(running)} still running)"
+            )
+        self._end_nodes(sids)
+        if not failed:
+            code = combine_exit_codes([st.exit_code or 0 for _, st, _ in exited])
+            return AttemptStatus("exited", exit_code=code, detail=f"all {len(sids)} nodes exited")
+        # The node that failed by itself says why; the ones we stopped after it only echo it.
+        rank, st, _ = sorted(failed, key=lambda f: f[2])[0]
+        detail = f"node {rank} of {len(sids)} ({sids[rank]}): exit {st.exit_code}" + (
+            f"; {st.detail}" if st.detail else ""
+        )
+        return AttemptStatus("exited", exit_code=st.exit_code, detail=detail)
+
+    def _stop_all(self, sids: list[str], why: str) -> None:
+        for sid in sids:
+            log.warning("stopping %s: its multi-node attempt %s", sid, why)
+            with contextlib.suppress(ExecutorError):
+                self._call(f"stop job {sid}", self._client().stop_job, sid)
+
+    def _end_nodes(self, sids: list[str]) -> None:
+        with self._lock:
+            self._peer_failed.pop(sids[0], None)
+        for sid in sids:
+            self._forget_signal_jobs(sid)
+
     # -- signals ----------------------------------------------------------------------------
 
     def terminate(self, handle: Handle) -> None:
-        """SIGTERM to the attempt's main process, through a signal job on its node (see the
-        module docstring); a job that has not started yet is stopped outright."""
-        sid = self._require_sid(handle)
+        """SIGTERM to the attempt's main process on each of its nodes, through a signal job on
+        that node (see the module docstring); a part that has not started yet is stopped."""
+        for sid in self._require_sids(handle):
+            self._terminate_one(sid)
+
+    def _terminate_one(self, sid: str) -> None:
         info = self._info(sid)
         if info is None or _status(info) in _TERMINAL:
             return
@@ -488,13 +725,18 @@ class RayExecutor:
             self._signal_jobs.setdefault(sid, []).append(signal_sid)
 
     def kill(self, handle: Handle) -> None:
-        """Ray's stop_job: with RAY_JOB_STOP_WAIT_TIME_S=0 in the attempt's runtime env, SIGKILL
-        of its whole process tree right away. A no-op on a finished or unknown job."""
-        sid = self._require_sid(handle)
-        info = self._info(sid)
-        if info is None or _status(info) in _TERMINAL:
-            return
-        self._call(f"stop job {sid}", self._client().stop_job, sid)
+        """Ray's stop_job on each node's part: with RAY_JOB_STOP_WAIT_TIME_S=0 in the attempt's
+        runtime env, SIGKILL of its whole process tree right away. A no-op on a finished or
+        unknown job."""
+        for sid in self._require_sids(handle):
+            info = self._info(sid)
+            if info is None or _status(info) in _TERMINAL:
+                continue
+            self._call(f"stop job {sid}", self._client().stop_job, sid)
+
+    def _require_sids(self, handle: Handle) -> list[str]:
+        sids = self._sids(handle)
+        return sids if sids is not None else [self._require_sid(handle)]
 
     def _forget_signal_jobs(self, sid: str) -> None:
         """Delete the finished signal jobs of an attempt that ended, so `ray job list` does not
