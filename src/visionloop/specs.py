@@ -192,6 +192,17 @@ class TrainSpec(_Spec):
     seed: int = Field(0, ge=0, examples=[0])
     deterministic: bool = Field(False, examples=[True])
     device: str = Field("auto", examples=["auto", "cpu", "cuda", "cuda:1"])
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        examples=["fsdp"],
+        description=(
+            "How several training processes share the model. ddp: every process holds the whole model "
+            "and optimizer state. fsdp: parameters, gradients and optimizer state are sharded over the "
+            "processes (FSDP2), for a model that does not fit on one device; checkpoints are then "
+            "directories written by every process (one run directory all nodes share), and the run "
+            "still ends with one final.safetensors."
+        ),
+    )
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = EvalSpec()
     tracking: TrackingSpec = TrackingSpec()

@@ -15,6 +15,9 @@ The training loop is blocked only while the state is copied into host buffers (`
 which reuses its buffers from one checkpoint to the next: no allocation, no page faults);
 serialisation, hashing, fsync and rename run on a writer thread. One write is in flight at a
 time: a new save waits for the previous one, so checkpoints land in step order.
+
+A run with `distributed: fsdp` writes sharded checkpoints instead: directories written by every
+rank through torch.distributed.checkpoint, under the same rules (sharded_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -211,7 +214,15 @@ def read_header(path: Path) -> dict[str, Any]:
 
 
 def load_verified(path: Path) -> dict[str, Any]:
-    """Read a checkpoint, verify size and sha256, and unpickle it with weights_only=True."""
+    """Read a checkpoint, verify size and sha256, and unpickle it with weights_only=True.
+
+    A sharded checkpoint (a directory, `distributed: fsdp`) is verified file by file; what
+    comes back is its trainer state, with `dcp_dir` naming the directory whose model and
+    optimizer shards the loop then loads collectively."""
+    if path.is_dir():
+        from visionloop.train.sharded_checkpoint import load_verified_dir
+
+        return load_verified_dir(path)
     with open(path, "rb") as f:
         trailer, payload_len = _read_trailer(f, path.name)
         f.seek(0)
@@ -231,7 +242,7 @@ def load_verified(path: Path) -> dict[str, Any]:
     return state
 
 
-def _lower_thread_priority() -> None:
+def lower_thread_priority() -> None:
     """Run the writer at low CPU priority (Linux: nice is per thread). Training's OpenMP threads
     wait for each other at every parallel op, so a writer that takes one of their cores slows
     every step, not just one thread; at low priority it uses the cores when training leaves
@@ -250,7 +261,7 @@ class CheckpointManager:
         self.keep_best = keep_best
         self.best_mode = best_mode
         self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ckpt-writer", initializer=_lower_thread_priority
+            max_workers=1, thread_name_prefix="ckpt-writer", initializer=lower_thread_priority
         )
         self._pending: Future[Path] | None = None
         self._lock = threading.Lock()

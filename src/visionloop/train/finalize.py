@@ -18,7 +18,8 @@ def finalize(c: Components, loop: Loop, tracker: Any) -> dict[str, float]:
     """Write final.safetensors and model_card.json (atomically) and attach them to the run.
     Idempotent: a run killed halfway through this redoes it on resume."""
     rd = c.run_dir
-    save_weights(loop.module, rd.final_weights)
+    # Sharded (fsdp): the full state the loop gathered from every rank; the same file either way.
+    save_weights(loop.final_state if loop.final_state is not None else loop.module, rd.final_weights)
     metrics = dict(loop.last_eval.metrics) if loop.last_eval else {}
     card = c.task.model_card(
         c.manifest, c.spec, mean=c.mean, std=c.std, metrics=metrics, run_uid=(rd.read_meta() or {}).get("uid")

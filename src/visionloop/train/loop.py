@@ -9,10 +9,12 @@ stopped (CPU, deterministic mode).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,13 +26,14 @@ from visionloop.data.loader import make_loader
 from visionloop.data.normalize import Normalizer
 from visionloop.data.sampler import EvalBatchSampler, ResumableBatchSampler
 from visionloop.tasks import EvalResult
-from visionloop.train import dist, progress
+from visionloop.train import dist, progress, sharding
 from visionloop.train import rng as rng_state
 from visionloop.train.checkpoint import CheckpointManager
 from visionloop.train.device import Precision
 from visionloop.train.evaluation import eval_rounds, score_split
 from visionloop.train.report import Reporter
 from visionloop.train.setup import Components
+from visionloop.train.sharded_checkpoint import ShardedCheckpointManager
 from visionloop.train.signals import StopRequest
 
 log = logging.getLogger("visionloop.train")
@@ -74,13 +77,28 @@ class Loop:
         # Unset in the spec: the task's primary metric decides "best" (val/accuracy, val/mAP).
         self.best_metric = self.spec.checkpoint.best_metric or f"val/{c.task.primary_metric}"
         self.best_mode = self.spec.checkpoint.best_mode or c.task.primary_mode
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision.needs_scaler)
-        self.ckpt = CheckpointManager(
-            c.run_dir.checkpoints,
-            keep_last=self.spec.checkpoint.keep_last,
-            keep_best=self.spec.checkpoint.keep_best,
-            best_mode=self.best_mode,
-        )
+        # `distributed: fsdp`: sharded parameters, sharded checkpoints (see sharding.py). Also
+        # with one process, which shards nothing but keeps the checkpoint format.
+        self.sharded = self.spec.distributed == "fsdp"
+        self.ckpt: CheckpointManager | ShardedCheckpointManager
+        if self.sharded:
+            self.scaler = sharding.grad_scaler(self.device, enabled=precision.needs_scaler)
+            self.ckpt = ShardedCheckpointManager(
+                c.run_dir.checkpoints,
+                keep_last=self.spec.checkpoint.keep_last,
+                keep_best=self.spec.checkpoint.keep_best,
+                best_mode=self.best_mode,
+                info=self.info,
+            )
+        else:
+            self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision.needs_scaler)
+            self.ckpt = CheckpointManager(
+                c.run_dir.checkpoints,
+                keep_last=self.spec.checkpoint.keep_last,
+                keep_best=self.spec.checkpoint.keep_best,
+                best_mode=self.best_mode,
+            )
+        self.final_state: dict[str, torch.Tensor] | None = None  # set by run() when training completes
         self.sampler = ResumableBatchSampler(
             c.train_reader.chunk_sizes,
             self.spec.data.batch_size,
@@ -146,11 +164,16 @@ class Loop:
 
     def state_dict(self) -> dict[str, Any]:
         ranks_rng = dist.gather_objects(rng_state.capture(cuda=self.device.type == "cuda"), self.info)
+        if self.sharded:
+            # This rank's shards, by parameter name (the optimizer's None before its first step).
+            model_state, optim_state = sharding.sharded_state(self.module, self.c.optimizer)
+        else:
+            model_state, optim_state = self.module.state_dict(), self.c.optimizer.state_dict()
         return {
             "format": 1,
             "position": asdict(self.pos),
-            "model": self.module.state_dict(),
-            "optimizer": self.c.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": self.c.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "rng": ranks_rng,
@@ -173,9 +196,27 @@ class Loop:
                 f"{self.spec.data.dataset} is now version {self.c.manifest.version}. Point "
                 f"data.dataset at the original dataset, or start a new run directory."
             )
+        if "dcp_dir" in state and not self.sharded:
+            raise CheckpointError(
+                f"{state['dcp_dir']} is a sharded (distributed: fsdp) checkpoint, and this run uses "
+                f"distributed: {self.spec.distributed}. Set distributed: fsdp to resume it."
+            )
         try:
-            self.module.load_state_dict(state["model"])
-            self.c.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:
+                if "dcp_dir" not in state:
+                    raise CheckpointError(
+                        "this run uses distributed: fsdp, but its checkpoint is a single file (a ddp "
+                        "run's). Set distributed: ddp to resume it, or train into a new --run-dir."
+                    )
+                sharding.load_sharded(
+                    self.module,
+                    self.c.optimizer,
+                    Path(state["dcp_dir"]),
+                    with_optimizer=bool(state.get("has_optimizer_state")),
+                )
+            else:
+                self.module.load_state_dict(state["model"])
+                self.c.optimizer.load_state_dict(state["optimizer"])
             self.c.scheduler.load_state_dict(state["scheduler"])
             if state["scaler"] and self.scaler.is_enabled():
                 self.scaler.load_state_dict(state["scaler"])
@@ -203,8 +244,9 @@ class Loop:
 
     def save_checkpoint(self, metric: float | None = None, *, block: bool = False) -> None:
         state = self.state_dict()
-        if self.info.is_main:
+        if self.sharded or self.info.is_main:  # sharded: every rank writes its own shards
             self.ckpt.save(state, self.pos.step, metric, block=block, before_commit=self._flush_metrics)
+        if self.info.is_main:
             self.reporter.checkpoint(self.pos.step, self.ckpt.last_stall_s)
             log.info("checkpoint at step %d (loop blocked %.3f s)", self.pos.step, self.ckpt.last_stall_s)
         self._last_ckpt_time = time.monotonic()
@@ -251,6 +293,9 @@ class Loop:
             if not self._train_epoch():
                 return self._stop_now()
         self.ckpt.wait()
+        # The weights final.safetensors gets, on rank 0; gathering FSDP's shards is collective,
+        # so every rank takes part here (only rank 0 finalizes).
+        self.final_state = sharding.full_state_dict(self.module, self.info) if self.sharded else None
         return True
 
     def _stop_now(self, why: str | None = None) -> bool:
@@ -339,6 +384,8 @@ class Loop:
         self.scaler.step(c.optimizer)
         self.scaler.update()
         c.scheduler.step()
+        if self.sharded:
+            sharding.sync_buffers(self.module, self.info)  # DDP's buffer semantics (see sharding.py)
         return loss.detach()
 
     def _log_steps(self, losses: list[torch.Tensor], lrs: list[float], images_per_s: float | None) -> None:
@@ -381,21 +428,24 @@ class Loop:
         batch_size = int(self.eval_loader.batch_sampler.batch_size)  # type: ignore[union-attr]
         rounds = eval_rounds(self.c.eval_size, batch_size, self.info.world_size)
         self.reporter.eval_start(pos.epoch, rounds)
-        scored = score_split(
-            task=self.c.task,
-            classes=self.c.manifest.classes,
-            model=model,
-            batches=self.eval_loader,
-            rounds=rounds,
-            normalize=self.normalize,
-            channels_last=self.spec.model.channels_last,
-            precision=self.precision,
-            device=self.device,
-            info=self.info,
-            stop=self.stop,
-            reporter=self.reporter,
-            loss_fn=self.c.loss_fn,
-        )
+        # FSDP: parameters gathered for the whole pass, so that ranks with fewer eval batches
+        # (fewer forwards) do not leave the others waiting in an all-gather.
+        with sharding.unsharded(model) if self.sharded else contextlib.nullcontext():
+            scored = score_split(
+                task=self.c.task,
+                classes=self.c.manifest.classes,
+                model=model,
+                batches=self.eval_loader,
+                rounds=rounds,
+                normalize=self.normalize,
+                channels_last=self.spec.model.channels_last,
+                precision=self.precision,
+                device=self.device,
+                info=self.info,
+                stop=self.stop,
+                reporter=self.reporter,
+                loss_fn=self.c.loss_fn,
+            )
         if scored is None:
             return False
         evaluator, result = scored

@@ -26,6 +26,7 @@ from visionloop.tasks import LossFn, Task, get_task
 from visionloop.train.dist import DistInfo
 from visionloop.train.rundir import RunDir
 from visionloop.train.schedule import build_optimizer, build_scheduler
+from visionloop.train.sharding import shard_model
 
 
 @dataclass
@@ -150,10 +151,14 @@ def build(
     if spec.model.channels_last:
         model.to(memory_format=torch.channels_last)
     num_params = sum(p.numel() for p in model.parameters())
+    sharded = spec.distributed == "fsdp" and info.enabled
+    if sharded:
+        # Before the optimizer: sharding replaces the parameters it must hold (see sharding.py).
+        model = shard_model(model, device)
     optimizer = build_optimizer(model, spec.optimizer)
     scheduler = build_scheduler(optimizer, spec.schedule, total_steps, steps_per_epoch)
     wrapped: nn.Module = model
-    if info.enabled:
+    if info.enabled and not sharded:
         wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if spec.model.compile:
         wrapped = torch.compile(wrapped)  # type: ignore[assignment]
