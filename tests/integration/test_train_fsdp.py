@@ -23,6 +23,10 @@ from safetensors.torch import load_file
 
 from _trainkit import popen, spec_doc, write_spec
 from visionloop.models import ModelCard, create_model, load_weights
+from visionloop.specs import validate_train_spec
+from visionloop.train.api import train
+from visionloop.train.report import Reporter
+from visionloop.train.signals import StopRequest
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +113,10 @@ def test_fsdp_resume_after_sigterm_is_bitwise_exact_and_close_to_ddp(
 
 
 def test_a_two_process_fsdp_checkpoint_resumes_with_one_process(tmp_path: Path, digits_dataset: Path) -> None:
-    spec = write_spec(tmp_path / "fsdp.yaml", _doc(digits_dataset, epochs=1))
+    # A residual model, channels-last: FSDP2 cannot shard channels-last parameters, so under
+    # fsdp only the batches are channels-last (the run would fail at start-up otherwise).
+    model = {"arch": "tiny_resnet", "channels_last": True}
+    spec = write_spec(tmp_path / "fsdp.yaml", _doc(digits_dataset, epochs=1, model=model))
     run_dir = tmp_path / "run"
     _train_and_sigterm(spec, run_dir)
     stopped_at = sorted((run_dir / "checkpoints").iterdir())[-1]
@@ -130,3 +137,47 @@ def test_a_two_process_fsdp_checkpoint_resumes_with_one_process(tmp_path: Path, 
     w = _weights(run_dir)
     assert all(torch.isfinite(v).all() for v in w.values() if v.is_floating_point())
     assert meta["final_metrics"]["accuracy"] > 0.5  # it went on learning, not from scratch
+
+
+def _loads_into_its_model(run_dir: Path) -> None:
+    card = ModelCard.load(run_dir / "model_card.json")
+    model = create_model(card.arch, len(card.class_names), **card.model_kwargs)
+    model.load_state_dict(load_weights(run_dir / "final.safetensors"), strict=True)
+
+
+@pytest.mark.gpu
+def test_fsdp_on_one_gpu_checkpoints_and_resumes(tmp_path: Path, digits_dataset: Path) -> None:
+    """One process shards nothing, but writes the same DCP checkpoints, here from CUDA tensors."""
+    doc = _doc(digits_dataset, epochs=None, steps=8, device="cuda", precision="bf16", deterministic=False)
+    stop = StopRequest()
+
+    class StopAt4(Reporter):
+        def step(self, step: int, loss: float | None, lr: float, images_per_s: float | None) -> None:
+            if step == 4:
+                stop.request("test")
+
+    first = train(validate_train_spec(doc), tmp_path / "run", reporter=StopAt4(), track=False, stop=stop)
+    assert first.exit_code == 75 and first.step == 4
+    assert (tmp_path / "run" / "checkpoints" / "step-000000004.dcp" / "manifest.json").is_file()
+    second = train(validate_train_spec(doc), tmp_path / "run", track=False)
+    assert second.exit_code == 0 and second.step == 8
+    _loads_into_its_model(tmp_path / "run")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for FSDP over NCCL")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])  # fp16: the sharded loss scaler
+def test_fsdp_over_nccl_stops_resumes_and_finishes(
+    tmp_path: Path, digits_dataset: Path, precision: str
+) -> None:
+    doc = _doc(digits_dataset, epochs=2, device="cuda", precision=precision, deterministic=False)
+    spec = write_spec(tmp_path / "spec.yaml", doc)
+    run_dir = tmp_path / "run"
+    _train_and_sigterm(spec, run_dir)
+    stopped_at = sorted((run_dir / "checkpoints").iterdir())[-1]
+    assert json.loads((stopped_at / "manifest.json").read_text())["world_size"] == 2
+    out = _train(spec, run_dir, "--nproc-per-node", "2")
+    assert f"resuming from {stopped_at.name}" in out
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["status"] == "succeeded" and meta["final_metrics"]["accuracy"] > 0.5
+    _loads_into_its_model(run_dir)

@@ -148,7 +148,9 @@ def build(
     )
     model.to(device)
     check_input_size(model, spec, task, manifest.classes, device)
-    if spec.model.channels_last:
+    if spec.model.channels_last and spec.distributed != "fsdp":
+        # FSDP2 (torch 2.14) cannot shard non-contiguous parameters; under fsdp only the input
+        # batches are channels-last, and convolutions follow their input's layout.
         model.to(memory_format=torch.channels_last)
     num_params = sum(p.numel() for p in model.parameters())
     sharded = spec.distributed == "fsdp" and info.enabled
