@@ -31,6 +31,29 @@ from visionloop.train.signals import StopRequest
 pytestmark = pytest.mark.slow
 
 
+_STOP_AT_EVAL = """
+import sys
+from pathlib import Path
+
+from visionloop.specs import load_train_spec
+from visionloop.train.api import train
+from visionloop.train.report import Reporter
+from visionloop.train.signals import StopRequest
+
+stop = StopRequest()
+
+
+class StopAtEval(Reporter):
+    def eval_start(self, epoch, rounds):
+        stop.request("test")
+
+
+spec = load_train_spec(Path(sys.argv[1]))[0]
+result = train(spec, Path(sys.argv[2]), reporter=StopAtEval(), track=False, stop=stop)
+print(f"exit {result.exit_code} at step {result.step}")
+"""
+
+
 def _doc(dataset: Path, **overrides: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "distributed": "fsdp",
@@ -90,6 +113,22 @@ def test_fsdp_resume_after_sigterm_is_bitwise_exact_and_close_to_ddp(
     a, b = _weights(ref_dir), _weights(run_dir)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+    # Stopped as the first evaluation starts: the resumed run's first forward is that
+    # evaluation's (with the parameters gathered before FSDP's lazy start-up ever ran).
+    at_eval = tmp_path / "stopped-at-eval"
+    script = tmp_path / "stop_at_eval.py"
+    script.write_text(_STOP_AT_EVAL)
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script), str(spec), str(at_eval)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0 and p.stdout.count("exit 75 at step 22") == 2, p.stdout + p.stderr
+    out = _train(spec, at_eval, "--nproc-per-node", "2")
+    assert "resuming from step-000000022.dcp" in out
+    c = _weights(at_eval)
+    assert all(torch.equal(a[k], c[k]) for k in a), [k for k in a if not torch.equal(a[k], c[k])]
 
     # The single file a DDP run writes: the registry's model loads it with every key.
     card = ModelCard.load(run_dir / "model_card.json")
