@@ -289,6 +289,17 @@ class JobFields(_Spec):
         return v
 
 
+class TrialFields(_Spec):
+    """Marks a job as one trial of a tuning study (`visionloop tune` sets it). The job pauses
+    after `until_epoch` epochs, through a checkpoint (exit 76), at a rung of the study's
+    pruner, and waits there, holding no GPU, for the study to promote it (it goes on to the
+    next rung) or prune it. None: it runs to its end."""
+
+    study: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_.\-]{0,99}$", examples=["digits-lr"])
+    number: int = Field(ge=0, le=10_000_000, examples=[3])
+    until_epoch: int | None = Field(None, ge=1, examples=[1])
+
+
 class JobSpec(JobFields):
     """A queued training job: a train spec plus what the scheduler needs to place it.
 
@@ -297,6 +308,18 @@ class JobSpec(JobFields):
 
     train: TrainSpec
     name: str | None = Field(None, min_length=1, max_length=200, examples=["resnet50-baseline"])
+    trial: TrialFields | None = Field(None, examples=[{"study": "digits-lr", "number": 3, "until_epoch": 1}])
+
+    @model_validator(mode="after")
+    def _trial_fits(self) -> JobSpec:
+        if self.trial is None or self.trial.until_epoch is None:
+            return self
+        if self.train.epochs is None:
+            raise ValueError(
+                "trial.until_epoch pauses the job after that many epochs, but its train spec runs "
+                f"{self.train.steps} steps; give the train spec `epochs`, or leave until_epoch out."
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- loading

@@ -30,6 +30,7 @@ from visionloop.sched import db
 from visionloop.sched.states import JobState, TransitionError, allowed
 from visionloop.sched.store import GONE_REASON, ConflictError, Job, Store, default_url
 from visionloop.sched.view import Gpu
+from visionloop.sched.workload import CommandContext
 from visionloop.specs import JobSpec
 
 
@@ -243,6 +244,10 @@ def _job_in(store: Store, state: JobState, gpu: Gpu) -> int:
         store.transition(job.id, state, "set up", now=13.0)
     elif state is JobState.SUCCEEDED:
         store.end_attempt(job.id, 1, "succeeded", 0, 14.0, JobState.SUCCEEDED, "done")
+    elif state in (JobState.PAUSED, JobState.PRUNED):
+        store.end_attempt(job.id, 1, "paused", 76, 14.0, JobState.PAUSED, "at its rung")
+        if state is JobState.PRUNED:
+            store.prune(job.id, "set up", now=15.0)
     return job.id
 
 
@@ -810,3 +815,75 @@ def test_opening_waits_for_a_writer_that_holds_a_database_not_yet_in_wal_mode(
             assert fresh.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         holder.close()
+
+
+def trial_job(s: Store, number: int, until_epoch: int | None) -> Job:
+    doc = {
+        **spec_doc(f"t{number}", 1),
+        "trial": {"study": "st", "number": number, "until_epoch": until_epoch},
+    }
+    doc["train"]["epochs"] = 3
+    return s.submit(
+        doc,
+        JobSpec.model_validate(doc),
+        team="vision",
+        priority_rank=50,
+        run_dir=None,
+        idempotency_key=None,
+        now=10.0,
+    )
+
+
+def test_a_paused_trial_is_promoted_with_its_next_rung_or_pruned_for_good(store: Store) -> None:
+    gpu = Gpu("g0", "n0", "A100")
+    job = trial_job(store, 0, 1)
+    assert store.get_job(job.id).workload_doc == {
+        "kind": "trial",
+        "study": "st",
+        "number": 0,
+        "until_epoch": 1,
+    }
+    assert store.get_job(job.id).workload.command(CommandContext(Path("/j"), Path("/r"), 1))[-2:] == [
+        "--until-epoch",
+        "1",
+    ]
+    store.start_attempt(job.id, "local", [gpu], now=12.0)
+    store.end_attempt(job.id, 1, "paused", 76, 14.0, JobState.PAUSED, "at its rung")
+    assert store.get_job(job.id).state is JobState.PAUSED
+    assert [j.id for j in store.view_jobs()] == []  # a paused job is not the scheduler's
+    with pytest.raises(StoreError, match="promote it to a later epoch"):
+        store.resume_paused(job.id, 1, "again", now=15.0)
+    resumed = store.resume_paused(job.id, 3, "promoted", now=15.0)
+    assert resumed.state is JobState.QUEUED and resumed.waiting_reason == "promoted"
+    assert store.get_job(job.id).workload_doc["until_epoch"] == 3
+    assert [j.id for j in store.view_jobs()] == [job.id]
+    with pytest.raises(TransitionError, match="is queued, not paused"):
+        store.prune(job.id, "late", now=16.0)
+
+    other = trial_job(store, 1, 1)
+    store.start_attempt(other.id, "local", [Gpu("g1", "n0", "A100")], now=12.0)
+    store.end_attempt(other.id, 1, "paused", 76, 14.0, JobState.PAUSED, "at its rung")
+    pruned = store.prune(other.id, "never among the best", now=20.0)
+    assert pruned.state is JobState.PRUNED and pruned.finished_at == 20.0
+    assert [a.outcome for a in store.attempts(other.id)] == ["pruned"]
+    assert store.transitions(other.id)[-1].reason == "never among the best"
+    with pytest.raises(TransitionError):
+        store.resume_paused(other.id, None, "too late", now=21.0)
+
+
+def test_only_a_trial_can_be_promoted(store: Store) -> None:
+    job = submit(store, "plain")
+    store.start_attempt(job.id, "local", [Gpu("g0", "n0", "A100")], now=12.0)
+    # Only a trial's workload pauses; the store still refuses to promote a plain job there.
+    store.end_attempt(job.id, 1, "paused", 76, 14.0, JobState.PAUSED, "odd")
+    with pytest.raises(StoreError, match="not a tuning trial"):
+        store.resume_paused(job.id, None, "no", now=15.0)
+
+
+def test_the_schema_allows_exactly_the_state_machines_states_and_outcomes() -> None:
+    from typing import get_args
+
+    from visionloop.sched.records import Outcome
+
+    assert set(db.JOB_STATES) == {s.value for s in JobState}
+    assert set(db.OUTCOMES) == set(get_args(Outcome))

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from test_train_resume import assert_bitwise_equal, metric_steps, weights
+
 from _trainkit import cli, spec_doc, write_spec
 from visionloop.train.signals import EXIT_PAUSED
-from test_train_resume import assert_bitwise_equal, metric_steps, weights
 
 
 def _train(spec: Path, run_dir: Path, *extra: str) -> tuple[int, str]:
@@ -22,7 +23,9 @@ def _train(spec: Path, run_dir: Path, *extra: str) -> tuple[int, str]:
     return p.returncode, p.stdout + p.stderr
 
 
-def test_paused_at_each_rung_then_continued_matches_an_unpaused_run(tmp_path: Path, digits_dataset: Path) -> None:
+def test_paused_at_each_rung_then_continued_matches_an_unpaused_run(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
     spec = write_spec(tmp_path / "spec.yaml", spec_doc(digits_dataset, epochs=3))
     code, out = _train(spec, tmp_path / "reference")
     assert code == 0, out

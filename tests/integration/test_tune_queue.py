@@ -1,13 +1,15 @@
 """The tuner through the real control plane (SQLite, the local executor with fake GPUs, the
-real trainer on digits): trials become jobs, their evaluations become intermediate values,
-the pruner stops a bad trial through the queue, and a tuner killed at any point (between
-ask and submit, between submit and recording the job, or SIGKILLed mid-study) continues
-without a lost or duplicated trial."""
+real trainer on digits): trials become jobs that pause at the pruner's rungs, their
+evaluations become intermediate values, asha promotes the best paused trial (it resumes from
+its checkpoint as the same job) and the others are pruned through the queue, a budget stops
+new trials, and a tuner killed at any point (between ask and submit, between submit and
+recording the job, or SIGKILLed mid-study) continues without a lost or duplicated trial."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,10 +28,9 @@ from _cpkit import train_doc as _train
 from _dbkit import fresh_database
 from visionloop.api.client import Client
 from visionloop.core.settings import load_settings
-from visionloop.tune.space import apply, suggest
 from visionloop.tune.spec import TuneSpec, validate_tune_spec
 from visionloop.tune.study import create_or_load, load
-from visionloop.tune.tuner import JOB_ATTR, PRUNE_ATTR, Tuner, idempotency_key, job_name
+from visionloop.tune.tuner import JOB_ATTR, STOPPED_ATTR, Tuner, idempotency_key
 
 TWO_GPUS = [{"node": "local", "type": "fake", "count": 2, "price_class": "owned"}]
 GOOD_LR, BAD_LR = 0.003, 1e-4  # the space's low end: barely moves in one epoch
@@ -88,25 +89,86 @@ def _check_finished(cp: CP, url: str, spec: TuneSpec) -> list[Any]:
     return trials
 
 
-def test_trials_run_as_jobs_report_per_epoch_and_a_bad_one_is_pruned(
-    cp_url: tuple[CP, str], digits_dataset: Path
+def _show(cp: CP, job_id: int) -> dict[str, Any]:
+    with cp.client() as c:
+        return dict(c.get(f"/v1/jobs/{job_id}").json())
+
+
+def _entered(show: dict[str, Any], state: str) -> list[float]:
+    return [t["at"] for t in show["transitions"] if t["to_state"] == state]
+
+
+@pytest.mark.parametrize("promotion", [True, False], ids=["promotion", "stop-only"])
+def test_trials_pause_at_the_rung_the_best_goes_on_and_the_other_is_pruned(
+    cp_url: tuple[CP, str], digits_dataset: Path, promotion: bool
 ) -> None:
     cp, url = cp_url
-    # One at a time, a good learning rate first: the bad one is then behind it at epoch 1.
-    spec = validate_tune_spec(tune_doc(digits_dataset, concurrency=1, trials=2), "tune.yaml")
+    # One at a time, a good learning rate first. Both pause after epoch 1 (the rung); the
+    # good one goes on from its checkpoint, the bad one is pruned there.
+    pruner = {"name": "asha", "min_epochs": 1, "reduction_factor": 2, "promotion": promotion}
+    spec = validate_tune_spec(tune_doc(digits_dataset, concurrency=1, trials=2, pruner=pruner), "tune.yaml")
     study = create_or_load(spec, url)
     study.enqueue_trial({"optimizer.lr": GOOD_LR})
     study.enqueue_trial({"optimizer.lr": BAD_LR})
     with Client(cp.url, cp.admin_token) as client:
-        Tuner(spec, study, client, load_settings().home / "jobs").run(poll_s=0.2, should_stop=_within(300))
+        progress = Tuner(spec, study, client, load_settings().home / "jobs").run(
+            poll_s=0.2, should_stop=_within(300)
+        )
+    assert progress.done and (progress.finished, progress.running, progress.paused) == (2, 0, 0)
     good, bad = _check_finished(cp, url, spec)
     assert good.state == TrialState.COMPLETE and good.params["optimizer.lr"] == GOOD_LR
     assert good.value > 0.5
     assert bad.state == TrialState.PRUNED, bad
-    assert bad.user_attrs[PRUNE_ATTR] == 1 and sorted(bad.intermediate_values)[0] == 1
+    assert sorted(bad.intermediate_values) == [1]
     assert bad.intermediate_values[1] < good.intermediate_values[1]
-    bad_job = cp.wait_job(bad.user_attrs[JOB_ATTR], lambda j: j["state"] in ("cancelled", "succeeded"))
-    assert bad_job["job"]["state"] == "cancelled"
+
+    # The good trial is one job run twice: paused at the rung (exit 76), then resumed from
+    # that checkpoint to the end, never from scratch.
+    good_job = _show(cp, good.user_attrs[JOB_ATTR])
+    assert good_job["job"]["state"] == "succeeded"
+    assert [(a["outcome"], a["exit_code"]) for a in good_job["attempts"]] == [
+        ("paused", 76),
+        ("succeeded", 0),
+    ]
+    assert good_job["job"]["workload_doc"] == {
+        "kind": "trial",
+        "study": spec.name,
+        "number": good.number,
+        "until_epoch": None,
+    }
+    log = (Path(good_job["job"]["run_dir"]) / "train.log").read_text()
+    assert re.search(r"resumed from \S+ at step [1-9]", log), log[-2000:]
+    # The bad trial ended at its rung: job pruned, its one attempt's outcome pruned.
+    bad_job = _show(cp, bad.user_attrs[JOB_ATTR])
+    assert bad_job["job"]["state"] == "pruned"
+    assert [(a["outcome"], a["exit_code"]) for a in bad_job["attempts"]] == [("pruned", 76)]
+    assert "pruned by" in bad_job["transitions"][-1]["reason"]
+    # Promotion waits for the rung to be judged against the later trial; stop-only judges the
+    # good trial alone on arrival and sends it on before the bad one even starts.
+    good_resumed = _entered(good_job, "queued")[1]
+    bad_paused = _entered(bad_job, "paused")[0]
+    assert (good_resumed > bad_paused) is promotion
+
+
+def test_a_budget_stops_new_trials_and_ends_the_study(cp_url: tuple[CP, str], digits_dataset: Path) -> None:
+    cp, url = cp_url
+    # The first trial's rung alone spends more than this (its fake GPU's hours count).
+    spec = validate_tune_spec(
+        tune_doc(digits_dataset, concurrency=1, trials=3, budget={"gpu_hours": 1e-4}), "tune.yaml"
+    )
+    study = create_or_load(spec, url)
+    with Client(cp.url, cp.admin_token) as client:
+        progress = Tuner(spec, study, client, load_settings().home / "jobs").run(
+            poll_s=0.2, should_stop=_within(300)
+        )
+    assert progress.done and progress.stopped is not None and "GPU-hours" in progress.stopped
+    assert progress.gpu_hours >= 1e-4
+    trials = load(spec.name, url).get_trials()
+    assert len(trials) == 1 and len(_jobs(cp)) == 1  # no second trial started
+    assert trials[0].state == TrialState.PRUNED  # paused at its rung, never promoted
+    assert "budget" in trials[0].user_attrs["end"]
+    assert trials[0].user_attrs["cost"]["gpu_hours"] == pytest.approx(progress.gpu_hours)
+    assert "budget of 0.0001 GPU-hours is spent" in load(spec.name, url).user_attrs[STOPPED_ATTR]
 
 
 def test_a_tuner_that_died_between_ask_submit_and_record_neither_loses_nor_repeats(
@@ -115,16 +177,13 @@ def test_a_tuner_that_died_between_ask_submit_and_record_neither_loses_nor_repea
     cp, url = cp_url
     spec = validate_tune_spec(tune_doc(digits_dataset, trials=3, concurrency=2), "tune.yaml")
     study = create_or_load(spec, url)
-    # Died after ask (parameters stored), before submitting: trial 0 has no job.
-    asked = study.ask()
-    suggest(asked, spec.space)
-    # Died after submitting, before recording the job on the trial: trial 1.
-    second = study.ask()
-    job = spec.trial_job(apply(spec.train_doc(), suggest(second, spec.space)), job_name(study, 1))
     with Client(cp.url, cp.admin_token) as client:
-        first_id = client.submit(
-            job.model_dump(mode="json", exclude_none=True), idempotency_key=idempotency_key(study, 1)
-        )["id"]
+        tuner = Tuner(spec, study, client, load_settings().home / "jobs")
+        # Died after ask (parameters stored), before submitting: trial 0 has no job.
+        tuner.job_doc(study.ask())
+        # Died after submitting, before recording the job on the trial: trial 1.
+        second = study.ask()
+        first_id = client.submit(tuner.job_doc(second), idempotency_key=idempotency_key(study, 1))["id"]
         tuner = Tuner(spec, create_or_load(spec, url), client, load_settings().home / "jobs")
         progress = tuner.step()
         assert (progress.running, progress.asked) == (2, 2)  # no third trial while two run

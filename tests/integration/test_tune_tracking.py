@@ -105,11 +105,6 @@ def test_open_run_nests_under_the_parent_and_the_trainers_tags_win(settings: Set
     assert PARENT_TAG not in client.get_run(parent.run_id).data.tags
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs train/api.py `_open_tracker` to pass parent_run_id=spec.tracking.parent_run_id and "
-    "spec_tags=spec.tracking.tags to open_run (owned elsewhere); remove this mark once it does",
-)
 def test_a_real_training_run_from_a_nested_spec_is_the_parents_child(
     settings: Settings, tmp_path: Path, digits_dataset: Path
 ) -> None:

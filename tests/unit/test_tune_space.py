@@ -172,8 +172,14 @@ def _report(study: optuna.Study, values_by_epoch: dict[int, float]) -> optuna.Tr
     return trial
 
 
-def test_asha_judges_trials_at_rungs_in_epochs() -> None:
-    spec = spec_of(pruner={"name": "asha", "min_epochs": 2, "reduction_factor": 3})
+def test_asha_with_promotion_leaves_judging_to_the_tuner() -> None:
+    # The tuner promotes paused trials itself (tune/asha.py): Optuna's pruner never stops one.
+    pruner = make_pruner(spec_of(pruner={"name": "asha", "min_epochs": 2, "reduction_factor": 3}))
+    assert isinstance(pruner, optuna.pruners.NopPruner)
+
+
+def test_stop_only_asha_judges_trials_at_rungs_in_epochs() -> None:
+    spec = spec_of(pruner={"name": "asha", "min_epochs": 2, "reduction_factor": 3, "promotion": False})
     pruner = make_pruner(spec)
     assert isinstance(pruner, optuna.pruners.SuccessiveHalvingPruner)
     study = optuna.create_study(direction="maximize", pruner=pruner)

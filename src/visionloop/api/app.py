@@ -45,6 +45,17 @@ class SubmitBody(BaseModel):
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
 
 
+class ResumeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    until_epoch: int | None = Field(None, ge=1, le=1_000_000, description="the next rung; null: the end")
+    reason: str | None = Field(None, max_length=500)
+
+
+class PruneBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str | None = Field(None, max_length=500)
+
+
 class TeamBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     nominal_gpus: int = Field(ge=0, le=100_000)
@@ -316,6 +327,16 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
     @app.post("/v1/jobs/{job_id}/cancel")
     def cancel(job_id: int, who: Who) -> dict[str, Any]:
         return jsonable_encoder(plane.cancel(who, job_id))  # type: ignore[no-any-return]
+
+    @app.post("/v1/jobs/{job_id}/resume")
+    def resume(job_id: int, body: ResumeBody, who: Who) -> dict[str, Any]:
+        """A paused tuning trial goes on (its study promoted it), to `until_epoch` or the end."""
+        return jsonable_encoder(plane.resume(who, job_id, body.until_epoch, body.reason))  # type: ignore[no-any-return]
+
+    @app.post("/v1/jobs/{job_id}/prune")
+    def prune(job_id: int, body: PruneBody, who: Who) -> dict[str, Any]:
+        """A paused tuning trial ends for good (its study pruned it at its rung)."""
+        return jsonable_encoder(plane.prune(who, job_id, body.reason))  # type: ignore[no-any-return]
 
     @app.get("/v1/cluster")
     def cluster(who: Who) -> dict[str, Any]:

@@ -135,6 +135,15 @@ class Client:
     def cancel(self, job_id: int) -> dict[str, Any]:
         return dict(self.json("POST", f"/v1/jobs/{job_id}/cancel"))
 
+    def resume(self, job_id: int, until_epoch: int | None, reason: str | None = None) -> dict[str, Any]:
+        """Promote a paused tuning trial: queued again, to `until_epoch` (None: the end)."""
+        body = {"until_epoch": until_epoch, "reason": reason}
+        return dict(self.json("POST", f"/v1/jobs/{job_id}/resume", json=body))
+
+    def prune(self, job_id: int, reason: str | None = None) -> dict[str, Any]:
+        """End a paused tuning trial for good."""
+        return dict(self.json("POST", f"/v1/jobs/{job_id}/prune", json={"reason": reason}))
+
     def logs(self, job_id: int, offset: int = 0, attempt: int | None = None) -> tuple[bytes, int, int]:
         params: dict[str, Any] = {"offset": offset}
         if attempt is not None:
@@ -162,7 +171,7 @@ class Client:
                 attempt, offset = attempt + 1, 0
                 yield f"\n--- attempt {attempt} ---\n".encode()
                 continue
-            if show["job"]["state"] in ("succeeded", "failed", "cancelled"):
+            if show["job"]["state"] in ("succeeded", "failed", "cancelled", "pruned", "paused"):
                 return
             time.sleep(poll_s)
 

@@ -58,6 +58,8 @@ def run(
 
     settings = load_settings()
     tune_spec, _ = load_tune_spec(spec)
+    # The control plane first: a study is not made for a tuner that cannot submit its trials.
+    client = Client.from_settings(settings)
     study = create_or_load(tune_spec, _db_url(db, db_url_file))
     last: list[Progress] = []
 
@@ -73,7 +75,7 @@ def run(
                 err.print(f"no new trial starts: {p.stopped}")
         last[:] = [p]
 
-    with Client.from_settings(settings) as client:
+    with client:
         tuner = Tuner(tune_spec, study, client, settings.home / "jobs")
         try:
             tuner.run(poll_s=poll_s, on_pass=on_pass)

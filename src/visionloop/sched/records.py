@@ -15,11 +15,13 @@ from visionloop.sched.view import Gpu, PriceClass, SpotPolicy, Team
 from visionloop.specs import TrainSpec
 
 if TYPE_CHECKING:
-    from visionloop.sched.workload import TrainWorkload
+    from visionloop.sched.workload import Workload
 
 # How an attempt ended: preempted (by the scheduler, exit 75 after SIGTERM), interrupted (a
 # spot GPU went away), lost (the process vanished or stopped heart-beating).
-Outcome = Literal["succeeded", "failed", "preempted", "interrupted", "lost", "cancelled"]
+# "paused": a tuning trial stopped at a rung through its checkpoint, and later promoted (it
+# went on); "pruned": such a stop its study made final (see sched/workload.py TrialWorkload).
+Outcome = Literal["succeeded", "failed", "preempted", "interrupted", "lost", "cancelled", "paused", "pruned"]
 
 
 class GpuLike(Protocol):
@@ -118,6 +120,8 @@ class Job:
     version: int  # +1 on every change
     # The documents are loaded by get_job and submit (and list_jobs(with_specs=True)) only:
     # a scheduler listing 10,000 queued jobs does not need them.
+    # What it runs, when not plain training (a tuning trial): sched/workload.py's document.
+    workload_doc: dict[str, Any] | None = field(default=None, repr=False)
     spec_doc: dict[str, Any] | None = field(default=None, repr=False)  # verbatim, as submitted
     train_doc: dict[str, Any] | None = field(default=None, repr=False)  # the effective train spec
 
@@ -133,12 +137,12 @@ class Job:
             raise SpecError(f"job {self.id}'s stored train spec is no longer valid: {e}") from e
 
     @property
-    def workload(self) -> TrainWorkload:
-        """What the job runs. Only training exists yet, so it is derived from the stored train
-        spec (no column of its own); a second kind will add one."""
-        from visionloop.sched.workload import TrainWorkload  # it imports this module
+    def workload(self) -> Workload:
+        """What the job runs: a tuning trial when its workload document says so, else the
+        training of its stored train spec."""
+        from visionloop.sched.workload import workload_of  # it imports this module
 
-        return TrainWorkload(train=self.train_spec)
+        return workload_of(self.train_spec, self.workload_doc)
 
 
 @dataclass(frozen=True, slots=True)

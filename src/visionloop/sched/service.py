@@ -122,12 +122,12 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             now = self.clock()
             if job.state.terminal:
                 return job
-            if job.state == JobState.QUEUED:
+            if job.state in (JobState.QUEUED, JobState.PAUSED):
                 job = self.store.transition(
                     job_id,
                     JobState.CANCELLED,
                     f"cancelled by {self._who(principal)}",
-                    expect=JobState.QUEUED,
+                    expect=job.state,
                     now=now,
                 )
             elif job.state != JobState.CANCELLING:
@@ -140,6 +140,43 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                 )
                 self._signal(job_id, terminate=True)
         self.wake.set()
+        return job
+
+    def resume(self, principal: Principal, job_id: int, until_epoch: int | None, why: str | None) -> Job:
+        """Promote a paused tuning trial (see Store.resume_paused). A trial that is not
+        paused any more (resumed or ended by another actor) is returned as it is, so a tuner
+        repeating a promotion after a restart changes nothing."""
+        with self._lock:
+            job = self.visible_job(principal, job_id)
+            if job.state != JobState.PAUSED:
+                return job
+            to = f"epoch {until_epoch}" if until_epoch is not None else "the end"
+            reason = f"promoted by {self._who(principal)}: goes on to {to}" + (f" ({why})" if why else "")
+            job = self.store.resume_paused(job_id, until_epoch, reason, now=self.clock())
+        self.wake.set()
+        return job
+
+    def prune(self, principal: Principal, job_id: int, why: str | None) -> Job:
+        """End a paused tuning trial for good (see Store.prune); a job already ended is
+        returned as it is. Its run is marked pruned (run.json, MLflow), off the cycle."""
+        with self._lock:
+            job = self.visible_job(principal, job_id)
+            if job.state != JobState.PAUSED:
+                if not job.state.terminal:
+                    raise TransitionError(
+                        f"job {job_id} is {job.state}; only a paused trial can be pruned "
+                        "(cancel it instead, or wait for it to reach its rung)."
+                    )
+                return job
+            reason = f"pruned by {self._who(principal)}" + (f": {why}" if why else "")
+            job = self.store.prune(job_id, reason, now=self.clock())
+        if job.run_dir:
+            threading.Thread(
+                target=self._close_run,
+                args=(Path(job.run_dir), "pruned", f"job {job_id} {reason}"),
+                name=f"close-run-{job_id}",
+                daemon=True,
+            ).start()
         return job
 
     # ------------------------------------------------------------------ the cycle

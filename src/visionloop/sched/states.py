@@ -5,9 +5,14 @@ inside a store transaction, and is stored with its time and reason.
       ▲  │        │  │
       │  │        │  └──▶ failed            (exit code other than 0/75, restarts used up)
       │  │        ├──▶ preempting ──▶ queued (exit 75 after SIGTERM: resumes from its checkpoint)
-      │  │        └──▶ queued                (retry after a failure, or the process vanished)
+      │  │        ├──▶ queued                (retry after a failure, or the process vanished)
+      │  │        └──▶ paused ──▶ queued      (a tuning trial stopped at a rung, exit 76; promoted)
+      │  │               └──▶ pruned        (the study stopped it there for good)
       │  └──▶ cancelled
       └────── cancelling ──▶ cancelled       (a running job asked to stop for good)
+
+A paused job holds no GPUs and is not scheduled: it waits, with its checkpoint, for its
+study to decide (sched/workload.py `TrialWorkload`, tune/tuner.py).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class JobState(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    PAUSED = "paused"  # a tuning trial stopped at a rung, checkpointed; waits to be promoted or pruned
+    PRUNED = "pruned"  # a tuning trial its study stopped for good at a rung
 
     @property
     def terminal(self) -> bool:
@@ -36,7 +43,7 @@ class JobState(StrEnum):
         return self in ACTIVE
 
 
-TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PRUNED})
 ACTIVE = frozenset({JobState.RUNNING, JobState.PREEMPTING, JobState.CANCELLING})
 
 _ALLOWED: dict[JobState, frozenset[JobState]] = {
@@ -48,16 +55,20 @@ _ALLOWED: dict[JobState, frozenset[JobState]] = {
             JobState.SUCCEEDED,
             JobState.FAILED,
             JobState.QUEUED,
+            JobState.PAUSED,
         }
     ),
-    # A victim may finish (0) or fail during its grace period instead of exiting 75.
+    # A victim may finish (0), fail, or reach its rung (a trial) during its grace period
+    # instead of exiting 75.
     JobState.PREEMPTING: frozenset(
-        {JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLING}
+        {JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLING, JobState.PAUSED}
     ),
     JobState.CANCELLING: frozenset({JobState.CANCELLED, JobState.SUCCEEDED, JobState.FAILED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
+    JobState.PAUSED: frozenset({JobState.QUEUED, JobState.PRUNED, JobState.CANCELLED}),
+    JobState.PRUNED: frozenset(),
 }
 
 

@@ -11,13 +11,13 @@ The queue itself knows nothing of training. A workload says three things:
   until `max_restarts`, a vanished process (lost, requeued), and which attempts a spot
   interruption took.
 
-So a later kind (a tuning trial that stops "pruned" at a rung, or pauses there through a
-checkpoint with its own exit status) adds a class to `Workload` and its own `ending`,
-without touching the reconciler.
+So a tuning trial (`TrialWorkload`: training that pauses at its study's rungs through a
+checkpoint, with its own exit status) is a class of its own with its own `ending`, and the
+reconciler does not know it exists.
 
 Workloads are pydantic models, discriminated on `kind`, so they validate and serialise like
-every spec. Only training exists today, and a job's workload is derived from its stored train
-spec (`Job.workload`); a second kind will need its own column.
+every spec. A job stores its train spec and, for any kind but plain training, a workload
+document (the jobs table's `workload_doc`; `Job.workload` puts the two together).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -33,7 +33,7 @@ from visionloop.core.fsutil import atomic_write_text
 from visionloop.sched.records import Outcome
 from visionloop.sched.states import JobState
 from visionloop.specs import TrainSpec, spec_to_yaml
-from visionloop.train.signals import EXIT_PREEMPTED
+from visionloop.train.signals import EXIT_PAUSED, EXIT_PREEMPTED
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,61 @@ class TrainWorkload(BaseModel):
         return Ending("failed", JobState.FAILED, why, retry=True)
 
 
-# Every kind of workload, told apart by `kind` (one member today; later kinds join the union).
-Workload = Annotated[TrainWorkload, Field(discriminator="kind")]
-WORKLOAD: TypeAdapter[TrainWorkload] = TypeAdapter(Workload)
+class TrialWorkload(BaseModel):
+    """One trial of a tuning study: training that stops at its study's rungs.
+
+    Run with `--until-epoch` (the rung it is heading for), it exits 76 (EXIT_PAUSED) there
+    after a checkpoint, and the job is PAUSED: its GPUs are free at once, and it waits, holding
+    nothing, for its study to promote it (`Store.resume_paused`: queued again, heading for the
+    next rung, resumed from that checkpoint) or to prune it (`Store.prune`: ended for good).
+    Every other exit means what it means for training."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["trial"] = "trial"
+    train: TrainSpec
+    study: str
+    number: int
+    until_epoch: int | None = None
+
+    def command(self, ctx: CommandContext) -> list[str]:
+        cmd = TrainWorkload(train=self.train).command(ctx)
+        if self.until_epoch is not None:
+            cmd += ["--until-epoch", str(self.until_epoch)]
+        return cmd
+
+    def ending(self, ex: AttemptExit) -> Ending:
+        if ex.code == EXIT_PAUSED and ex.state in (JobState.RUNNING, JobState.PREEMPTING):
+            # At its rung (also when a preemption asked it to stop as it got there): the stop
+            # the study asked for, so neither a preemption nor a failure.
+            return Ending(
+                "paused",
+                JobState.PAUSED,
+                f"paused after epoch {self.until_epoch}, a rung of study {self.study} (exit 76); "
+                "waiting for the study to promote or prune it",
+            )
+        return TrainWorkload(train=self.train).ending(ex)
 
 
-__all__ = ["WORKLOAD", "AttemptExit", "CommandContext", "Ending", "TrainWorkload", "Workload"]
+# Every kind of workload, told apart by `kind`.
+Workload = Annotated[TrainWorkload | TrialWorkload, Field(discriminator="kind")]
+WORKLOAD: TypeAdapter[TrainWorkload | TrialWorkload] = TypeAdapter(Workload)
+
+
+def workload_of(train: TrainSpec, doc: dict[str, Any] | None) -> TrainWorkload | TrialWorkload:
+    """A stored job's workload: its workload document (None: plain training) with its train spec."""
+    if doc is None:
+        return TrainWorkload(train=train)
+    return WORKLOAD.validate_python({**doc, "train": train})
+
+
+__all__ = [
+    "WORKLOAD",
+    "AttemptExit",
+    "CommandContext",
+    "Ending",
+    "TrainWorkload",
+    "TrialWorkload",
+    "Workload",
+    "workload_of",
+]

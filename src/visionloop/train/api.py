@@ -224,6 +224,8 @@ def _open_tracker(
         run_dir=rd.path,
         tags=tags,
         code_dir=Path.cwd(),
+        parent_run_id=spec.tracking.parent_run_id,
+        spec_tags=spec.tracking.tags,
     )
     # Fields that may change when a run is resumed (workers, device, checkpoint cadence) are
     # tags: MLflow params are write-once, and a resume on other hardware must not fail.

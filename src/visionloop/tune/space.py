@@ -113,6 +113,9 @@ def make_sampler(spec: TuneSpec) -> optuna.samplers.BaseSampler:
 def make_pruner(spec: TuneSpec) -> optuna.pruners.BasePruner:
     """The spec's pruner, its resources in epochs (a trial reports at step = epochs completed)."""
     p = spec.pruner
+    if p.promotes:
+        # The tuner promotes paused trials itself (tune/asha.py); Optuna's pruner only stops.
+        return optuna.pruners.NopPruner()
     if p.name == "asha":
         return optuna.pruners.SuccessiveHalvingPruner(
             min_resource=p.min_epochs, reduction_factor=p.reduction_factor, min_early_stopping_rate=0

@@ -49,6 +49,7 @@ from visionloop.specs import (
     JobFields,
     JobSpec,
     TrainSpec,
+    TrialFields,
     example_for,
     fields_at,
     format_validation_error,
@@ -328,7 +329,15 @@ class SamplerSpec(_TuneModel):
 class PrunerSpec(_TuneModel):
     """When to stop a trial early. Rungs are in epochs: asynchronous successive halving (asha)
     and Hyperband judge a trial at min_epochs × reduction_factor^k epochs; median from
-    min_epochs on, at every evaluation."""
+    min_epochs on, at every evaluation. A trial pauses at each rung through a checkpoint
+    (its GPUs go to the next trial at once) until the study decides.
+
+    `promotion` (asha only, on by default): a trial paused at a rung waits there and goes on,
+    from its checkpoint, when it is among the best 1/reduction_factor of the trials that
+    reached that rung (ASHA as Li et al. 2020 describe it); the trials never promoted are
+    pruned when the study ends. Off: each trial is judged once at each rung, against the
+    trials that got there before it, and pruned or continued at once (Optuna's
+    SuccessiveHalvingPruner), which stops more good late trials."""
 
     name: Literal["asha", "hyperband", "median", "none"] = Field("asha", examples=["asha"])
     min_epochs: int = Field(1, ge=1, examples=[1])
@@ -336,6 +345,21 @@ class PrunerSpec(_TuneModel):
     max_epochs: int | None = Field(
         None, ge=1, examples=[27], description="null: the train spec's epochs (Hyperband's max resource)"
     )
+    promotion: bool = Field(True, examples=[True], description="asha only: pause and promote, not only stop")
+
+    @model_validator(mode="after")
+    def _promotion_is_asha(self) -> PrunerSpec:
+        if self.promotion and self.name != "asha" and "promotion" in self.model_fields_set:
+            raise ValueError(
+                f"promotion is a feature of asha; the {self.name} pruner only stops trials. Use "
+                "pruner: {name: asha} or leave promotion out."
+            )
+        return self
+
+    @property
+    def promotes(self) -> bool:
+        """Whether trials wait at rungs to be promoted (asha with promotion)."""
+        return self.name == "asha" and self.promotion
 
 
 class BudgetSpec(_TuneModel):
@@ -426,10 +450,25 @@ class TuneSpec(_TuneModel):
         """The pruner's largest resource: `pruner.max_epochs`, else the train spec's epochs."""
         return self.pruner.max_epochs or self.train.epochs
 
-    def trial_job(self, train: TrainSpec, name: str) -> JobSpec:
+    def rungs(self) -> list[int]:
+        """The epochs at which a trial pauses for the study to judge it (before its last
+        epoch); none without a pruner."""
+        if self.pruner.name == "none":
+            return []
+        max_epochs = self.max_epochs()
+        assert max_epochs is not None  # the spec refuses a pruner without epochs
+        p = self.pruner
+        return rung_epochs(p.min_epochs, p.reduction_factor, max_epochs, p.name)
+
+    def next_rung(self, epoch: int | None) -> int | None:
+        """The rung after `epoch` (None: the first one) where a trial pauses next; None when
+        it runs to its end from there."""
+        return next((r for r in self.rungs() if epoch is None or r > epoch), None)
+
+    def trial_job(self, train: TrainSpec, name: str, trial: TrialFields | None = None) -> JobSpec:
         """The queue job of one trial: its own train spec, with this spec's job fields."""
         try:
-            return JobSpec(train=train, name=name, **self.job.model_dump())
+            return JobSpec(train=train, name=name, trial=trial, **self.job.model_dump())
         except ValidationError as e:
             raise SpecError(format_validation_error(e, JobSpec, "the trial's job")) from e
 

@@ -1,6 +1,9 @@
 """The tuner: an ask-and-tell loop whose trials are queue jobs.
 
-Each pass (`Tuner.step`) settles what the queue did, then fills free slots:
+Every trial is a job whose workload is a tuning trial (sched/workload.py `TrialWorkload`): it
+trains to the next rung of the study's pruner and pauses there through a checkpoint (exit
+76, job PAUSED, its GPUs free at once). Each pass (`Tuner.step`) settles what the queue did,
+then fills the free slots:
 
 1. every RUNNING trial is matched with its job (the trial's user attribute `job_id`):
    - the job's new evaluations (the control plane appends them to the job's folder as it
@@ -8,34 +11,37 @@ Each pass (`Tuner.step`) settles what the queue did, then fills free slots:
      trial's intermediate values at step = epochs completed; a step the trial already has
      in storage is never reported again, so an evaluation read twice (a control-plane
      restart, a resumed attempt) or a restarted tuner changes nothing;
-   - if the pruner says stop, the trial is marked (`prune_epoch`), its job is cancelled
-     through the queue (which stops it after a checkpoint and frees its GPUs) and the trial
-     is told PRUNED;
+   - a job paused at a rung is judged: with asha's promotion (the default) it waits there
+     for `tune.asha.promotable` (below); with the stop-only pruners (asha without promotion,
+     hyperband, median) Optuna's pruner decides at once: pruned (the job is pruned through
+     the queue, the trial told PRUNED) or sent on to its next rung;
    - a job that ended is told: succeeded → COMPLETE with the objective at its last
-     evaluation (the trainer's final metrics are its last evaluation's), failed or cancelled
-     by someone else → FAIL (the reason in the trial's `end` attribute);
+     evaluation (the trainer's final metrics are its last evaluation's), pruned → PRUNED (a
+     prune the tuner made before a restart), failed or cancelled by someone else → FAIL
+     (the reason in the trial's `end` attribute);
    - a trial without a job (the tuner died between ask and submit) is submitted now.
-2. while fewer than `concurrency` trials run and fewer than `trials` have been asked, a new
-   trial is asked, its parameters suggested and applied to the base train spec, and its job
-   submitted.
+2. while fewer than `concurrency` trials hold a slot (queued or running), with asha's
+   promotion a paused trial among the best 1/η of its rung goes on to the next rung (from its
+   checkpoint, as the same job and the same Optuna trial); otherwise, while fewer than
+   `trials` have been asked and the budget is not spent, a new trial is asked, its
+   parameters suggested and applied to the base train spec, and its job submitted.
+3. once nothing holds a slot and nothing more can start, the trials still paused are pruned:
+   the study is over.
 
 Every submit carries an idempotency key made of the study's uid and the trial's number, and
 the job id is stored on the trial right after: a tuner SIGKILLed between the two submits
 again on restart and gets the same job back, never a second one, and a trial is only ever
-asked when no RUNNING trial is short of a job. All the loop's state is in the database
-(Optuna's tables and the job store), none in this process: restarted at any moment, it
-continues the study and ends with exactly `trials` finished trials. Liveness is the queue's
-job state, not Optuna's heartbeat (which ask-and-tell does not have): a preempted,
+asked when no RUNNING trial is short of a job. Promoting and pruning are idempotent in the
+queue (a job no longer paused is left as it is), and a paused job is judged again from the
+database on every pass. All the loop's state is in the database (Optuna's tables and the job
+store), none in this process: restarted at any moment, it continues the study and ends with
+exactly `trials` finished trials (fewer only if the budget stopped it). Liveness is the
+queue's job state, not Optuna's heartbeat (which ask-and-tell does not have): a preempted,
 spot-interrupted or retried job is still the same trial.
 
-Known gap: a prune decided in the moment before a SIGKILL (values reported, `prune_epoch`
-not yet stored) is not decided again after the restart (the pruner has moved past that
-rung), so that trial runs to its end and completes instead.
-
-The seam for pausing at a rung (ASHA promotion): `_on_prune` is where a trial that the
-pruner stops would instead be paused (a checkpointed stop with its own ending, left RUNNING
-in Optuna with a `paused_epoch` attribute) and `_fill` where a paused trial that the pruner
-promotes would be resumed (its job requeued from that checkpoint) before a new one is asked.
+Budgets: the GPU-hours and cost of every trial's job (the control plane's cost ledger, priced
+from its catalog) are summed each pass; once either budget is reached, no trial starts and
+none is promoted, the running ones finish their rung, and the study ends.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,21 +58,28 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from visionloop.core.errors import SpecError
+from visionloop.core.settings import load_settings
 from visionloop.sched.progress import EvalEvent
 from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
+from visionloop.specs import TrialFields
+from visionloop.tune.asha import promotable
 from visionloop.tune.space import apply, suggest
 from visionloop.tune.spec import TuneSpec
 from visionloop.tune.study import UID_ATTR
+from visionloop.tune.tracking import nest, study_parent_run
 
 log = logging.getLogger(__name__)
 
 # Trial user attributes.
 JOB_ATTR = "job_id"
-PRUNE_ATTR = "prune_epoch"  # set before the cancel: a restart finishes a prune it finds half-done
 END_ATTR = "end"  # why a trial failed (or how it ended), for `tune show`
+COST_ATTR = "cost"  # {"gpu_hours", "usd"} of its job, stored when it is told
+PROMOTIONS_ATTR = "promotions"  # how many times asha promoted it (for `tune show`)
+# Study user attribute: why no trial starts any more (a budget), once it happened.
+STOPPED_ATTR = "visionloop_stopped"
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-ENDED_JOB_STATES = ("succeeded", "failed", "cancelled")
+ENDED_JOB_STATES = ("succeeded", "failed", "cancelled", "pruned")
 
 
 class Queue(Protocol):
@@ -74,7 +87,8 @@ class Queue(Protocol):
 
     def submit(self, spec: dict[str, Any], **fields: Any) -> dict[str, Any]: ...
     def job(self, job_id: int) -> dict[str, Any]: ...
-    def cancel(self, job_id: int) -> dict[str, Any]: ...
+    def resume(self, job_id: int, until_epoch: int | None, reason: str | None = None) -> dict[str, Any]: ...
+    def prune(self, job_id: int, reason: str | None = None) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -82,8 +96,24 @@ class Progress:
     """One pass's counts."""
 
     finished: int
-    running: int
+    running: int  # trials holding a slot: their job queued or running
     asked: int
+    paused: int = 0  # trials paused at a rung, waiting to be promoted
+    gpu_hours: float = 0.0  # spent by every trial's job so far
+    usd: float = 0.0
+    stopped: str | None = None  # why no trial starts any more (a budget), if so
+    done: bool = False  # the study is over: every trial it will have is finished
+
+
+@dataclass
+class _Pass:
+    """What one pass learnt of the jobs."""
+
+    active: int = 0
+    # trial number → (the rung it is paused at, its job id, its job's cost so far)
+    paused: dict[int, tuple[int, int, dict[str, float]]] = field(default_factory=dict)
+    gpu_hours: float = 0.0
+    usd: float = 0.0
 
 
 def idempotency_key(study: optuna.Study, number: int) -> str:
@@ -92,6 +122,11 @@ def idempotency_key(study: optuna.Study, number: int) -> str:
 
 def job_name(study: optuna.Study, number: int) -> str:
     return f"{study.study_name}-t{number}"
+
+
+def _cost(show: dict[str, Any]) -> dict[str, float]:
+    total = (show.get("cost") or {}).get("total") or {}
+    return {"gpu_hours": float(total.get("gpu_hours", 0.0)), "usd": float(total.get("cost", 0.0))}
 
 
 class Tuner:
@@ -105,7 +140,10 @@ class Tuner:
         self.queue = queue
         self.jobs_dir = jobs_dir
         self.metric = spec.objective.metric.removeprefix("val/")
+        self.maximize = spec.objective.direction == "max"
         self._train_doc = spec.train_doc()
+        # Every trial's MLflow run is nested under the study's own parent run.
+        self.parent_run_id = study_parent_run(study, load_settings())
 
     # ------------------------------------------------------------------ the loop
 
@@ -115,55 +153,94 @@ class Tuner:
         on_pass: Callable[[Progress], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Progress:
-        """Pass after pass until `trials` trials have finished (or `should_stop()`)."""
+        """Pass after pass until the study is over (or `should_stop()`)."""
         while True:
             progress = self.step()
             if on_pass is not None:
                 on_pass(progress)
-            if progress.finished >= self.spec.trials or should_stop():
+            if progress.done or should_stop():
                 return progress
             time.sleep(poll_s)
 
     def step(self) -> Progress:
-        """One pass: settle the running trials with their jobs, then start new ones."""
+        """One pass: settle the running trials with their jobs, then start or promote."""
+        seen = _Pass()
         for frozen in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            self._settle(frozen)
-        return self._fill()
+            self._settle(frozen, seen)
+        for frozen in self.study.get_trials(deepcopy=False, states=FINISHED):
+            cost = frozen.user_attrs.get(COST_ATTR) or {}
+            seen.gpu_hours += float(cost.get("gpu_hours", 0.0))
+            seen.usd += float(cost.get("usd", 0.0))
+        return self._fill(seen)
 
     # ------------------------------------------------------------------ settling
 
-    def _settle(self, frozen: FrozenTrial) -> None:
+    def _settle(self, frozen: FrozenTrial, seen: _Pass) -> None:
         job_id = frozen.user_attrs.get(JOB_ATTR)
         if job_id is None:
             self._submit(frozen)  # asked, but the tuner stopped before its job was submitted
+            seen.active += 1
             return
-        if PRUNE_ATTR in frozen.user_attrs:
-            self._finish_prune(frozen, int(job_id), int(frozen.user_attrs[PRUNE_ATTR]))
-            return
-        job = self.queue.job(int(job_id))["job"]
-        values, prune_at = self._report(frozen, int(job_id))
+        job_id = int(job_id)
+        show = self.queue.job(job_id)
+        job, cost = show["job"], _cost(show)
+        values = self._report(frozen, job_id)
         state = str(job["state"])
         if state not in ENDED_JOB_STATES:
-            if prune_at is not None:
-                self._on_prune(frozen, int(job_id), prune_at)
+            seen.gpu_hours += cost["gpu_hours"]
+            seen.usd += cost["usd"]
+        if state == "paused":
+            self._on_paused(frozen, job_id, job, values, cost, seen)
+            return
+        if state not in ENDED_JOB_STATES:
+            seen.active += 1
             return
         if state == "succeeded":
             if values:
                 last = values[max(values)]
-                self._tell(frozen, TrialState.COMPLETE, last, f"job {job_id} succeeded")
+                self._tell(frozen, TrialState.COMPLETE, last, f"job {job_id} succeeded", cost)
             else:
                 why = f"job {job_id} succeeded without reporting {self.spec.objective.metric}"
-                self._tell(frozen, TrialState.FAIL, None, why)
+                self._tell(frozen, TrialState.FAIL, None, why, cost)
+        elif state == "pruned":  # pruned by this tuner before it was restarted
+            self._tell(frozen, TrialState.PRUNED, None, f"pruned; job {job_id} {state}", cost)
         elif state == "failed":
-            self._tell(frozen, TrialState.FAIL, None, f"job {job_id} failed")
+            self._tell(frozen, TrialState.FAIL, None, f"job {job_id} failed", cost)
         else:
-            self._tell(frozen, TrialState.FAIL, None, f"job {job_id} was cancelled outside the tuner")
+            why = f"job {job_id} was cancelled outside the tuner"
+            self._tell(frozen, TrialState.FAIL, None, why, cost)
 
-    def _report(self, frozen: FrozenTrial, job_id: int) -> tuple[dict[int, float], int | None]:
-        """Report the job's evaluations that the trial does not have yet, asking the pruner
-        after each (which is also how successive halving records a trial's rungs, even for
-        a job that has ended); return every value the trial has by step (epochs completed),
-        and the first step after which the pruner said stop."""
+    def _on_paused(
+        self,
+        frozen: FrozenTrial,
+        job_id: int,
+        job: dict[str, Any],
+        values: dict[int, float],
+        cost: dict[str, float],
+        seen: _Pass,
+    ) -> None:
+        rung = int((job.get("workload_doc") or {}).get("until_epoch") or 0)
+        if rung not in values:
+            # Its evaluation at the rung never reached the control plane (an evaluations file
+            # past its size limit, a log that could not be read): nothing to judge it by.
+            why = f"paused after epoch {rung} without reporting {self.spec.objective.metric} there"
+            self._prune(frozen, job_id, why, cost, TrialState.FAIL)
+            return
+        if self.spec.pruner.promotes:
+            seen.paused[frozen.number] = (rung, job_id, cost)
+            return
+        # Stop-only pruners judge the trial now, at its last reported step (the rung): a
+        # pass after a restart asks the same question again and gets the same answer.
+        if optuna.trial.Trial(self.study, frozen._trial_id).should_prune():
+            self._prune(frozen, job_id, f"pruned at epoch {rung} ({self.spec.pruner.name})", cost)
+            return
+        nxt = self.spec.next_rung(rung)
+        self.queue.resume(job_id, nxt, reason=f"trial {frozen.number} passed its rung at epoch {rung}")
+        seen.active += 1
+
+    def _report(self, frozen: FrozenTrial, job_id: int) -> dict[int, float]:
+        """Report the job's evaluations that the trial does not have yet; return every value
+        the trial has, by step (epochs completed)."""
         values = dict(frozen.intermediate_values)
         new: dict[int, float] = {}
         for event in read_evals(self.jobs_dir / f"job-{job_id}" / EVALS_FILE):
@@ -172,15 +249,12 @@ class Tuner:
             if step is None or value is None or step in values or step in new:
                 continue
             new[step] = value
-        prune_at = None
         if new:
             trial = optuna.trial.Trial(self.study, frozen._trial_id)
             for step, value in sorted(new.items()):
                 trial.report(value, step)
-                if prune_at is None and trial.should_prune():
-                    prune_at = step
         values.update(new)
-        return values, prune_at
+        return values
 
     def _step_of(self, event: EvalEvent) -> int | None:
         """The pruner's step: epochs completed (the spec's rungs are in epochs); for a train
@@ -190,51 +264,146 @@ class Tuner:
         epochs = round(event.epoch)
         return epochs if math.isclose(event.epoch, epochs, abs_tol=1e-6) else None
 
-    def _on_prune(self, frozen: FrozenTrial, job_id: int, epoch: int) -> None:
-        """The pruner stops the trial. (The seam for pausing instead, see the module docstring.)"""
-        log.info("trial %s (job %s) pruned at epoch %s", frozen.number, job_id, epoch)
-        optuna.trial.Trial(self.study, frozen._trial_id).set_user_attr(PRUNE_ATTR, epoch)
-        self._finish_prune(frozen, job_id, epoch)
+    def _prune(
+        self,
+        frozen: FrozenTrial,
+        job_id: int,
+        why: str,
+        cost: dict[str, float],
+        state: TrialState = TrialState.PRUNED,
+    ) -> None:
+        self.queue.prune(job_id, reason=f"study {self.study.study_name}, trial {frozen.number}: {why}")
+        self._tell(frozen, state, None, f"{why}; job {job_id} pruned", cost)
 
-    def _finish_prune(self, frozen: FrozenTrial, job_id: int, epoch: int) -> None:
-        self.queue.cancel(job_id)  # a no-op on a job that has ended meanwhile
-        self._tell(frozen, TrialState.PRUNED, None, f"pruned at epoch {epoch}; job {job_id} cancelled")
-
-    def _tell(self, frozen: FrozenTrial, state: TrialState, value: float | None, why: str) -> None:
-        optuna.trial.Trial(self.study, frozen._trial_id).set_user_attr(END_ATTR, why)
+    def _tell(
+        self,
+        frozen: FrozenTrial,
+        state: TrialState,
+        value: float | None,
+        why: str,
+        cost: dict[str, float] | None = None,
+    ) -> None:
+        trial = optuna.trial.Trial(self.study, frozen._trial_id)
+        trial.set_user_attr(END_ATTR, why)
+        if cost is not None:
+            trial.set_user_attr(COST_ATTR, cost)
         self.study.tell(frozen.number, value, state=state, skip_if_finished=True)
         log.info("trial %s: %s (%s)", frozen.number, state.name, why)
 
     # ------------------------------------------------------------------ starting trials
 
-    def _fill(self) -> Progress:
+    def _budget_spent(self, seen: _Pass) -> str | None:
+        budget = self.spec.budget
+        if budget is None:
+            return None
+        if budget.gpu_hours is not None and seen.gpu_hours >= budget.gpu_hours:
+            return f"the budget of {budget.gpu_hours:g} GPU-hours is spent ({seen.gpu_hours:.3f})"
+        if budget.usd is not None and seen.usd >= budget.usd:
+            return f"the budget of {budget.usd:g} USD is spent ({seen.usd:.2f})"
+        return None
+
+    def _fill(self, seen: _Pass) -> Progress:
+        stopped = self._budget_spent(seen)
+        if stopped and self.study.user_attrs.get(STOPPED_ATTR) != stopped:
+            self.study.set_user_attr(STOPPED_ATTR, stopped)
+            log.info("study %s: no trial starts any more: %s", self.study.study_name, stopped)
         trials = self.study.get_trials(deepcopy=False)
-        finished = sum(t.state in FINISHED for t in trials)
-        running = sum(t.state == TrialState.RUNNING for t in trials)
         # Enqueued trials (WAITING) are not asked yet: `ask` takes them first.
         asked = sum(t.state != TrialState.WAITING for t in trials)
-        while running < self.spec.concurrency and asked < self.spec.trials:
+        while seen.active < self.spec.concurrency and not stopped:
+            if self._promote(trials, seen):
+                continue
+            if asked >= self.spec.trials:
+                break
             trial = self.study.ask()
             asked += 1
-            running += 1
+            seen.active += 1
             self._submit(trial)
-        return Progress(finished, running, asked)
+        if seen.active == 0 and seen.paused and (stopped or asked >= self.spec.trials):
+            # Nothing runs and nothing more can: the trials still paused were never promoted.
+            trials = self.study.get_trials(deepcopy=False)
+            if stopped or promotable(trials, self._paused_at(seen), *self._asha_args()) is None:
+                why = stopped or "never among the best of its rung"
+                by_number = {t.number: t for t in trials}
+                for number, (rung, job_id, cost) in sorted(seen.paused.items()):
+                    self._prune(by_number[number], job_id, f"paused at epoch {rung}, {why}", cost)
+                seen.paused.clear()
+        trials = self.study.get_trials(deepcopy=False)
+        finished = sum(t.state in FINISHED for t in trials)
+        running = sum(t.state == TrialState.RUNNING for t in trials) - len(seen.paused)
+        done = finished == asked and (asked >= self.spec.trials or stopped is not None) and running == 0
+        return Progress(
+            finished=finished,
+            running=running,
+            asked=asked,
+            paused=len(seen.paused),
+            gpu_hours=seen.gpu_hours,
+            usd=seen.usd,
+            stopped=stopped,
+            done=done,
+        )
+
+    @staticmethod
+    def _paused_at(seen: _Pass) -> dict[int, int]:
+        return {number: rung for number, (rung, _, _) in seen.paused.items()}
+
+    def _asha_args(self) -> tuple[list[int], int, bool]:
+        return self.spec.rungs(), self.spec.pruner.reduction_factor, self.maximize
+
+    def _promote(self, trials: list[FrozenTrial], seen: _Pass) -> bool:
+        """Promote the next paused trial that asha allows, if any."""
+        if not self.spec.pruner.promotes or not seen.paused:
+            return False
+        found = promotable(trials, self._paused_at(seen), *self._asha_args())
+        if found is None:
+            return False
+        _, job_id, _ = seen.paused.pop(found.number)
+        nxt = self.spec.next_rung(found.rung)
+        why = (
+            f"trial {found.number} promoted: #{found.rank + 1} of the {found.reached} trials that reached "
+            f"epoch {found.rung}"
+        )
+        self.queue.resume(job_id, nxt, reason=why)
+        frozen = next(t for t in trials if t.number == found.number)
+        done = int(frozen.user_attrs.get(PROMOTIONS_ATTR, 0))
+        optuna.trial.Trial(self.study, frozen._trial_id).set_user_attr(PROMOTIONS_ATTR, done + 1)
+        log.info("%s; goes on to %s", why, f"epoch {nxt}" if nxt else "the end")
+        seen.active += 1
+        return True
+
+    def job_doc(self, trial: optuna.trial.Trial) -> dict[str, Any]:
+        """The queue job of `trial`, as submitted: its parameters (suggested now, or read back
+        as stored) applied to the base train spec, nested under the study's MLflow run,
+        heading for the first rung. SpecError if that train spec is invalid."""
+        params = suggest(trial, self.spec.space)
+        doc = nest(self._train_doc, self.parent_run_id, self.study.study_name, trial.number)
+        marks = TrialFields(
+            study=self.study.study_name, number=trial.number, until_epoch=self.spec.next_rung(None)
+        )
+        job = self.spec.trial_job(apply(doc, params), job_name(self.study, trial.number), marks)
+        return job.model_dump(mode="json", exclude_none=True)
 
     def _submit(self, asked: FrozenTrial | optuna.trial.Trial) -> None:
-        """Suggest the trial's parameters (those already stored come back as they were) and
-        submit its job, idempotently; store the job id on the trial."""
+        """Submit the trial's job, idempotently; store the job id on the trial."""
         trial = optuna.trial.Trial(self.study, asked._trial_id)
-        params = suggest(trial, self.spec.space)
         try:
-            job = self.spec.trial_job(apply(self._train_doc, params), job_name(self.study, trial.number))
+            doc = self.job_doc(trial)
         except SpecError as e:
             trial.set_user_attr(END_ATTR, f"its train spec is invalid: {e}")
             self.study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
             return
-        doc = job.model_dump(mode="json", exclude_none=True)
         found = self.queue.submit(doc, idempotency_key=idempotency_key(self.study, trial.number))
         trial.set_user_attr(JOB_ATTR, int(found["id"]))
-        log.info("trial %s: job %s %s", trial.number, found["id"], params)
+        log.info("trial %s: job %s %s", trial.number, found["id"], trial.params)
 
 
-__all__ = ["END_ATTR", "JOB_ATTR", "PRUNE_ATTR", "Progress", "Queue", "Tuner", "idempotency_key"]
+__all__ = [
+    "COST_ATTR",
+    "END_ATTR",
+    "JOB_ATTR",
+    "STOPPED_ATTR",
+    "Progress",
+    "Queue",
+    "Tuner",
+    "idempotency_key",
+]

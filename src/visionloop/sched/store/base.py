@@ -71,10 +71,10 @@ def _plain_json(value: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # The Job's fields in order, as columns of the jobs table (train_doc is stored as train_spec).
-# The two documents come last, so a row without them fills the other fields.
+# The three documents come last, so a row without them fills the other fields.
 _JOB_COLUMNS = tuple("train_spec" if f.name == "train_doc" else f.name for f in dataclasses.fields(Job))
-_LIGHT_COLUMNS = _JOB_COLUMNS[:-2]
-assert _JOB_COLUMNS[-2:] == ("spec_doc", "train_spec")
+_LIGHT_COLUMNS = _JOB_COLUMNS[:-3]
+assert _JOB_COLUMNS[-3:] == ("workload_doc", "spec_doc", "train_spec")
 _RUN_DIR, _STATE = _JOB_COLUMNS.index("run_dir"), _JOB_COLUMNS.index("state")
 
 

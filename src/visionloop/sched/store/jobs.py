@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from visionloop.core.errors import NotFoundError, StoreError
-from visionloop.sched.db import JobRow, TeamRow, TransitionRow
+from visionloop.sched.db import AttemptRow, JobRow, TeamRow, TransitionRow
 from visionloop.sched.records import Job, Transition, ViewJob
 from visionloop.sched.states import ACTIVE, JobState
 from visionloop.sched.store.base import (
@@ -88,6 +88,7 @@ class JobsMixin(StoreBase):
             "exit_code": None,
             "idempotency_key": idempotency_key,
             "version": 1,
+            "workload_doc": None if job.trial is None else {"kind": "trial", **job.trial.model_dump()},
             "spec_doc": doc,
             "train_spec": job.train.model_dump(mode="json"),
         }
@@ -263,6 +264,52 @@ class JobsMixin(StoreBase):
                 )
             self._set_fields(row, waiting_reason, not_before, exit_code, restarts, preemptions)
             self._enter(s, row, src, dst, reason, now)
+            s.flush()
+            return _job(row, specs=False)
+
+    # ------------------------------------------------------------------ paused tuning trials
+
+    def resume_paused(self, job_id: int, until_epoch: int | None, reason: str, *, now: float) -> Job:
+        """Queue a paused trial again (its study promoted it), heading for `until_epoch` (its
+        next rung; None: the end), in one transaction with its new workload document. Its next
+        attempt resumes from the checkpoint it paused at.
+
+        TransitionError if it is not paused (another actor moved it first); StoreError if it
+        is not a tuning trial, or `until_epoch` is not past the rung it paused at."""
+        with self._job_session(job_id) as s:
+            row = self._lock_job(s, job_id)
+            src = self._check(row, JobState.QUEUED, JobState.PAUSED)
+            doc = dict(row.workload_doc or {})
+            if doc.get("kind") != "trial":
+                raise StoreError(f"job {job_id} is not a tuning trial, so it has no rung to go on to.")
+            paused_at = doc.get("until_epoch")
+            if until_epoch is not None and paused_at is not None and until_epoch <= int(paused_at):
+                raise StoreError(
+                    f"job {job_id} paused after epoch {paused_at}; promote it to a later epoch "
+                    f"(e.g. {int(paused_at) + 1}), or to the end (no epoch)."
+                )
+            doc["until_epoch"] = until_epoch
+            row.workload_doc = doc  # a new object, so the JSON column is written
+            self._enter(s, row, src, JobState.QUEUED, reason, now)
+            s.flush()
+            return _job(row, specs=False)
+
+    def prune(self, job_id: int, reason: str, *, now: float) -> Job:
+        """End a paused trial for good (its study pruned it at the rung it paused at). Its last
+        attempt's outcome turns from "paused" to "pruned": that stop was final, and the
+        GPU-hours it spent are the search's, not a stop that was later resumed.
+
+        TransitionError if it is not paused (another actor moved it first)."""
+        with self._job_session(job_id) as s:
+            row = self._lock_job(s, job_id)
+            src = self._check(row, JobState.PRUNED, JobState.PAUSED)
+            s.execute(
+                update(AttemptRow)
+                .where(AttemptRow.job_id == job_id, AttemptRow.number == row.attempt)
+                .where(AttemptRow.outcome == "paused")
+                .values(outcome="pruned")
+            )
+            self._enter(s, row, src, JobState.PRUNED, reason, now)
             s.flush()
             return _job(row, specs=False)
 
