@@ -43,6 +43,24 @@ def test_a_different_spec_is_refused_with_the_differences(tmp_path: Path) -> Non
     assert "optimizer.lr: 0.1 -> 0.2" in msg and "new --run-dir" in msg
 
 
+def test_a_run_from_a_release_without_a_new_field_resumes_when_it_is_at_its_default(tmp_path: Path) -> None:
+    # The run was started by a release whose train spec had no `distributed` field; this
+    # release adds it with the default, which trains what the old one did.
+    rd = RunDir(tmp_path)
+    rd.prepare("", SPEC)
+    _, resuming = rd.prepare("", {**SPEC, "distributed": "ddp"})
+    assert resuming
+    _, resuming = rd.prepare("", {**SPEC, "distributed": "ddp"})  # and from then on, as recorded
+    assert resuming
+    # Not at its default, or a field the old spec had with another value: refused.
+    other = RunDir(tmp_path / "other")
+    other.prepare("", SPEC)
+    with pytest.raises(TrainingError, match="distributed: None -> 'fsdp'"):
+        other.prepare("", {**SPEC, "distributed": "fsdp"})
+    with pytest.raises(TrainingError, match=r"optimizer\.lr"):
+        other.prepare("", {**SPEC, "distributed": "ddp", "optimizer": {"lr": 0.2}})
+
+
 def test_a_second_trainer_on_the_same_directory_is_refused(tmp_path: Path) -> None:
     rd = RunDir(tmp_path)
     rd.lock()

@@ -59,6 +59,30 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]
             yield key, v
 
 
+def _is_default(dotted: str, value: Any) -> bool:
+    """Whether `value` is the train spec's default for the field at `dotted` (False for a
+    path the train spec does not have, or a field without a default)."""
+    from pydantic import BaseModel
+
+    from visionloop.specs import TrainSpec
+
+    model: Any = TrainSpec
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        field = (
+            model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        )
+        if field is None:
+            return False
+        default = field.get_default(call_default_factory=True)
+        if i == len(parts) - 1:
+            if isinstance(default, BaseModel):
+                return False
+            return not field.is_required() and bool(default == value)
+        model = field.annotation
+    return False
+
+
 def spec_fingerprint(resolved: Mapping[str, Any]) -> str:
     relevant = {k: v for k, v in _flatten(resolved) if k not in RESUMABLE_CHANGES}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()
@@ -158,10 +182,26 @@ class RunDir:
             self.write_meta(meta)
             return meta, False
         if meta.get("spec_sha256") != fingerprint:
-            raise TrainingError(self._describe_spec_change(resolved))
+            if not self._only_new_fields_at_their_defaults(resolved):
+                raise TrainingError(self._describe_spec_change(resolved))
+            # Made by a release whose train spec lacked fields that this one adds (e.g.
+            # `distributed`), all at their defaults, which compute what the old release did.
+            meta["spec_sha256"] = fingerprint
+            self.write_meta(meta)
         # Allowed changes (workers, device, ...) are recorded so the run directory tells the truth.
         atomic_write_text(self.path / "spec.resolved.yaml", yaml.safe_dump(dict(resolved), sort_keys=False))
         return meta, True
+
+    def _only_new_fields_at_their_defaults(self, resolved: Mapping[str, Any]) -> bool:
+        """Whether the spec differs from the one this run started with only in fields the
+        old one did not have at all, each at the train spec's default."""
+        try:
+            old = dict(_flatten(yaml.safe_load((self.path / "spec.resolved.yaml").read_text()) or {}))
+        except (OSError, yaml.YAMLError):
+            return False
+        new = dict(_flatten(resolved))
+        changed = [k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k)]
+        return bool(changed) and all(k not in old and _is_default(k, new.get(k)) for k in changed)
 
     def _describe_spec_change(self, resolved: Mapping[str, Any]) -> str:
         old_file = self.path / "spec.resolved.yaml"
