@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.sched.cost import cost_report
 from visionloop.sched.service import ControlPlane, Principal, SubmitError
+from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
 from visionloop.sched.states import JobState, TransitionError
 
 log = logging.getLogger(__name__)
@@ -327,6 +328,14 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
     @app.post("/v1/jobs/{job_id}/cancel")
     def cancel(job_id: int, who: Who) -> dict[str, Any]:
         return jsonable_encoder(plane.cancel(who, job_id))  # type: ignore[no-any-return]
+
+    @app.get("/v1/jobs/{job_id}/evals")
+    def job_evals(job_id: int, who: Who) -> dict[str, Any]:
+        """The evaluations the job reported (from its log, as the control plane read them),
+        in order: what a tuner judges its trial by, from any machine."""
+        plane.visible_job(who, job_id)
+        events = read_evals(plane.job_dir(job_id) / EVALS_FILE)
+        return {"evals": [{"step": e.step, "epoch": e.epoch, "metrics": e.metrics} for e in events]}
 
     @app.post("/v1/jobs/{job_id}/resume")
     def resume(job_id: int, body: ResumeBody, who: Who) -> dict[str, Any]:

@@ -135,6 +135,10 @@ class Client:
     def cancel(self, job_id: int) -> dict[str, Any]:
         return dict(self.json("POST", f"/v1/jobs/{job_id}/cancel"))
 
+    def evals(self, job_id: int) -> list[dict[str, Any]]:
+        """The evaluations the job reported so far ({"step", "epoch", "metrics"}), in order."""
+        return list(self.json("GET", f"/v1/jobs/{job_id}/evals")["evals"])
+
     def resume(self, job_id: int, until_epoch: int | None, reason: str | None = None) -> dict[str, Any]:
         """Promote a paused tuning trial: queued again, to `until_epoch` (None: the end)."""
         body = {"until_epoch": until_epoch, "reason": reason}

@@ -35,6 +35,8 @@ _STATE_STYLE = {
     "succeeded": "green",
     "failed": "red",
     "cancelled": "dim",
+    "paused": "blue",  # a tuning trial at a rung, waiting for its study
+    "pruned": "dim",
 }
 
 
