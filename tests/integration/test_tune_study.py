@@ -94,3 +94,26 @@ def test_a_study_name_reused_for_another_search_is_refused(db_url: str) -> None:
     foreign.tell(foreign.ask(), 1.0)
     with pytest.raises(SpecError, match="not made by `visionloop tune`"):
         create_or_load(tune(name="foreign"), db_url)
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_a_reopened_study_does_not_draw_the_first_points_again(db_url: str, sampler: str) -> None:
+    from visionloop.tune.space import suggest
+
+    spec = tune(sampler={"name": sampler, "seed": 0})
+
+    def draw(study: optuna.Study, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            trial = study.ask()
+            out.append(suggest(trial, spec.space)["optimizer.lr"])
+            study.tell(trial, 0.5)
+        return out
+
+    first = draw(create_or_load(spec, db_url), 2)
+    # A tuner restarted mid-study (a new process, the same seeded spec) goes on with new points.
+    later = draw(create_or_load(spec, db_url), 2)
+    assert not set(later) & set(first), (first, later)
+    # And the same seed still gives the same search from scratch.
+    spec2 = tune(name="lr-study-2", sampler={"name": sampler, "seed": 0})
+    assert draw(create_or_load(spec2, db_url), 2) == first

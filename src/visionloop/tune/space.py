@@ -93,9 +93,12 @@ class AskTellGridSampler(optuna.samplers.GridSampler):
         return None
 
 
-def make_sampler(spec: TuneSpec) -> optuna.samplers.BaseSampler:
-    """The spec's sampler, seeded with `sampler.seed`."""
-    seed = spec.sampler.seed
+def make_sampler(spec: TuneSpec, asked: int = 0) -> optuna.samplers.BaseSampler:
+    """The spec's sampler, seeded with `sampler.seed`, moved on by `asked`: the trials the
+    study already has. A tuner restarted mid-study with the same seed would otherwise draw
+    the same random points again (a seeded sampler's stream starts over in each process),
+    and its random and TPE start-up trials would repeat the first ones."""
+    seed = None if spec.sampler.seed is None else spec.sampler.seed + 7919 * asked
     name = spec.sampler.name
     if name == "tpe":
         # With trials running side by side, the constant liar makes TPE treat the running ones

@@ -156,6 +156,9 @@ def create_or_load(spec: TuneSpec, url: str | None = None) -> optuna.Study:
         )
     if study.direction != direction_of(spec):  # covered by the objective's hash; kept as a guard
         raise SpecError(f"study {spec.name!r} optimises in the other direction; give the spec a new name.")
+    asked = len(study.get_trials(deepcopy=False))
+    if asked:
+        study.sampler = make_sampler(spec, asked)  # a restart does not draw the same points again
     return study
 
 
