@@ -78,7 +78,17 @@ def test_a_second_trainer_on_the_same_directory_is_refused(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("codes", "expected"),
-    [([0, 0], 0), ([75, 75], 75), ([0, 75], 75), ([75, 1], 1), ([0, -9], 137), ([3, 75, 0], 3)],
+    [
+        ([0, 0], 0),
+        ([75, 75], 75),
+        ([0, 75], 75),
+        ([75, 1], 1),
+        ([0, -9], 137),
+        ([3, 75, 0], 3),
+        ([76, 76], 76),  # every rank paused at the rung
+        ([76, 75], 75),  # a stop wins: it resumes as stopped
+        ([76, 2], 2),
+    ],
 )
 def test_launcher_exit_code_mapping(codes: list[int], expected: int) -> None:
     assert combine_exit_codes(codes) == expected

@@ -11,6 +11,7 @@ import os
 import sys
 
 import typer
+from rich.markup import escape
 
 from visionloop.cli import archs as archs_cli
 from visionloop.cli import bench as bench_cli
@@ -84,14 +85,18 @@ def main() -> None:
     except VisionloopError as e:
         if os.environ.get("VISIONLOOP_TRACEBACK"):
             raise
-        err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        # Escaped: messages quote TOML and YAML ("[executor] kind = ...", "[1e-4, 0.1]"), which
+        # Rich would otherwise read as markup and drop.
+        err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(e.exit_code)
     except OSError as e:
         # Disk full, permissions, a path that is a file: the message says what and where; the
         # traceback would only bury it (and -v shows it).
         if os.environ.get("VISIONLOOP_TRACEBACK"):
             raise
-        err.print(f"[bold red]error:[/] {e}. Run with -v for the full traceback.", soft_wrap=True)
+        err.print(
+            f"[bold red]error:[/] {escape(str(e))}. Run with -v for the full traceback.", soft_wrap=True
+        )
         sys.exit(1)
 
 

@@ -74,10 +74,12 @@ def train(
         raise typer.Exit(_launch(spec, run_dir, overrides, nproc_per_node, no_track, until_epoch))
 
     from visionloop.cli.progress import RichReporter
+    from visionloop.train import dist
     from visionloop.train.api import train as run_training
     from visionloop.train.report import Reporter
 
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    # Not RANK alone: one process per node (a job across nodes) has its rank in the node layout.
+    is_main = dist.from_env().is_main
     if is_main:
         err.print(f"run dir: {run_dir}")
     reporter = RichReporter(err) if is_main else Reporter()

@@ -234,13 +234,14 @@ class Cycle(Preemption):
         quota_ok = ts.used + n <= ts.limit
         shape = (job.spot, job.cpus / n, job.memory_gb / n)
         if quota_ok and self._usable_free(job.spot) >= n and n < self.fail_free.get(shape, n + 1):
-            got = pick(self.free, n, job.spot, self.cfg.same_node, self._node_cap(job))
+            got = pick(self.free, n, job.spot, self.cfg.same_node, self._node_cap(job), job.nodes)
             if got is not None:
                 self._place(job, ts, got)
                 return
             self.fail_free[shape] = n
         if quota_ok and self.releasing_left and n < self.fail_release.get(shape, n + 1):
-            got = pick(merge(self.free, self.releasing), n, job.spot, self.cfg.same_node, self._node_cap(job))
+            pool = merge(self.free, self.releasing)
+            got = pick(pool, n, job.spot, self.cfg.same_node, self._node_cap(job), job.nodes)
             if got is not None:
                 coming = sum(1 for g in got if g.id not in self._free_ids())
                 self._claim(job, ts, got)

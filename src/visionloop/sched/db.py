@@ -166,6 +166,8 @@ class JobRow(Base):
     priority_rank: Mapped[int]  # its rank when submitted; larger is more important
     spot: Mapped[str] = mapped_column(String(16))
     gpus: Mapped[int]
+    # Nodes its one process group spans (a job across nodes: gpus are spread evenly over them).
+    nodes: Mapped[int] = mapped_column(default=1, server_default="1")
     cpus: Mapped[float]
     memory_gb: Mapped[float]
     max_restarts: Mapped[int]

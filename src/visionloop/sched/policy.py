@@ -111,7 +111,7 @@ def fifo(view: ClusterView, *, same_node: bool = True) -> Decision:
             decision.waiting[job.id] = backoff_reason(job, view.now)
         elif (why := impossible_reason(job, caps, same_node)) is not None:
             decision.waiting[job.id] = why
-        elif (got := pick(free, job.gpus, job.spot, same_node)) is not None:
+        elif (got := pick(free, job.gpus, job.spot, same_node, None, job.nodes)) is not None:
             take(free, got)
             decision.placements.append(Placement(job.id, tuple(g.id for g in got)))
         else:

@@ -122,7 +122,7 @@ class Preemption(CycleState):
         if ts.used - own + job.gpus > ts.limit:
             return None
         extra = [self.gpu_by_id[gid] for v in victims for gid in v.gpu_ids if gid in self.gpu_by_id]
-        return pick(merge(pool, group_by_node(extra)), job.gpus, job.spot, self.cfg.same_node, cap)
+        return pick(merge(pool, group_by_node(extra)), job.gpus, job.spot, self.cfg.same_node, cap, job.nodes)
 
     def _soon(self, job: PendingJob, ts: TeamState) -> list[Gpu] | None:
         """Where the job would run if every job it may preempt (young ones included) were
@@ -142,9 +142,8 @@ class Preemption(CycleState):
             for gid in v.gpu_ids
             if gid in self.gpu_by_id
         ]
-        got = pick(
-            merge(self.free, self.releasing, group_by_node(extra)), job.gpus, job.spot, self.cfg.same_node
-        )
+        pool = merge(self.free, self.releasing, group_by_node(extra))
+        got = pick(pool, job.gpus, job.spot, self.cfg.same_node, None, job.nodes)
         if got is None:
             self.fail_soon[shape] = job.gpus
         return got

@@ -19,6 +19,8 @@ def impossible_reason(
             f"can never run: needs {n_gpus(job.gpus)} but the cluster has {total} {kind}GPUs; "
             "cancel it and resubmit with fewer GPUs"
         )
+    if job.nodes > 1:
+        return None  # placed by pick_nodes: it says how many nodes it needs, in the waiting reason
     if same_node and job.gpus > biggest:
         return (
             f"can never run: needs {n_gpus(job.gpus)} on one node but the largest node has "

@@ -86,6 +86,7 @@ class ViewJob(NamedTuple):
     attained_gpu_s: float
     not_before: float | None
     last_checkpoint_at: float | None
+    nodes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,7 @@ class Job:
     priority_rank: int
     spot: SpotPolicy
     gpus: int
+    nodes: int  # nodes its one process group spans (gpus spread evenly over them)
     cpus: float
     memory_gb: float
     max_restarts: int

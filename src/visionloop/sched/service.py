@@ -279,6 +279,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     j.memory_gb,
                     j.attained_gpu_s,
                     j.not_before or 0.0,
+                    j.nodes,
                 )
             pending[j.id] = (j, p)
             queued.append(p)
@@ -290,7 +291,8 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
     def _command(self, job: Job) -> list[str]:
         """The attempt's command, as the job's workload builds it (files it needs are written
         in the job's folder first)."""
-        return job.workload.command(CommandContext(self.job_dir(job.id), Path(job.run_dir), job.gpus))
+        ctx = CommandContext(self.job_dir(job.id), Path(job.run_dir), job.gpus, nnodes=job.nodes)
+        return job.workload.command(ctx)
 
     def _job_env(self) -> dict[str, str]:
         """The variables the control plane gives a job, on top of the executor's clean base
@@ -338,6 +340,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             env=self._job_env(),
             cpus=job.cpus,
             memory_gb=job.memory_gb,
+            nodes=job.nodes,
         )
         try:
             handle = self.executor.launch(request)

@@ -14,6 +14,7 @@ from typing import Any
 from visionloop.core.errors import DataError, NotFoundError, VisionloopError
 from visionloop.data.shardcheck import check_dataset
 from visionloop.sched.config import DEFAULT_TEAM
+from visionloop.sched.executors.base import multi_node
 from visionloop.sched.placement import capacities
 from visionloop.sched.service_base import PlaneBase
 from visionloop.sched.store import Job
@@ -101,6 +102,12 @@ class AdmissionMixin(PlaneBase):
         except VisionloopError as e:
             raise SubmitError(str(e)) from e
         self._check_fits(job)
+        if job.resources.nodes > 1 and not multi_node(self.executor):
+            raise SubmitError(
+                f"resources.nodes: {job.resources.nodes} runs one job across machines, which needs the Ray "
+                f'executor ([executor] kind = "ray" in cluster.toml); the {self.executor.name} executor runs '
+                f"a job on one machine: use nodes: 1 (e.g. resources: {{gpus: {job.resources.gpus}}})."
+            )
         self.check_paths(job.train, team_name)
         self._check_dataset(job.train)
         return self.store.submit(

@@ -53,6 +53,7 @@ class PendingJob:
     memory_gb: float = 0.0
     attained_gpu_s: float = 0.0  # GPU-seconds received so far (least-attained-service order)
     not_before: float = 0.0  # retry back-off: not placeable before this time
+    nodes: int = 1  # one process group over this many nodes, gpus / nodes on each
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from types import FrameType
 
 from visionloop.core.errors import TrainingError
-from visionloop.train.signals import EXIT_PREEMPTED
+from visionloop.train.signals import EXIT_PAUSED, EXIT_PREEMPTED
+
+# Exits after which a rank's siblings are left to finish: done, stopped, paused at a rung.
+RESUMABLE_EXITS = (0, EXIT_PREEMPTED, EXIT_PAUSED)
 
 NNODES_ENV = "VISIONLOOP_NNODES"
 NODE_RANK_ENV = "VISIONLOOP_NODE_RANK"
@@ -78,11 +81,15 @@ def node_layout(env: Mapping[str, str]) -> NodeLayout | None:
 
 
 def combine_exit_codes(codes: Sequence[int]) -> int:
-    """All 0 → 0; all in {0, 75} with a 75 → 75; otherwise the first real failure."""
-    failures = [c for c in codes if c not in (0, EXIT_PREEMPTED)]
+    """All 0 → 0; all in {0, 75, 76} with a 75 → 75 (stopped), else with a 76 → 76 (paused
+    at a rung: every rank reaches the same epoch and pauses there); otherwise the first real
+    failure."""
+    failures = [c for c in codes if c not in RESUMABLE_EXITS]
     if failures:
         return failures[0] if failures[0] > 0 else 128 - failures[0]  # -9 → 137, like a shell
-    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
+    if EXIT_PREEMPTED in codes:
+        return EXIT_PREEMPTED
+    return EXIT_PAUSED if EXIT_PAUSED in codes else 0
 
 
 def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) -> int:
@@ -114,7 +121,7 @@ def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) ->
         failed_at: float | None = None
         while any(p.poll() is None for p in procs):
             codes = [p.returncode for p in procs if p.returncode is not None]
-            if failed_at is None and any(c not in (0, EXIT_PREEMPTED) for c in codes):
+            if failed_at is None and any(c not in RESUMABLE_EXITS for c in codes):
                 # A dead rank leaves the others blocked in a collective: stop them.
                 failed_at = time.monotonic()
                 forward(signal.SIGTERM, None)

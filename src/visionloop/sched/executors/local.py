@@ -136,6 +136,11 @@ class LocalExecutor:
         self._reap()
         if not request.command:
             raise ExecutorError(f"job {request.job_id}: the command is empty; give the trainer command.")
+        if request.nodes > 1:
+            raise ExecutorError(
+                f"job {request.job_id} spans {request.nodes} nodes, but the local executor runs on this "
+                "machine only; run it with the Ray executor, or resubmit it with resources.nodes: 1."
+            )
         known = {g.id for g in self.capacity()}
         unknown = [g.id for g in request.gpus if g.id not in known]
         if unknown:

@@ -132,8 +132,7 @@ from typing import TYPE_CHECKING, Any
 from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
 from visionloop.sched.view import Gpu, PriceClass
-from visionloop.train.launch import NNODES_ENV, NODE_RANK_ENV, combine_exit_codes
-from visionloop.train.signals import EXIT_PREEMPTED
+from visionloop.train.launch import NNODES_ENV, NODE_RANK_ENV, RESUMABLE_EXITS, combine_exit_codes
 
 log = logging.getLogger(__name__)
 
@@ -639,7 +638,7 @@ class RayExecutor:
         """A multi-node attempt as one: lost as soon as any node's part is (its node died:
         the whole job is requeued, and the other nodes, which cannot go on without it, are
         stopped); exited when every node's part has, with their codes combined as the
-        launcher combines its ranks' (all 0 → 0; 0 or 75 → 75; else the first failure, a
+        launcher combines its ranks' (all 0 → 0; 0 or 75 → 75; 0 or 76 → 76; else the first failure, a
         node that failed by itself before one that was stopped); running otherwise. A node
         that failed while others still run gives them `peer_grace_s` to notice (they fail
         at their next collective) before they are stopped."""
@@ -660,7 +659,7 @@ class RayExecutor:
             for rank, st in enumerate(statuses)
             if st.state == "exited" and st.exit_code is not None
         ]
-        failed = [f for f in exited if f[1].exit_code not in (0, EXIT_PREEMPTED)]
+        failed = [f for f in exited if f[1].exit_code not in RESUMABLE_EXITS]
         if running:
             if failed:
                 now = time.monotonic()

@@ -67,6 +67,7 @@ class JobsMixin(StoreBase):
             "priority_rank": priority_rank,
             "spot": job.spot,
             "gpus": res.gpus,
+            "nodes": res.nodes,
             "cpus": res.cpus,
             "memory_gb": res.memory_gb,
             "max_restarts": job.max_restarts,
