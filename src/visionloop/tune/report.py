@@ -28,6 +28,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.core.settings import Settings
+from visionloop.tune.spec import rung_epochs as spec_rung_epochs
 from visionloop.tune.study import METRIC_ATTR, TUNE_ATTR
 from visionloop.tune.tracking import PARENT_RUN_ATTR, STUDY_TAG, TRIAL_TAG
 from visionloop.tune.tuner import END_ATTR, JOB_ATTR
@@ -113,8 +114,8 @@ class BestTrial:
 
 
 def rung_epochs(study: optuna.Study) -> list[int]:
-    """The epochs at which the study's pruner judges trials: min_epochs × reduction_factor^k up
-    to its max epochs (successive halving, and Hyperband's first bracket); none for the
+    """The epochs at which the study's pruner judges trials: min_epochs × reduction_factor^k
+    below its max epochs (successive halving, and Hyperband's first bracket); none for the
     median pruner or none."""
     tune = study.user_attrs.get(TUNE_ATTR) or {}
     pruner = tune.get("pruner") or {}
@@ -124,11 +125,8 @@ def rung_epochs(study: optuna.Study) -> list[int]:
     lo, factor = int(pruner.get("min_epochs") or 1), int(pruner.get("reduction_factor") or 3)
     if not isinstance(top, int) or factor < 2:
         return []
-    out, epoch = [], lo
-    while epoch <= top:
-        out.append(epoch)
-        epoch *= factor
-    return out
+    # The spec's own rungs (where trials pause), which stop before the last epoch.
+    return spec_rung_epochs(lo, factor, top, str(pruner["name"]))
 
 
 def _row(trial: FrozenTrial, rungs: list[int]) -> TrialRow:
