@@ -188,6 +188,14 @@ class InProcessQueue:
     def job(self, job_id: int) -> dict[str, Any]:
         return {"job": self._show(self.jobs[job_id]), "cost": {"total": {"gpu_hours": 0.0, "cost": 0.0}}}
 
+    def evals(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's reported evaluations, as the control plane's API gives them (api.client's
+        `evals`), for a tuner that asks the queue rather than reading the jobs folder."""
+        from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
+
+        path = self.jobs_dir / f"job-{job_id}" / EVALS_FILE
+        return [{"step": e.step, "epoch": e.epoch, "metrics": e.metrics} for e in read_evals(path)]
+
     def resume(self, job_id: int, until_epoch: int | None, reason: str | None = None) -> dict[str, Any]:
         job = self.jobs[job_id]
         if job.state == "paused":  # idempotent, as the real queue: a job no longer paused stays
