@@ -27,7 +27,7 @@ What is real: the study (Optuna, in a SQLite control-plane database through
 reporting, the promotion rule, Optuna's pruner, pruning the never-promoted trials at the
 end), the trainer (`visionloop.train.api.train` with `until_epoch`: pause at a rung with a
 checkpoint, exit 76, continue from it), and the evaluations file the tuner reads
-(`sched.service_reconcile._append_evals` / `read_evals`). What is replaced: the control
+(`sched.service_reconcile.append_evals` / `read_evals`). What is replaced: the control
 plane. `InProcessQueue` implements the tuner's `Queue` protocol and runs each queued job
 synchronously in this process between two tuner passes (one trial at a time: concurrency 1),
 recording the evaluations the trainer reports into the job's evaluations file as the control
@@ -224,7 +224,7 @@ class InProcessQueue:
 
     def _run(self, job: _Job) -> None:
         from visionloop.sched.progress import EvalEvent
-        from visionloop.sched.service_reconcile import EVALS_FILE, _append_evals
+        from visionloop.sched.service_reconcile import EVALS_FILE, append_evals
         from visionloop.specs import JobSpec
         from visionloop.train.api import train
         from visionloop.train.report import Reporter
@@ -250,7 +250,7 @@ class InProcessQueue:
         )
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         if evals:
-            _append_evals(self.jobs_dir / f"job-{job.id}" / EVALS_FILE, job.attempts, evals)
+            append_evals(self.jobs_dir / f"job-{job.id}" / EVALS_FILE, job.attempts, evals)
         done = round(evals[-1].epoch) if evals else job.epoch
         final = None
         if result.exit_code == 0:
@@ -280,7 +280,7 @@ def run_arm(arm: str, dataset: Path, root: Path, args: argparse.Namespace, seed:
     spec = validate_tune_spec(tune_doc(arm, dataset, args, seed), f"the {arm} tune spec", where)
     study = create_or_load(spec, f"sqlite:///{where / 'control.db'}")
     queue = InProcessQueue(jobs_dir=where / "jobs", runs_dir=where / "runs")
-    tuner = Tuner(spec, study, queue, queue.jobs_dir)
+    tuner = Tuner(spec, study, queue)
     t0, tuner_cpu = time.perf_counter(), 0.0
     while True:
         c = time.process_time()

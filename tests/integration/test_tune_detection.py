@@ -22,7 +22,6 @@ from optuna.trial import TrialState
 from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _dbkit import fresh_database
 from visionloop.api.client import Client
-from visionloop.core.settings import load_settings
 from visionloop.data.ingest import IngestOptions, ingest
 from visionloop.tasks.detection.synthetic import generate_detection_dataset
 from visionloop.tune.spec import validate_tune_spec
@@ -117,9 +116,7 @@ def test_a_detection_study_promotes_the_better_map_and_prunes_the_other(
     study.enqueue_trial({"optimizer.lr": GOOD_LR})
     deadline = time.monotonic() + 400
     with Client(cp.url, cp.admin_token) as client:
-        progress = Tuner(spec, study, client, load_settings().home / "jobs").run(
-            poll_s=0.2, should_stop=lambda: time.monotonic() > deadline
-        )
+        progress = Tuner(spec, study, client).run(poll_s=0.2, should_stop=lambda: time.monotonic() > deadline)
     assert progress.done and (progress.finished, progress.running, progress.paused) == (2, 0, 0)
 
     bad, good = load(spec.name, url).get_trials()

@@ -27,7 +27,6 @@ from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _cpkit import train_doc as _train
 from _dbkit import fresh_database
 from visionloop.api.client import Client
-from visionloop.core.settings import load_settings
 from visionloop.tune.spec import TuneSpec, validate_tune_spec
 from visionloop.tune.study import create_or_load, load
 from visionloop.tune.tuner import JOB_ATTR, STOPPED_ATTR, Tuner, idempotency_key
@@ -111,9 +110,7 @@ def test_trials_pause_at_the_rung_the_best_goes_on_and_the_other_is_pruned(
     study.enqueue_trial({"optimizer.lr": GOOD_LR})
     study.enqueue_trial({"optimizer.lr": BAD_LR})
     with Client(cp.url, cp.admin_token) as client:
-        progress = Tuner(spec, study, client, load_settings().home / "jobs").run(
-            poll_s=0.2, should_stop=_within(300)
-        )
+        progress = Tuner(spec, study, client).run(poll_s=0.2, should_stop=_within(300))
     assert progress.done and (progress.finished, progress.running, progress.paused) == (2, 0, 0)
     good, bad = _check_finished(cp, url, spec)
     assert good.state == TrialState.COMPLETE and good.params["optimizer.lr"] == GOOD_LR
@@ -158,9 +155,7 @@ def test_a_budget_stops_new_trials_and_ends_the_study(cp_url: tuple[CP, str], di
     )
     study = create_or_load(spec, url)
     with Client(cp.url, cp.admin_token) as client:
-        progress = Tuner(spec, study, client, load_settings().home / "jobs").run(
-            poll_s=0.2, should_stop=_within(300)
-        )
+        progress = Tuner(spec, study, client).run(poll_s=0.2, should_stop=_within(300))
     assert progress.done and progress.stopped is not None and "GPU-hours" in progress.stopped
     assert progress.gpu_hours >= 1e-4
     trials = load(spec.name, url).get_trials()
@@ -178,13 +173,13 @@ def test_a_tuner_that_died_between_ask_submit_and_record_neither_loses_nor_repea
     spec = validate_tune_spec(tune_doc(digits_dataset, trials=3, concurrency=2), "tune.yaml")
     study = create_or_load(spec, url)
     with Client(cp.url, cp.admin_token) as client:
-        tuner = Tuner(spec, study, client, load_settings().home / "jobs")
+        tuner = Tuner(spec, study, client)
         # Died after ask (parameters stored), before submitting: trial 0 has no job.
         tuner.job_doc(study.ask())
         # Died after submitting, before recording the job on the trial: trial 1.
         second = study.ask()
         first_id = client.submit(tuner.job_doc(second), idempotency_key=idempotency_key(study, 1))["id"]
-        tuner = Tuner(spec, create_or_load(spec, url), client, load_settings().home / "jobs")
+        tuner = Tuner(spec, create_or_load(spec, url), client)
         progress = tuner.step()
         assert (progress.running, progress.asked) == (2, 2)  # no third trial while two run
         assert load(spec.name, url).trials[1].user_attrs[JOB_ATTR] == first_id

@@ -47,8 +47,9 @@ def run(
     to stop (Ctrl-C, or even SIGKILL) and run again with the same spec: it continues the
     study, never repeats a trial and ends with exactly `trials` finished ones. With a
     `budget` (GPU-hours, USD from the price catalog), no trial starts or is promoted once it
-    is spent. The tuner must run where the control plane's home is (it reads the trials'
-    evaluations from its job folders).
+    is spent. The tuner reads the trials' evaluations through the control plane's API, so
+    it may run on any machine that reaches it; the study lives in the control plane's
+    database (--db, or the default in this home).
     """
     from visionloop.api.client import Client
     from visionloop.core.settings import load_settings
@@ -76,7 +77,7 @@ def run(
         last[:] = [p]
 
     with client:
-        tuner = Tuner(tune_spec, study, client, settings.home / "jobs")
+        tuner = Tuner(tune_spec, study, client)
         try:
             tuner.run(poll_s=poll_s, on_pass=on_pass)
         except KeyboardInterrupt:

@@ -56,6 +56,13 @@ class EvalEvent:
     epoch: float
     metrics: dict[str, float]
 
+    @classmethod
+    def from_doc(cls, doc: Any) -> EvalEvent:
+        """One from its stored or served form ({"step", "epoch", "metrics"}); ValueError,
+        TypeError, KeyError or AttributeError when it is not one."""
+        metrics = {str(k): float(v) for k, v in doc["metrics"].items()}
+        return cls(int(doc["step"]), float(doc["epoch"]), metrics)
+
 
 Event = CheckpointEvent | EvalEvent
 

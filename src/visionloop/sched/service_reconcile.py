@@ -33,9 +33,9 @@ MAX_CHECKPOINTS_PER_READ = 8
 _TAIL_BYTES = 64 * 1024
 
 # The evaluations a job reported, one JSON object a line ({"attempt", "step", "epoch",
-# "metrics"}), in its job folder: what the tuner reads its trials' intermediate values from.
-# A file rather than a table because the schema's models (sched/db.py) are not this module's;
-# it asks that the tuner share the control plane's home (see visionloop.tune.tuner).
+# "metrics"}), in its job folder, served at GET /v1/jobs/{id}/evals: what the tuner reads
+# its trials' intermediate values from. A file in the control plane's own home rather than a
+# table: advisory progress, bounded in size, and the schema's models are not this module's.
 EVALS_FILE = "evals.jsonl"
 # A read of a job's progress records at most this many new evaluations (the newest), and a
 # job's evaluations file stops growing at this size: a job flooding its log with made-up
@@ -44,7 +44,7 @@ MAX_EVALS_PER_READ = 8
 MAX_EVALS_BYTES = 4 * 1024 * 1024
 
 
-def _append_evals(path: Path, attempt: int, events: list[EvalEvent]) -> None:
+def append_evals(path: Path, attempt: int, events: list[EvalEvent]) -> None:
     """Append `events` to the job's evaluations file, synced: one write per read, so a
     crash leaves at most a torn last line, which `read_evals` skips."""
     try:
@@ -89,10 +89,7 @@ def read_evals(path: Path) -> Iterator[EvalEvent]:
         return
     for line in text.splitlines():
         try:
-            doc = json.loads(line)
-            yield EvalEvent(
-                int(doc["step"]), float(doc["epoch"]), {str(k): float(v) for k, v in doc["metrics"].items()}
-            )
+            yield EvalEvent.from_doc(json.loads(line))
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             continue
 
@@ -245,7 +242,7 @@ class ReconcileMixin(PlaneBase):
         if evals:
             try:
                 path = self.job_dir(job.id) / EVALS_FILE
-                _append_evals(path, attempt.number, evals[-MAX_EVALS_PER_READ:])
+                append_evals(path, attempt.number, evals[-MAX_EVALS_PER_READ:])
             except OSError as e:  # advisory, like the rest of progress
                 log.warning("job %s: could not record its evaluations (%s)", job.id, e)
         known = self._ckpt_steps.get(job.id, set())

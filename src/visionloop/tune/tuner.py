@@ -6,8 +6,9 @@ trains to the next rung of the study's pruner and pauses there through a checkpo
 then fills the free slots:
 
 1. every RUNNING trial is matched with its job (the trial's user attribute `job_id`):
-   - the job's new evaluations (the control plane appends them to the job's folder as it
-     reads them from the job's log, see sched/service_reconcile.py) are reported as the
+   - the job's new evaluations (the control plane reads them from the job's log, see
+     sched/service_reconcile.py, and serves them at `GET /v1/jobs/{id}/evals`, so the tuner
+     may run on any machine that reaches the control plane's API) are reported as the
      trial's intermediate values at step = epochs completed; a step the trial already has
      in storage is never reported again, so an evaluation read twice (a control-plane
      restart, a resumed attempt) or a restarted tuner changes nothing;
@@ -51,7 +52,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
@@ -60,7 +60,6 @@ from optuna.trial import FrozenTrial, TrialState
 from visionloop.core.errors import SpecError
 from visionloop.core.settings import load_settings
 from visionloop.sched.progress import EvalEvent
-from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
 from visionloop.specs import TrialFields
 from visionloop.tune.asha import promotable
 from visionloop.tune.space import apply, suggest
@@ -87,6 +86,7 @@ class Queue(Protocol):
 
     def submit(self, spec: dict[str, Any], **fields: Any) -> dict[str, Any]: ...
     def job(self, job_id: int) -> dict[str, Any]: ...
+    def evals(self, job_id: int) -> list[dict[str, Any]]: ...
     def resume(self, job_id: int, until_epoch: int | None, reason: str | None = None) -> dict[str, Any]: ...
     def prune(self, job_id: int, reason: str | None = None) -> dict[str, Any]: ...
 
@@ -130,15 +130,12 @@ def _cost(show: dict[str, Any]) -> dict[str, float]:
 
 
 class Tuner:
-    """Runs `spec`'s study (from `visionloop.tune.study.create_or_load`) through `queue`.
-    `jobs_dir`: the control plane's job folders (`<home>/jobs`), where it keeps each job's
-    evaluations."""
+    """Runs `spec`'s study (from `visionloop.tune.study.create_or_load`) through `queue`."""
 
-    def __init__(self, spec: TuneSpec, study: optuna.Study, queue: Queue, jobs_dir: Path) -> None:
+    def __init__(self, spec: TuneSpec, study: optuna.Study, queue: Queue) -> None:
         self.spec = spec
         self.study = study
         self.queue = queue
-        self.jobs_dir = jobs_dir
         self.metric = spec.objective.metric.removeprefix("val/")
         self.maximize = spec.objective.direction == "max"
         self._train_doc = spec.train_doc()
@@ -243,7 +240,11 @@ class Tuner:
         the trial has, by step (epochs completed)."""
         values = dict(frozen.intermediate_values)
         new: dict[int, float] = {}
-        for event in read_evals(self.jobs_dir / f"job-{job_id}" / EVALS_FILE):
+        for doc in self.queue.evals(job_id):
+            try:
+                event = EvalEvent.from_doc(doc)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue  # not an evaluation: nothing to report
             step = self._step_of(event)
             value = event.metrics.get(self.metric)
             if step is None or value is None or step in values or step in new:
