@@ -367,13 +367,6 @@ def test_tuner_and_control_plane_sigkilled_at_random_moments_finish_the_study_ex
     spec_path = tmp_path / "tune.yaml"
     spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
-    # The MLflow store exists before the chaos starts: a process SIGKILLed while it creates
-    # a fresh one leaves it half-made, unusable for good (see the test at the end of this
-    # file). Remove this once that test passes.
-    from visionloop.track.store import client as tracking_client
-
-    tracking_client(load_settings())
-
     with fresh_database(backend, tmp_path) as url:
         chaos = _Chaos(vl_home, url, spec_path)
         why = f"seed {seed}, {backend}"
@@ -553,11 +546,6 @@ print(ensure_experiment(client(settings), settings, "after-the-crash"))
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="track/store.py: MLflow creates a fresh SQLite store in separately committed Alembic steps; "
-    "a process killed among them leaves a store no later open can migrate ('table ... already exists')",
-)
 def test_a_process_killed_while_creating_the_tracking_store_leaves_it_usable(vl_home: Path) -> None:
     env = {**os.environ, "VISIONLOOP_HOME": str(vl_home)}
     killed = subprocess.run(

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from visionloop.core.errors import ConfigError, NotFoundError, VisionloopError
+from visionloop.core.errors import ConfigError, ControlPlaneUnreachableError, NotFoundError, VisionloopError
 from visionloop.core.settings import Settings
 
 STATE_FILE = "control-plane.json"
@@ -90,13 +90,17 @@ class Client:
         try:
             r = self._http.request(method, path, **kwargs)
         except httpx.ConnectError:
-            raise ConfigError(
+            raise ControlPlaneUnreachableError(
                 f"cannot reach the control plane at {self.url}: is it running? Start it with "
                 "`visionloop up --detach`."
             ) from None
         except httpx.TimeoutException:
-            raise VisionloopError(
+            raise ControlPlaneUnreachableError(
                 f"the control plane at {self.url} did not answer in time; try again."
+            ) from None
+        except httpx.TransportError as e:  # the connection broke mid-request (it restarted)
+            raise ControlPlaneUnreachableError(
+                f"the connection to the control plane at {self.url} broke ({type(e).__name__}); try again."
             ) from None
         if r.status_code >= 400:
             try:

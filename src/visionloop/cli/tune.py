@@ -62,19 +62,19 @@ def run(
     # The control plane first: a study is not made for a tuner that cannot submit its trials.
     client = Client.from_settings(settings)
     study = create_or_load(tune_spec, _db_url(db, db_url_file))
-    last: list[Progress] = []
+    shown: dict[str, str] = {}
 
     def on_pass(p: Progress) -> None:
-        if not last or last[-1] != p:
-            paused = f", {p.paused} paused at a rung" if p.paused else ""
-            spent = f", {p.gpu_hours:.2f} GPU-h, {p.usd:.2f} USD" if p.gpu_hours or p.usd else ""
-            err.print(
-                f"study {study.study_name}: {p.finished}/{tune_spec.trials} finished, "
-                f"{p.running} running{paused}{spent}"
-            )
-            if p.stopped and (not last or last[-1].stopped != p.stopped):
-                err.print(f"no new trial starts: {p.stopped}")
-        last[:] = [p]
+        paused = f", {p.paused} paused at a rung" if p.paused else ""
+        spent = f", {p.gpu_hours:.2f} GPU-h, {p.usd:.2f} USD" if p.gpu_hours or p.usd else ""
+        done = f"{p.finished}/{tune_spec.trials} finished"
+        line = f"study {study.study_name}: {done}, {p.running} running{paused}{spent}"
+        # Compared as printed: the GPU-hours of running trials change every pass.
+        if line != shown.get("line"):
+            err.print(line)
+        if p.stopped and p.stopped != shown.get("stopped"):
+            err.print(f"no new trial starts: {p.stopped}")
+        shown.update(line=line, stopped=p.stopped or "")
 
     with client:
         tuner = Tuner(tune_spec, study, client)

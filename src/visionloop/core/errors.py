@@ -14,6 +14,11 @@ class ConfigError(VisionloopError):
     """Settings (environment, visionloop.toml) are invalid."""
 
 
+class ControlPlaneUnreachableError(ConfigError):
+    """The control plane did not answer (not running, restarting, the connection broke): a
+    caller that loops, such as the tuner, waits and tries again."""
+
+
 class SpecError(VisionloopError):
     """A user-facing spec document failed validation."""
 

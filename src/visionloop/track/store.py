@@ -111,9 +111,33 @@ def client(settings: Settings) -> MlflowClient:
     try:
         # For a database URI this connects, and creates or migrates the schema, right here.
         with _schema_lock(settings.tracking_uri):
+            _create_whole(settings.tracking_uri)
             return MlflowClient(tracking_uri=settings.tracking_uri)
     except Exception as e:
         raise store_error("connect", settings, e) from e
+
+
+def _create_whole(uri: str) -> None:
+    """Make a fresh local SQLite store whole or not at all (call under _schema_lock). MLflow
+    creates its schema in dozens of Alembic steps committed one by one, so a process killed
+    among them (Ctrl-C on a first `train`, the OOM killer, a SIGKILLed tuner) leaves a store
+    that no later open can migrate ("table ... already exists"). Built beside it, renamed in."""
+    from mlflow import MlflowClient
+
+    db = sqlite_path(uri)
+    if db is None or db.exists():
+        return
+    tmp = db.with_name(f".{db.name}.creating")
+    for leftover in (tmp, tmp.with_name(tmp.name + "-journal"), tmp.with_name(tmp.name + "-wal")):
+        leftover.unlink(missing_ok=True)  # a killed attempt's; the lock says no one is at it now
+    made = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
+    made._tracking_client.store.engine.dispose()
+    tmp.replace(db)
+    fd = os.open(db.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -57,7 +57,7 @@ from typing import Any, Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from visionloop.core.errors import SpecError
+from visionloop.core.errors import ControlPlaneUnreachableError, SpecError
 from visionloop.core.settings import load_settings
 from visionloop.sched.progress import EvalEvent
 from visionloop.specs import TrialFields
@@ -150,9 +150,18 @@ class Tuner:
         on_pass: Callable[[Progress], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Progress:
-        """Pass after pass until the study is over (or `should_stop()`)."""
+        """Pass after pass until the study is over (or `should_stop()`). A control plane that
+        does not answer (restarting, say) is waited for: a pass cut off midway is safe to
+        redo, since every step of it is idempotent against the database."""
         while True:
-            progress = self.step()
+            try:
+                progress = self.step()
+            except ControlPlaneUnreachableError as e:
+                log.warning("control plane unreachable, retrying in %.1f s: %s", max(poll_s, 1.0), e)
+                if should_stop():
+                    raise
+                time.sleep(max(poll_s, 1.0))
+                continue
             if on_pass is not None:
                 on_pass(progress)
             if progress.done or should_stop():
