@@ -22,6 +22,7 @@ rank through torch.distributed.checkpoint, under the same rules (sharded_checkpo
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 import io
@@ -252,8 +253,11 @@ def lower_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)
 
 
-class CheckpointManager:
-    """Owns `<run_dir>/checkpoints/`: save (async), find the latest valid, prune."""
+class _ManagerBase(abc.ABC):
+    """What the single-file and the sharded manager share: the writer thread with one write in
+    flight, finding the newest checkpoint that verifies, setting damaged ones aside, and the
+    keep_last / keep_best retention. Subclasses say how a checkpoint of their format is named,
+    read, loaded and deleted."""
 
     def __init__(self, directory: Path, *, keep_last: int, keep_best: int, best_mode: str = "max") -> None:
         self.dir = Path(directory)
@@ -267,7 +271,26 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self.last_stall_s = 0.0
         self.last_write_s = 0.0
-        self._snapshot = Snapshotter()
+
+    # ---------------------------------------------------------------- per format
+    @abc.abstractmethod
+    def _step_of(self, path: Path) -> int | None:
+        """The step `path` is named for, or None if it is not a checkpoint of this format."""
+
+    @abc.abstractmethod
+    def _read_info(self, path: Path) -> CheckpointInfo:
+        """The checkpoint's header, cheaply (payloads not verified)."""
+
+    @abc.abstractmethod
+    def _load(self, step: int, path: Path) -> tuple[CheckpointInfo, dict[str, Any]]:
+        """Verify and load one checkpoint; CheckpointError if it is damaged."""
+
+    @abc.abstractmethod
+    def _delete(self, path: Path) -> None:
+        """Remove one checkpoint (OSError if it cannot)."""
+
+    @abc.abstractmethod
+    def remove_stale_temporaries(self) -> None: ...
 
     # ---------------------------------------------------------------- discovery
     def infos(self) -> list[CheckpointInfo]:
@@ -276,15 +299,14 @@ class CheckpointManager:
             return []
         found: list[CheckpointInfo] = []
         for p in self.dir.iterdir():
-            m = _NAME.match(p.name)
-            if not m:
+            if self._step_of(p) is None:
                 continue
             try:
-                h = read_header(p)
+                info = self._read_info(p)
             except (CheckpointError, OSError) as e:
                 log.warning("ignoring checkpoint %s: %s", p.name, e)
                 continue
-            found.append(CheckpointInfo(p, int(h["step"]), h.get("metric"), h["sha256"], int(h["size"])))
+            found.append(info)
         return sorted(found, key=lambda c: c.step)
 
     def load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
@@ -295,16 +317,13 @@ class CheckpointManager:
         if not self.dir.is_dir():
             return None
         named = sorted(
-            ((int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name))), reverse=True
+            ((step, p) for p in self.dir.iterdir() if (step := self._step_of(p)) is not None), reverse=True
         )
         bad: list[str] = []
         for step, path in named:
             try:
-                state = load_verified(path)
-                trailer = read_header(path)
-                if int(trailer["step"]) != step:
-                    raise CheckpointError(f"{path.name}: the trailer says step {trailer['step']}")
-            except CheckpointError as e:  # the file itself is damaged: set it aside
+                return self._load(step, path)
+            except CheckpointError as e:  # the checkpoint itself is damaged: set it aside
                 bad.append(path.name)
                 log.warning("checkpoint %s is unusable (%s); trying the previous one", path.name, e)
                 self._quarantine(path)
@@ -316,8 +335,6 @@ class CheckpointManager:
                     f"cannot read checkpoint {path} ({type(e).__name__}: {e}). Fix access to the run "
                     f"directory or use a machine with more memory, then rerun to resume."
                 ) from e
-            info = CheckpointInfo(path, step, trailer.get("metric"), trailer["sha256"], int(trailer["size"]))
-            return info, state
         if bad:
             raise CheckpointError(
                 f"no valid checkpoint in {self.dir} (unusable: {', '.join(bad)}). "
@@ -331,48 +348,15 @@ class CheckpointManager:
         except OSError as e:
             log.warning("could not rename corrupt checkpoint %s: %s", path, e)
 
-    def remove_stale_temporaries(self) -> None:
-        """Temporary files left by a writer that was killed mid-write."""
-        if self.dir.is_dir():
-            for p in self.dir.glob(".step-*.tmp"):
-                p.unlink(missing_ok=True)
-
-    # ---------------------------------------------------------------- saving
-    def save(
-        self,
-        state: Mapping[str, Any],
-        step: int,
-        metric: float | None = None,
-        *,
-        block: bool = False,
-        before_commit: Callable[[], object] | None = None,
-    ) -> None:
-        """Snapshot `state` now; write it on the writer thread. `block=True` waits until it is
-        durable (used before exiting). `before_commit` runs on the writer thread just before
-        the checkpoint becomes visible (see `write_checkpoint`)."""
-        t0 = time.perf_counter()
-        self.wait()  # one write in flight: checkpoints land in order, and the buffers are free
-        frozen = self._snapshot(state)
-        self.last_stall_s = time.perf_counter() - t0
+    # ---------------------------------------------------------------- writer thread
+    def _submit(self, fn: Callable[..., Path], *args: Any) -> None:
         with self._lock:
-            self._pending = self._pool.submit(self._write, frozen, step, metric, before_commit)
-        if block:
-            self.wait()
+            self._pending = self._pool.submit(fn, *args)
 
-    def _write(
-        self,
-        state: dict[str, Any],
-        step: int,
-        metric: float | None,
-        before_commit: Callable[[], object] | None,
-    ) -> Path:
-        t0 = time.perf_counter()
-        path = self.dir / checkpoint_name(step)
-        write_checkpoint(path, state, step, metric, before_commit)
+    def _committed(self, step: int, t0: float) -> None:
         progress.checkpoint(step)  # durable now: renamed, and its folder synced
         self.last_write_s = time.perf_counter() - t0
         self.prune()
-        return path
 
     def wait(self) -> Path | None:
         """Block until the in-flight write (if any) is durable; re-raise its error."""
@@ -407,7 +391,7 @@ class CheckpointManager:
         for c in infos:
             if c.path not in keep:
                 try:
-                    c.path.unlink()
+                    self._delete(c.path)
                     removed.append(c.path)
                 except OSError as e:
                     # A failed deletion must not kill the writer: the next prune retries it.
@@ -419,3 +403,71 @@ class CheckpointManager:
         if not scored:
             return None
         return sorted(scored, key=lambda c: c.metric or 0.0, reverse=self.best_mode == "max")[0]
+
+
+class CheckpointManager(_ManagerBase):
+    """Owns `<run_dir>/checkpoints/`: save (async), find the latest valid, prune."""
+
+    def __init__(self, directory: Path, *, keep_last: int, keep_best: int, best_mode: str = "max") -> None:
+        super().__init__(directory, keep_last=keep_last, keep_best=keep_best, best_mode=best_mode)
+        self._snapshot = Snapshotter()
+
+    # ---------------------------------------------------------------- format
+    def _step_of(self, path: Path) -> int | None:
+        m = _NAME.match(path.name)
+        return int(m.group(1)) if m else None
+
+    def _read_info(self, path: Path) -> CheckpointInfo:
+        h = read_header(path)
+        return CheckpointInfo(path, int(h["step"]), h.get("metric"), h["sha256"], int(h["size"]))
+
+    def _load(self, step: int, path: Path) -> tuple[CheckpointInfo, dict[str, Any]]:
+        state = load_verified(path)
+        trailer = read_header(path)
+        if int(trailer["step"]) != step:
+            raise CheckpointError(f"{path.name}: the trailer says step {trailer['step']}")
+        info = CheckpointInfo(path, step, trailer.get("metric"), trailer["sha256"], int(trailer["size"]))
+        return info, state
+
+    def _delete(self, path: Path) -> None:
+        path.unlink()
+
+    def remove_stale_temporaries(self) -> None:
+        """Temporary files left by a writer that was killed mid-write."""
+        if self.dir.is_dir():
+            for p in self.dir.glob(".step-*.tmp"):
+                p.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- saving
+    def save(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        metric: float | None = None,
+        *,
+        block: bool = False,
+        before_commit: Callable[[], object] | None = None,
+    ) -> None:
+        """Snapshot `state` now; write it on the writer thread. `block=True` waits until it is
+        durable (used before exiting). `before_commit` runs on the writer thread just before
+        the checkpoint becomes visible (see `write_checkpoint`)."""
+        t0 = time.perf_counter()
+        self.wait()  # one write in flight: checkpoints land in order, and the buffers are free
+        frozen = self._snapshot(state)
+        self.last_stall_s = time.perf_counter() - t0
+        self._submit(self._write, frozen, step, metric, before_commit)
+        if block:
+            self.wait()
+
+    def _write(
+        self,
+        state: dict[str, Any],
+        step: int,
+        metric: float | None,
+        before_commit: Callable[[], object] | None,
+    ) -> Path:
+        t0 = time.perf_counter()
+        path = self.dir / checkpoint_name(step)
+        write_checkpoint(path, state, step, metric, before_commit)
+        self._committed(step, t0)
+        return path

@@ -38,11 +38,9 @@ import os
 import pickle
 import re
 import shutil
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -50,8 +48,8 @@ import torch
 
 from visionloop.core.errors import CheckpointError
 from visionloop.core.fsutil import atomic_write_bytes, fsync_dir
-from visionloop.train import dist, progress
-from visionloop.train.checkpoint import CheckpointInfo, lower_thread_priority
+from visionloop.train import dist
+from visionloop.train.checkpoint import CheckpointInfo, _ManagerBase
 
 log = logging.getLogger(__name__)
 
@@ -302,9 +300,19 @@ def load_verified_dir(directory: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- manager
 
 
-class ShardedCheckpointManager:
+def _info(directory: Path, manifest: dict[str, Any], step: int | None = None) -> CheckpointInfo:
+    """A checkpoint directory's CheckpointInfo: its "sha256" is that of the manifest's file list,
+    its size that of all its files."""
+    files = manifest["files"]
+    size = sum(int(e.get("size", 0)) for e in files.values())
+    at = int(manifest["step"]) if step is None else step
+    return CheckpointInfo(directory, at, manifest.get("metric"), _tree_sha256(files), size)
+
+
+class ShardedCheckpointManager(_ManagerBase):
     """Owns `<run_dir>/checkpoints/` for an FSDP run: the same interface as
-    `CheckpointManager`, but `save` is collective (every rank calls it)."""
+    `CheckpointManager`, but `save` is collective (every rank calls it), and `load_latest` and
+    `wait` concern rank 0 (the one that verifies and commits checkpoint directories)."""
 
     def __init__(
         self,
@@ -315,78 +323,27 @@ class ShardedCheckpointManager:
         best_mode: str = "max",
         info: dist.DistInfo,
     ) -> None:
-        self.dir = Path(directory)
-        self.keep_last = keep_last
-        self.keep_best = keep_best
-        self.best_mode = best_mode
+        super().__init__(directory, keep_last=keep_last, keep_best=keep_best, best_mode=best_mode)
         self.info = info
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ckpt-writer", initializer=lower_thread_priority
-        )
-        self._pending: Future[Path] | None = None
-        self._lock = threading.Lock()
-        self.last_stall_s = 0.0
-        self.last_write_s = 0.0
 
-    # ---------------------------------------------------------------- discovery
-    def infos(self) -> list[CheckpointInfo]:
-        """Checkpoint directories whose manifest parses, oldest first (files not hashed)."""
-        if not self.dir.is_dir():
-            return []
-        found: list[CheckpointInfo] = []
-        for p in self.dir.iterdir():
-            m = _NAME.match(p.name)
-            if not m or not p.is_dir():
-                continue
-            try:
-                h = read_manifest(p)
-            except (CheckpointError, OSError) as e:
-                log.warning("ignoring checkpoint %s: %s", p.name, e)
-                continue
-            size = sum(int(e.get("size", 0)) for e in h["files"].values())
-            found.append(CheckpointInfo(p, int(h["step"]), h.get("metric"), _tree_sha256(h["files"]), size))
-        return sorted(found, key=lambda c: c.step)
+    # ---------------------------------------------------------------- format
+    def _step_of(self, path: Path) -> int | None:
+        m = _NAME.match(path.name)
+        return int(m.group(1)) if m and path.is_dir() else None
 
-    def load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
-        """The newest checkpoint directory that verifies (rank 0 calls this; see
-        `CheckpointManager.load_latest` for what happens to unusable ones)."""
-        self.remove_stale_temporaries()
-        if not self.dir.is_dir():
-            return None
-        named = sorted(
-            ((int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()),
-            reverse=True,
-        )
-        bad: list[str] = []
-        for step, path in named:
-            try:
-                state = load_verified_dir(path)
-                manifest = read_manifest(path)
-            except CheckpointError as e:
-                bad.append(path.name)
-                log.warning("checkpoint %s is unusable (%s); trying the previous one", path.name, e)
-                self._quarantine(path)
-                continue
-            except (OSError, MemoryError) as e:
-                raise CheckpointError(
-                    f"cannot read checkpoint {path} ({type(e).__name__}: {e}). Fix access to the run "
-                    f"directory or use a machine with more memory, then rerun to resume."
-                ) from e
-            files = manifest["files"]
-            size = sum(int(e.get("size", 0)) for e in files.values())
-            return CheckpointInfo(path, step, manifest.get("metric"), _tree_sha256(files), size), state
-        if bad:
-            raise CheckpointError(
-                f"no valid checkpoint in {self.dir} (unusable: {', '.join(bad)}). "
-                f"To start this run over, move the run directory away and train again."
-            )
-        return None
+    def _read_info(self, path: Path) -> CheckpointInfo:
+        return _info(path, read_manifest(path))
 
-    def _quarantine(self, path: Path) -> None:
-        try:
-            path.rename(path.with_name(path.name + ".corrupt"))
-        except OSError as e:
-            log.warning("could not rename corrupt checkpoint %s: %s", path, e)
+    def _load(self, step: int, path: Path) -> tuple[CheckpointInfo, dict[str, Any]]:
+        state = load_verified_dir(path)
+        return _info(path, read_manifest(path), step), state
+
+    def _delete(self, path: Path) -> None:
+        # Renamed first: a deletion cut short must not leave a half directory under a
+        # checkpoint's name (it would fail verification and be reported as corrupt).
+        doomed = path.with_name(f".{path.name}.tmp")
+        path.rename(doomed)
+        shutil.rmtree(doomed)
 
     def remove_stale_temporaries(self) -> None:
         """Directories left by a save that was killed: unfinished ones are deleted; a checkpoint
@@ -449,8 +406,7 @@ class ShardedCheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             self.last_stall_s = time.perf_counter() - t0
-            with self._lock:
-                self._pending = self._pool.submit(self._commit, tmp, step, metric, before_commit)
+            self._submit(self._commit, tmp, step, metric, before_commit)
             if block:
                 self.wait()
         else:
@@ -472,56 +428,5 @@ class ShardedCheckpointManager:
         tmp.rename(final)
         fsync_dir(self.dir)
         shutil.rmtree(old, ignore_errors=True)
-        progress.checkpoint(step)  # durable now: renamed, and its folder synced
-        self.last_write_s = time.perf_counter() - t0
-        self.prune()
+        self._committed(step, t0)
         return final
-
-    def wait(self) -> Path | None:
-        """Block until rank 0's in-flight commit (if any) is durable; re-raise its error."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        try:
-            return pending.result()
-        except OSError as e:
-            raise CheckpointError(
-                f"writing a checkpoint to {self.dir} failed: {e}. Free disk space or fix permissions, "
-                f"then rerun the same command to resume from the last good checkpoint."
-            ) from e
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
-
-    # ---------------------------------------------------------------- retention
-    def prune(self) -> list[Path]:
-        """Keep the newest `keep_last` plus the best `keep_best` by metric; delete the rest."""
-        infos = self.infos()
-        keep = {c.path for c in infos[-self.keep_last :]}
-        scored = [c for c in infos if c.metric is not None]
-        if self.keep_best and scored:
-            best_first = sorted(scored, key=lambda c: c.metric or 0.0, reverse=self.best_mode == "max")
-            keep |= {c.path for c in best_first[: self.keep_best]}
-        removed = []
-        for c in infos:
-            if c.path not in keep:
-                # Renamed first: a deletion cut short must not leave a half directory under a
-                # checkpoint's name (it would fail verification and be reported as corrupt).
-                doomed = c.path.with_name(f".{c.path.name}.tmp")
-                try:
-                    c.path.rename(doomed)
-                    shutil.rmtree(doomed)
-                    removed.append(c.path)
-                except OSError as e:
-                    log.warning("could not delete old checkpoint %s: %s", c.path, e)
-        return removed
-
-    def best(self) -> CheckpointInfo | None:
-        scored = [c for c in self.infos() if c.metric is not None]
-        if not scored:
-            return None
-        return sorted(scored, key=lambda c: c.metric or 0.0, reverse=self.best_mode == "max")[0]
