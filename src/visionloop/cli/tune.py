@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from visionloop.cli.console import err, out, print_wide
@@ -74,12 +75,17 @@ def run(
             err.print(line)
         if p.stopped and p.stopped != shown.get("stopped"):
             err.print(f"no new trial starts: {p.stopped}")
-        shown.update(line=line, stopped=p.stopped or "")
+        shown.update(line=line, stopped=p.stopped or "", away="")
+
+    def on_unreachable(why: str) -> None:
+        if not shown.get("away"):  # once per outage
+            err.print(f"{escape(why)} Waiting for it; the study goes on when it answers (Ctrl-C stops).")
+        shown["away"] = "yes"
 
     with client:
         tuner = Tuner(tune_spec, study, client)
         try:
-            tuner.run(poll_s=poll_s, on_pass=on_pass)
+            tuner.run(poll_s=poll_s, on_pass=on_pass, on_unreachable=on_unreachable)
         except KeyboardInterrupt:
             err.print("stopped; the trials' jobs go on. Run the same command again to continue the study.")
             raise typer.Exit(130) from None

@@ -149,6 +149,7 @@ class Tuner:
         poll_s: float = 2.0,
         on_pass: Callable[[Progress], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
+        on_unreachable: Callable[[str], None] | None = None,
     ) -> Progress:
         """Pass after pass until the study is over (or `should_stop()`). A control plane that
         does not answer (restarting, say) is waited for: a pass cut off midway is safe to
@@ -158,6 +159,8 @@ class Tuner:
                 progress = self.step()
             except ControlPlaneUnreachableError as e:
                 log.warning("control plane unreachable, retrying in %.1f s: %s", max(poll_s, 1.0), e)
+                if on_unreachable is not None:
+                    on_unreachable(str(e))
                 if should_stop():
                     raise
                 time.sleep(max(poll_s, 1.0))
