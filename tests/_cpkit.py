@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from visionloop.core.settings import load_settings
 from visionloop.sched.config import ClusterConfig, parse_cluster_config
@@ -122,3 +123,17 @@ def train_doc(dataset: Path, **kw: Any) -> dict[str, Any]:
     doc = spec_doc(dataset, **kw)
     doc["tracking"] = {"experiment": "queue-tests"}
     return doc
+
+
+def jobs_processes(home: Path) -> list[psutil.Process]:
+    """Training processes started for this home (their command names its jobs folder): what
+    a test checks is empty once its jobs have ended."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if str(home / "jobs") in cmd:
+            found.append(p)
+    return found

@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
-from _cpkit import FAST, free_port, job_roots
+from _cpkit import FAST, free_port, job_roots, jobs_processes
 from _trainkit import spec_doc
 from visionloop.sched.states import JobState
 from visionloop.sched.store import Store
@@ -61,16 +60,6 @@ def _wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError("the control plane did not answer within 60 s")
-
-
-def _jobs_processes(home: Path) -> list[psutil.Process]:
-    """Training processes started for this home (their command names its jobs folder)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if str(home / "jobs") in cmd:
-            found.append(p)
-    return found
 
 
 def test_sigkill_at_random_moments_loses_and_duplicates_nothing(vl_home: Path, digits_dataset: Path) -> None:
@@ -136,4 +125,4 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(vl_home: Path, d
                 assert end <= start, f"(seed {seed}) {gpu} was double-booked: {spans}"
     finally:
         store.close()
-    assert _jobs_processes(vl_home) == [], f"(seed {seed}) training processes left running"
+    assert jobs_processes(vl_home) == [], f"(seed {seed}) training processes left running"

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import yaml
 from optuna.trial import FrozenTrial, TrialState
@@ -30,7 +29,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError
 
-from _cpkit import CP, FAST, TEAMS, cluster_config, control_plane, free_port, job_roots
+from _cpkit import CP, FAST, TEAMS, cluster_config, control_plane, free_port, job_roots, jobs_processes
 from _cpkit import train_doc as _train
 from _dbkit import BACKENDS, fresh_database
 from visionloop.api.client import Client
@@ -101,19 +100,6 @@ def _db_args(url: str) -> tuple[list[str], dict[str, str]]:
     if make_url(url).password:
         return [], {"VISIONLOOP_DB_URL": url}
     return ["--db", url], {}
-
-
-def _jobs_processes(home: Path) -> list[psutil.Process]:
-    """Training processes started for this home (their command names its jobs folder)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except psutil.Error:
-            continue
-        if str(home / "jobs") in cmd:
-            found.append(p)
-    return found
 
 
 def _metric_evals(spec: TuneSpec, job_dir: Path) -> dict[int, float]:
@@ -421,9 +407,9 @@ def test_tuner_and_control_plane_sigkilled_at_random_moments_finish_the_study_ex
                 f"trial {t.number} {t.state.name}: {[(a.outcome, a.exit_code) for a in attempts[t.number]]}"
             )
         deadline = time.monotonic() + 30
-        while _jobs_processes(vl_home) and time.monotonic() < deadline:
+        while jobs_processes(vl_home) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _jobs_processes(vl_home) == [], f"({why}) training processes left running"
+        assert jobs_processes(vl_home) == [], f"({why}) training processes left running"
 
 
 # --------------------------------------------------------------------------- 2. preemption

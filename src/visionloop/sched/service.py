@@ -170,13 +170,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                 return job
             reason = f"pruned by {self._who(principal)}" + (f": {why}" if why else "")
             job = self.store.prune(job_id, reason, now=self.clock())
-        if job.run_dir:
-            threading.Thread(
-                target=self._close_run,
-                args=(Path(job.run_dir), "pruned", f"job {job_id} {reason}"),
-                name=f"close-run-{job_id}",
-                daemon=True,
-            ).start()
+        self._close_run_later(job, "pruned", f"job {job_id} {reason}")
         return job
 
     # ------------------------------------------------------------------ the cycle

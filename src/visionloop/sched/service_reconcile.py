@@ -131,16 +131,22 @@ class ReconcileMixin(PlaneBase):
         A job that ended for good gets its run closed if its trainer could not (SIGKILL)."""
         self._attempts_ended += 1
         job = self.store.end_attempt(job_id, attempt, outcome, exit_code, now, next_state, reason, **kwargs)
-        if next_state in (JobState.FAILED, JobState.CANCELLED) and job.run_dir:
+        if next_state in (JobState.FAILED, JobState.CANCELLED):
             ending: Ending = "failed" if next_state == JobState.FAILED else "cancelled"
-            # Off the cycle: the tracking store may be remote and slow.
-            threading.Thread(
-                target=self._close_run,
-                args=(Path(job.run_dir), ending, f"job {job_id} {ending}: {reason}"),
-                name=f"close-run-{job_id}",
-                daemon=True,
-            ).start()
+            self._close_run_later(job, ending, f"job {job_id} {ending}: {reason}")
         return job
+
+    def _close_run_later(self, job: Job, ending: Ending, reason: str) -> None:
+        """Close the ended job's run (`_close_run`) off the cycle and off the request: the
+        tracking store may be remote and slow."""
+        if not job.run_dir:
+            return
+        threading.Thread(
+            target=self._close_run,
+            args=(Path(job.run_dir), ending, reason),
+            name=f"close-run-{job.id}",
+            daemon=True,
+        ).start()
 
     def _close_run(self, run_dir: Path, ending: Ending, reason: str) -> None:
         try:

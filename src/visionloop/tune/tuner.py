@@ -333,14 +333,13 @@ class Tuner:
             seen.active += 1
             self._submit(trial)
         if seen.active == 0 and seen.paused and (stopped or asked >= self.spec.trials):
-            # Nothing runs and nothing more can: the trials still paused were never promoted.
-            trials = self.study.get_trials(deepcopy=False)
-            if stopped or promotable(trials, self._paused_at(seen), *self._asha_args()) is None:
-                why = stopped or "never among the best of its rung"
-                by_number = {t.number: t for t in trials}
-                for number, (rung, job_id, cost) in sorted(seen.paused.items()):
-                    self._prune(by_number[number], job_id, f"paused at epoch {rung}, {why}", cost)
-                seen.paused.clear()
+            # Nothing runs and nothing more can (the loop above found no promotion, or the
+            # budget is spent): the trials still paused were never promoted.
+            why = stopped or "never among the best of its rung"
+            by_number = {t.number: t for t in trials}
+            for number, (rung, job_id, cost) in sorted(seen.paused.items()):
+                self._prune(by_number[number], job_id, f"paused at epoch {rung}, {why}", cost)
+            seen.paused.clear()
         trials = self.study.get_trials(deepcopy=False)
         finished = sum(t.state in FINISHED for t in trials)
         running = sum(t.state == TrialState.RUNNING for t in trials) - len(seen.paused)
