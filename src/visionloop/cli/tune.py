@@ -126,9 +126,10 @@ def show(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
-    """The trials of a study: parameters, state, the objective at each epoch and rung, the final
-    value, the job that ran it with its GPU-hours and cost (from the control plane, when it is
-    reachable); then the best trial and the parameters' importances."""
+    """The trials of a study, its best trial and its parameters' importances.
+
+    Per trial: parameters, state, the objective at each epoch and rung, the final value, the job that ran it with its GPU-hours and cost (from the control plane, when it is reachable).
+    """  # noqa: E501 (one line per paragraph: Rich keeps the line breaks of a help text)
     from visionloop.core.settings import load_settings
     from visionloop.tune.report import study_report, write_plots
     from visionloop.tune.study import load
@@ -217,9 +218,10 @@ def best(
     db_url_file: Path | None = typer.Option(None, "--db-url-file", help=_DB_FILE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """The best complete trial: its parameters, value, job and run directory. With --register
-    NAME, its final model becomes a new version of NAME in the model registry (as `visionloop
-    models register` does for a run)."""
+    """The best complete trial: its parameters, value, job and run directory.
+
+    With --register NAME, its final model becomes a new version of NAME in the model registry (as `visionloop models register` does for a run).
+    """  # noqa: E501 (one line per paragraph: Rich keeps the line breaks of a help text)
     from visionloop.core.settings import load_settings
     from visionloop.registry.layout import check_name
     from visionloop.tune.report import best_trial, fmt_value, register_best
