@@ -17,6 +17,7 @@ from visionloop.cli import archs as archs_cli
 from visionloop.cli import bench as bench_cli
 from visionloop.cli import data as data_cli
 from visionloop.cli import demo as demo_cli
+from visionloop.cli import evaluate as eval_cli
 from visionloop.cli import export as export_cli
 from visionloop.cli import models as models_cli
 from visionloop.cli import queue as queue_cli
@@ -33,7 +34,8 @@ app = typer.Typer(
     help=(
         "visionloop: labelled images in; a trained, tracked, optimized and served model out.\n\n"
         "Start with `visionloop demo`. Share GPUs between jobs with `visionloop up`, `submit` and "
-        "`jobs`; take a run to an endpoint with `models register`, `export`, `bench` and `serve`. "
+        "`jobs`; take a run to an endpoint with `models register`, `export`, `bench` and `serve`; "
+        "find how a model fails with `eval`. "
         "State lives under $VISIONLOOP_HOME (default ~/.visionloop)."
     ),
     no_args_is_help=True,
@@ -56,6 +58,7 @@ app.add_typer(tune_cli.app, name="tune")
 app.add_typer(size_cli.app, name="size")
 app.command("export", context_settings={"help_option_names": ["-h", "--help"]})(export_cli.export)
 app.command("bench", context_settings={"help_option_names": ["-h", "--help"]})(bench_cli.bench)
+app.command("eval", context_settings={"help_option_names": ["-h", "--help"]})(eval_cli.evaluate)
 app.command("serve", cls=serve_cli.ServeCommand, context_settings={"help_option_names": ["-h", "--help"]})(
     serve_cli.serve
 )

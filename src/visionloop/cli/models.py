@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from visionloop.cli.console import out, print_wide
@@ -102,7 +104,8 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a model's versions and alias history, and one version in detail: card, metrics,
-    lineage (run, dataset) and exports with their gate results."""
+    lineage (run, dataset), exports with their gate results, and evaluations (`visionloop eval`)."""
+    from visionloop.eval.store import EVALS_DIR, list_evals
     from visionloop.registry import alias_history, get_version, list_versions, parse_ref
 
     parsed = parse_ref(ref)
@@ -113,6 +116,7 @@ def show_cmd(
     lineage = info.lineage()
     exports = info.exports()
     refused = info.exports(refused_reexports=True)
+    evals = [_eval_summary(e) for e in list_evals(info.dir)]
     if as_json:
         _echo_json(
             {
@@ -123,6 +127,7 @@ def show_cmd(
                 "refused_reexports": {k: r.model_dump(mode="json") for k, r in refused.items()},
                 "versions": [_version_json(v) for v in versions],
                 "alias_history": [e.model_dump() for e in events],
+                "evals": evals,
             }
         )
         return
@@ -186,12 +191,53 @@ def show_cmd(
         print_wide(table)
     else:
         out.print(f"  exports        none (visionloop export {info.name}/{info.version} --precision fp32)")
+    if evals:
+        table = Table("when", "data", "images", "metric", "stress mean", "ECE", "temperature", "report")
+        table.title = "evaluations"
+        for ev in evals:
+            ece = _num(ev["ece"], ".4f")
+            if ev["ece_after"] is not None:
+                ece += f" → {ev['ece_after']:.4f}"
+            table.add_row(
+                str(ev["created_at"]),
+                escape(f"{ev['dataset']} [{ev['split']}]"),
+                str(ev["images"]),
+                f"{ev['metric']} {_num(ev['clean'], '.4f')}",
+                _num(ev["stress_mean"], ".4f"),
+                ece,
+                _num(ev["temperature"], ".3f") + (" (stored)" if ev["stored"] else ""),
+                escape(Path(str(ev["path"])).parent.name),
+            )
+        print_wide(table)
+        out.print(f"  evaluations    {escape(str(info.dir / EVALS_DIR))}/<report>/eval.json")
+    else:
+        out.print(f"  evaluations    none (visionloop eval {info.name}/{info.version} --stress)")
     if events:
         table = Table("when", "who", "action", "alias", "version", "was", title="alias history")
         for e in events:
             was = f"v{e.previous}" if e.previous is not None else "-"
             table.add_row(e.at, e.actor, e.action, e.alias, f"v{e.version}", was)
         print_wide(table)
+
+
+def _eval_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """The few figures of an eval report that `models show` lists (the rest is in its file)."""
+    c = doc.get("calibration") if isinstance(doc.get("calibration"), dict) else {}
+    assert isinstance(c, dict)
+    return {
+        "created_at": doc.get("created_at"),
+        "dataset": doc.get("dataset"),
+        "split": doc.get("split"),
+        "images": doc.get("images"),
+        "metric": doc.get("metric"),
+        "clean": doc.get("clean"),
+        "stress_mean": doc.get("stress_mean"),
+        "ece": c.get("ece"),
+        "ece_after": c.get("ece_after"),
+        "temperature": c.get("temperature"),
+        "stored": bool(c.get("stored")),
+        "path": doc.get("path"),
+    }
 
 
 def _pct(value: Any) -> str:

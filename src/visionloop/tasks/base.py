@@ -353,6 +353,12 @@ class Task(ABC):
     @abstractmethod
     def evaluator(self, class_names: Sequence[str]) -> Evaluator: ...
 
+    def calibration_logits(self, outputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A batch's (logits (N, C), true labels (N,)) for confidence calibration (ECE, Brier,
+        temperature scaling), from `eval_forward`'s outputs and the collated targets; None for
+        a task whose outputs are not one softmax over classes per image (the default)."""
+        return None
+
     @abstractmethod
     def model_card(
         self,

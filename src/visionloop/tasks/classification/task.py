@@ -197,6 +197,10 @@ class ClassificationTask(Task):
             preds = [p for p in preds if p["score"] >= options.score_threshold]
         return {"predictions": preds}
 
+    def calibration_logits(self, outputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # The classifier's outputs are its logits, its targets the class indices.
+        return outputs, targets
+
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
         return answer.log_fields(_logits(outputs), class_names)
 

@@ -1,0 +1,339 @@
+"""`evaluate_model`: a registered model version's metrics on a dataset split, under stress
+(seeded corruptions at five severities) and with its confidences' calibration.
+
+The report and its plots go to `<version dir>/evals/<time>-<split>/` (eval.json, PNGs); a
+temperature fitted on the model's own validation split goes to `<version dir>/calibration.json`,
+where the server reads it, so that served confidences are calibrated.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from visionloop.core.errors import DataError, NotFoundError, SpecError
+from visionloop.core.fsutil import atomic_write_bytes, atomic_write_json
+from visionloop.core.settings import Settings, load_settings
+from visionloop.data.manifest import DatasetManifest, eval_split, read_manifest, shard_dir_of
+from visionloop.data.shards import ShardReader
+from visionloop.eval import calibration as cal
+from visionloop.eval.corruptions import CORRUPTIONS, SEVERITIES, corrupt, image_seed
+from visionloop.eval.report import EvalReport, StressCell, summarize_stress
+from visionloop.eval.run import Corrupter, PassResult, score
+from visionloop.eval.store import CALIBRATION_FILE, EVALS_DIR, REPORT_FILE
+from visionloop.registry import ModelVersionInfo, get_version
+from visionloop.registry.layout import SPEC_RESOLVED_FILE
+from visionloop.tasks import LossFn, Task, get_task
+
+# Fewer held-out images than this make a fitted temperature and its measured ECE noise.
+MIN_CALIBRATION_IMAGES = 50
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    dataset: Path | None = None  # default: the dataset the version was trained on
+    split: str | None = None  # default: val, else test
+    stress: bool = False
+    corruptions: tuple[str, ...] = CORRUPTIONS
+    severities: tuple[int, ...] = SEVERITIES
+    seed: int = 0
+    max_images: int | None = None
+    batch_size: int = 64
+    device: str = "auto"  # auto (cuda when available), cpu, cuda
+    calibrate: bool = True  # fit and store a temperature (own validation split only)
+
+
+def evaluate_model(
+    ref: str | ModelVersionInfo, options: EvalOptions | None = None, *, settings: Settings | None = None
+) -> EvalReport:
+    """Evaluate `ref`; write the report under its version folder and return it."""
+    options = options or EvalOptions()
+    settings = settings or load_settings()
+    _check_options(options)
+    info = ref if isinstance(ref, ModelVersionInfo) else get_version(ref, settings)
+    card = info.card()
+    task = get_task(card.task)
+    path, manifest = _dataset(info, options.dataset)
+    split, reader = _split(path, manifest, options.split)
+    positions = _positions(len(reader), options.max_images)
+    device = _device(options.device)
+    model = task.load_model(card, info.weights).to(device)
+    loss_fn = _loss_fn(task, info)
+
+    def run(corrupter: Corrupter | None) -> PassResult:
+        return score(
+            task, card, model, loss_fn, reader, positions,
+            device=device, batch_size=options.batch_size, corrupter=corrupter,
+        )  # fmt: skip
+
+    clean = run(None)
+    own_data = card.dataset_version is not None and manifest.version == card.dataset_version
+    primary = task.primary_metric
+    if primary not in clean.result.metrics:
+        raise DataError(f"the {task.name} evaluator reported no {primary!r}; the task is broken.")
+    stamp = datetime.now(UTC)
+    report = EvalReport(
+        model=info.ref,
+        task=task.name,
+        dataset=str(path),
+        dataset_version=manifest.version,
+        split=split,
+        images=len(positions),
+        metric=primary,
+        mode=task.primary_mode,
+        clean=float(clean.result.metrics[primary]),
+        clean_metrics={k: float(v) for k, v in clean.result.metrics.items() if "/" not in k},
+        summary=clean.result.summary,
+        same_data_as_training=own_data,
+        seed=options.seed,
+        created_at=stamp.isoformat(timespec="seconds"),
+    )
+    out_dir = _out_dir(info.dir, stamp, split)
+    files: list[Path] = []
+    files += _artifacts(clean, out_dir)
+    temperature = _calibrate(
+        report, clean, options, out_dir, files, fit_and_store=own_data and split != "train"
+    )
+    if options.stress:
+        for name in options.corruptions:
+            for severity in options.severities:
+                got = run(_corrupter(name, severity, options.seed))
+                ece = _ece(got) if got.logits is not None else None
+                report.stress.append(
+                    StressCell(
+                        corruption=name,
+                        severity=severity,
+                        value=float(got.result.metrics[primary]),
+                        metrics={k: float(v) for k, v in got.result.metrics.items() if "/" not in k},
+                        ece=ece,
+                    )
+                )
+        report.corruptions, report.stress_mean, report.mean_relative_error = summarize_stress(
+            report.stress, report.clean, report.mode
+        )
+        files.append(plot_stress(report, out_dir / "stress.png"))
+    report.files = [str(p) for p in files]
+    report.path = str(out_dir / REPORT_FILE)
+    atomic_write_json(out_dir / REPORT_FILE, report.to_dict())
+    if temperature is not None:
+        atomic_write_json(
+            info.dir / CALIBRATION_FILE,
+            {
+                "temperature": temperature,
+                "fitted_on": {"dataset_version": manifest.version, "split": split, "images": len(positions)},
+                "ece_before": report.calibration["ece"] if report.calibration else None,
+                "ece_after": report.calibration["ece_after"] if report.calibration else None,
+                "report": str(out_dir / REPORT_FILE),
+                "created_at": report.created_at,
+            },
+        )
+    return report
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+def _check_options(o: EvalOptions) -> None:
+    unknown = [c for c in o.corruptions if c not in CORRUPTIONS]
+    if unknown:
+        raise SpecError(f"unknown corruption {unknown[0]!r}; use some of: {', '.join(CORRUPTIONS)}.")
+    bad = [s for s in o.severities if s not in SEVERITIES]
+    if bad:
+        raise SpecError(f"severity {bad[0]} is out of range; severities are 1 to 5.")
+    if o.stress and (not o.corruptions or not o.severities):
+        raise SpecError("--stress needs at least one corruption and one severity.")
+    if o.split is not None and o.split not in SPLITS:
+        raise SpecError(f"unknown split {o.split!r}; use one of {', '.join(SPLITS)}.")
+    if o.max_images is not None and o.max_images < 1:
+        raise SpecError(f"--max-images must be at least 1, got {o.max_images}.")
+    if o.batch_size < 1:
+        raise SpecError(f"--batch-size must be at least 1, got {o.batch_size}.")
+    if o.device not in ("auto", "cpu", "cuda"):
+        raise SpecError(f"unknown device {o.device!r}; use auto, cpu or cuda.")
+
+
+def _dataset(info: ModelVersionInfo, given: Path | None) -> tuple[Path, DatasetManifest]:
+    """The dataset to evaluate on: `given` (any dataset of the model's task and classes), else
+    the one the version was trained on."""
+    card = info.card()
+    if given is None:
+        recorded = info.lineage().get("dataset_path")
+        if not recorded:
+            raise DataError(
+                f"{info.ref} does not record where its dataset is; pass one with --dataset DIR "
+                f"(any dataset with its classes: {', '.join(card.class_names[:5])}...)."
+            )
+        given = Path(recorded)
+    path = Path(given).expanduser()
+    try:
+        manifest = read_manifest(path)
+    except FileNotFoundError:
+        raise NotFoundError(
+            f"{path} is not an ingested dataset (no manifest); make one with `visionloop data ingest`."
+        ) from None
+    if manifest.task != card.task:
+        raise DataError(f"{path} is a {manifest.task} dataset and {info.ref} a {card.task} model.")
+    if list(manifest.classes) != list(card.class_names):
+        raise DataError(
+            f"{path} has classes {manifest.classes[:8]}, {info.ref} {card.class_names[:8]}: the "
+            "metrics would compare different labels. Evaluate on a dataset with the model's classes, "
+            "in the same order."
+        )
+    return path, manifest
+
+
+def _split(path: Path, manifest: DatasetManifest, split: str | None) -> tuple[str, ShardReader]:
+    name = split if split is not None else eval_split(manifest)
+    info = manifest.splits.get(name) if name is not None else None  # type: ignore[call-overload]
+    if name is None or info is None or info.count == 0:
+        have = [s for s, i in manifest.splits.items() if i.count > 0]
+        what = f"no {name!r} images" if name is not None else "no val or test images"
+        raise DataError(
+            f"{path} has {what}; it has {', '.join(have) or 'none'}. Pick one with --split, or "
+            "re-ingest with a validation split (--val-fraction 0.1)."
+        )
+    return name, ShardReader(shard_dir_of(path, info))
+
+
+def _positions(total: int, limit: int | None) -> list[int]:
+    """`limit` positions spread evenly over the split (every class of a dataset written class
+    by class), or all of them."""
+    if limit is None or total <= limit:
+        return list(range(total))
+    return sorted({int(i) for i in np.linspace(0, total - 1, num=limit)})
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SpecError("--device cuda: no CUDA device is visible here; use --device cpu.")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _loss_fn(task: Task, info: ModelVersionInfo) -> LossFn:
+    """The loss the model was trained with (label smoothing and all, from its saved spec), so
+    the reported loss matches training's; plain cross-entropy-like defaults if it is gone."""
+    import yaml
+
+    from visionloop.specs import TrainSpec
+
+    path = info.dir / SPEC_RESOLVED_FILE
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        spec = TrainSpec.model_validate(doc)
+    except Exception:  # an old or missing spec costs only the loss's details
+        spec = TrainSpec.model_validate({"data": {"dataset": "."}, "model": {"arch": info.card().arch}})
+    return task.loss_fn(spec)
+
+
+def _corrupter(name: str, severity: int, seed: int) -> Corrupter:
+    def apply(image: np.ndarray, position: int) -> np.ndarray:
+        # Each image its own stream, by its position in the split: the same image gets the
+        # same corruption in every run and for every model, whatever the batch size.
+        return corrupt(image, name, severity, image_seed(seed, position))
+
+    return apply
+
+
+def _out_dir(version_dir: Path, stamp: datetime, split: str) -> Path:
+    base = version_dir / EVALS_DIR / f"{stamp.strftime('%Y%m%dT%H%M%SZ')}-{split}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    out.mkdir(parents=True)
+    return out
+
+
+def _artifacts(clean: PassResult, out_dir: Path) -> list[Path]:
+    """The task's own plots of the clean pass (confusion matrix, detections)."""
+    return list(clean.evaluator.write_artifacts(clean.result, out_dir))
+
+
+def _ece(result: PassResult) -> float:
+    assert result.logits is not None and result.labels is not None
+    return cal.calibration(cal.softmax(result.logits), result.labels).ece
+
+
+def _calibrate(
+    report: EvalReport,
+    clean: PassResult,
+    options: EvalOptions,
+    out_dir: Path,
+    files: list[Path],
+    *,
+    fit_and_store: bool,
+) -> float | None:
+    """Calibration of the clean pass; with enough images, temperature scaling measured by
+    two-fold cross-fitting (fitted on one half, measured on the other, both ways), so the
+    'after' figure is on images the temperature never saw. Returns the temperature fitted on
+    the whole split when it is to be stored with the model (its own validation split)."""
+    if clean.logits is None or clean.labels is None:
+        report.calibration_note = f"calibration is not defined for {report.task} outputs yet"
+        return None
+    before = cal.calibration(cal.softmax(clean.logits), clean.labels)
+    report.calibration = before.to_dict()
+    n = len(clean.labels)
+    if n < MIN_CALIBRATION_IMAGES:
+        report.calibration_note = (
+            f"{n} images are too few to fit a temperature (at least {MIN_CALIBRATION_IMAGES})"
+        )
+        files.append(cal.reliability_diagram(before, out_dir / "reliability.png", title=report.model))
+        return None
+    order = np.random.default_rng(options.seed).permutation(n)
+    halves = (order[: n // 2], order[n // 2 :])
+    probs_after = np.empty_like(clean.logits, dtype=np.float64)
+    for fit, held in (halves, halves[::-1]):
+        t = cal.fit_temperature(clean.logits[fit], clean.labels[fit])
+        probs_after[held] = cal.softmax(clean.logits[held], t)
+    after = cal.calibration(probs_after, clean.labels)
+    temperature = cal.fit_temperature(clean.logits, clean.labels)
+    report.calibration.update(
+        temperature=temperature,
+        ece_after=after.ece,
+        mce_after=after.mce,
+        brier_after=after.brier,
+        nll_after=after.nll,
+        after=after.to_dict(),
+        stored=fit_and_store and options.calibrate,
+    )
+    if not (fit_and_store and options.calibrate):
+        report.calibration_note = (
+            "temperature measured but not stored: only an evaluation on the model's own "
+            "validation data sets the temperature the server applies"
+            if options.calibrate
+            else "temperature measured but not stored (--no-calibrate)"
+        )
+    files.append(
+        cal.reliability_diagram(before, out_dir / "reliability.png", title=report.model, after=after)
+    )
+    return temperature if fit_and_store and options.calibrate else None
+
+
+def plot_stress(report: EvalReport, path: Path) -> Path:
+    """The primary metric against severity, one line per corruption, clean as a dashed line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for s in report.corruptions:
+        ax.plot(s.severities, s.values, marker="o", label=f"{s.corruption} ({s.mean:.3f})")
+    ax.axhline(report.clean, color="black", linestyle="--", label=f"clean ({report.clean:.3f})")
+    ax.set_xlabel("severity")
+    ax.set_ylabel(report.metric)
+    ax.set_xticks(sorted({c.severity for c in report.stress}))
+    ax.set_title(f"{report.model}: {report.metric} under corruption ({report.split}, {report.images} images)")
+    ax.legend(fontsize=8, loc="lower left")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+    return path

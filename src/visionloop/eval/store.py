@@ -1,0 +1,46 @@
+"""What `visionloop eval` leaves with a model version, read back without torch: the reports
+under `<version dir>/evals/`, and the temperature in `<version dir>/calibration.json` that the
+inference server applies to a classifier's confidences."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from visionloop.core.errors import DataError
+
+EVALS_DIR = "evals"
+REPORT_FILE = "eval.json"
+CALIBRATION_FILE = "calibration.json"
+
+
+def read_temperature(version_dir: Path) -> float | None:
+    """The temperature stored with a model version by `visionloop eval`, or None."""
+    path = version_dir / CALIBRATION_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is unreadable ({e}); delete it and run `visionloop eval` again.") from e
+    t = doc.get("temperature") if isinstance(doc, dict) else None
+    if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+        raise DataError(f"{path} holds no positive temperature; delete it and run `visionloop eval` again.")
+    return float(t)
+
+
+def list_evals(version_dir: Path) -> list[dict[str, Any]]:
+    """The eval reports stored with a version, oldest first (unreadable ones skipped)."""
+    root = version_dir / EVALS_DIR
+    out = []
+    for path in sorted(root.glob(f"*/{REPORT_FILE}")) if root.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            doc["path"] = str(path)
+            out.append(doc)
+    return out
