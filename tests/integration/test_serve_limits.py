@@ -244,7 +244,10 @@ def test_a_health_check_is_answered_while_a_large_body_is_parsed(
         t.join(120)
     assert r.status_code == 200
     assert answers["hostile"].status_code == 400, answers["hostile"].text
-    assert "not a list of FP32 numbers (it holds str)" in answers["hostile"].json()["error"]
+    assert (
+        f"input 'input' declares FP32 but element {rows * cols - 1} is a string ('x'), not a number"
+        in answers["hostile"].json()["error"]
+    )
     # The health check, sent once the large body's parse had begun, is answered before that
     # parse is done: the parse did not hold the event loop.
     assert done == ["health", "hostile"]

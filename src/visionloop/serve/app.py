@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from visionloop import __version__
 from visionloop.serve import auth, openapi, routing
-from visionloop.serve.batcher import InferenceError
+from visionloop.serve.batcher import InferenceError, NonFiniteOutputError
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.keys import ApiKey, KeyRing
 from visionloop.serve.metrics import UNKNOWN
@@ -158,6 +158,17 @@ def _error_response(server: Server, request: Request, e: Exception) -> Response:
     # A 500 says only an error id: the exception's text (an ONNX Runtime message names files
     # and nodes, a bug's message anything) goes to the server log under that id.
     error_id = secrets.token_hex(6)
+    if isinstance(e, NonFiniteOutputError):
+        # Our own message (the model, version and output names): said to the client too. The
+        # inputs were finite and in range (the protocol checks them), so it is the server's 500.
+        log.error("%s (error id %s) answering %s %s", e, error_id, request.method, request.url.path)
+        return _error(
+            server,
+            request,
+            500,
+            f"inference failed: {e}; a non-finite answer is never sent (error id {error_id}; see the "
+            "server log)",
+        )
     what = "inference failed" if isinstance(e, InferenceError) else "internal error"
     log.error(
         "%s (error id %s) answering %s %s", what, error_id, request.method, request.url.path, exc_info=e

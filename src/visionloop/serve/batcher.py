@@ -42,6 +42,11 @@ class InferenceError(Exception):
     """ONNX Runtime failed on a batch (a server-side problem: inputs are checked before)."""
 
 
+class NonFiniteOutputError(InferenceError):
+    """The model answered a request with NaN or an infinity in a float output (its inputs were
+    finite: the protocol refuses others). Its message names the outputs, never the values."""
+
+
 @dataclass(frozen=True)
 class Result:
     outputs: Arrays
@@ -58,6 +63,7 @@ class Job:
     future: asyncio.Future[Result]
     enqueued: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0
+    failed: bool = False  # its outputs were not finite: answered with NonFiniteOutputError
 
 
 # Called in the event loop after each batch: (jobs, outputs of the whole batch, rows, seconds).
@@ -201,6 +207,12 @@ class Batcher:
         self._executing.add(task)
         task.add_done_callback(self._executing.discard)
 
+    def _infer(self, feeds: Arrays, rows: int) -> tuple[Arrays, dict[str, npt.NDArray[np.bool_]] | None]:
+        """In the inference thread: the batch's outputs, and which of its rows hold NaN or an
+        infinity (a pass over every float output: kept off the event loop)."""
+        outputs = self.model.run(feeds)
+        return outputs, nonfinite_rows(outputs, rows)
+
     async def _execute(self, batch: list[Job]) -> None:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
@@ -215,7 +227,7 @@ class Batcher:
             feeds = {name: np.concatenate([j.feeds[name] for j in batch]) for name in first}
         self._running.update(batch)
         try:
-            outputs = await loop.run_in_executor(self._pool, self.model.run, feeds)
+            outputs, bad = await loop.run_in_executor(self._pool, self._infer, feeds, rows)
         except Exception as e:  # ORT's exception types are not public; report, never crash the loop
             log.exception("inference failed on a batch of %d rows", rows)
             for j in batch:
@@ -228,7 +240,12 @@ class Batcher:
         compute_s = time.perf_counter() - start
         offset = 0
         for j in batch:
-            if not j.future.done():
+            if bad is not None and any(bad[name][offset : offset + j.rows].any() for name in bad):
+                j.failed = True
+                if not j.future.done():
+                    names = sorted(n for n in bad if bad[n][offset : offset + j.rows].any())
+                    j.future.set_exception(NonFiniteOutputError(f"NaN or infinity in output {names}"))
+            elif not j.future.done():
                 sliced = {k: v[offset : offset + j.rows] for k, v in outputs.items()}
                 j.future.set_result(Result(sliced, j.queue_s, compute_s, rows))
             offset += j.rows
@@ -237,3 +254,17 @@ class Batcher:
                 self.observer(batch, outputs, rows, compute_s)
             except Exception:  # metrics or logging must never break answering
                 log.exception("batch observer failed")
+
+
+def nonfinite_rows(outputs: Arrays, rows: int) -> dict[str, npt.NDArray[np.bool_]] | None:
+    """Per float output holding NaN or an infinity: which of the batch's `rows` rows do (None
+    when every output is finite, the common case: one vectorised pass per output)."""
+    bad: dict[str, npt.NDArray[np.bool_]] = {}
+    for name, arr in outputs.items():
+        if arr.dtype.kind != "f" or np.isfinite(arr).all():
+            continue
+        if arr.ndim and arr.shape[0] == rows:
+            bad[name] = np.logical_not(np.isfinite(arr.reshape(rows, -1)).all(axis=1))
+        else:  # not batch-first after all: every row of the batch gets the blame
+            bad[name] = np.ones(rows, dtype=np.bool_)
+    return bad or None

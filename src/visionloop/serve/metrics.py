@@ -45,7 +45,10 @@ class ServeMetrics:
         )
         self.queue_depth = Gauge("visionloop_serve_queue_depth", "Requests waiting", mv, registry=r)
         self.rejected = Counter(
-            "visionloop_serve_rejected", "Requests refused by the batcher", [*mv, "reason"], registry=r
+            "visionloop_serve_rejected",
+            "Requests the batcher refused or did not answer (queue_full, timeout, non_finite_output)",
+            [*mv, "reason"],
+            registry=r,
         )
         self.shadow = Counter(
             "visionloop_serve_shadow_comparisons",

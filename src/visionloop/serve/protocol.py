@@ -9,13 +9,18 @@ classification extension (`parameters.classification: K` on an output) returns t
 "score:index:label" strings.
 
 Every check here turns a client's mistake into a `ProtocolError` (4xx) naming the problem; a
-request that passes has tensors of exactly the model's shape and datatype.
+request that passes has tensors of exactly the model's shape and datatype, holding exactly the
+values sent: JSON `data` of a datatype holds only that datatype's JSON values (true/false for
+BOOL; whole numbers in range, never floats or booleans, for the integer types; finite numbers
+that fit, never booleans, for FP16/FP32/FP64), and binary data holds only finite floats and
+0/1 bools. Nothing is rounded, truncated, wrapped or overflowed to infinity on the way in.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +97,62 @@ def parse_infer_request(
     try:
         doc = orjson.loads(header)
     except orjson.JSONDecodeError as e:
-        raise ProtocolError(f"the request body is not valid JSON: {e}") from None
+        not_json = ProtocolError(f"the request body is not valid JSON: {e}")
+        lenient = _lenient_json(header, e)
+        if lenient is None:
+            raise not_json from None
+        # The same checks on what the body says: a ProtocolError naming the input whose data
+        # holds NaN, Infinity or an overflowing number. Passing them proves nothing: the body
+        # is still not JSON.
+        _parse_doc(lenient, body, header_length, inputs, outputs, max_rows)
+        raise not_json from None
+    return _parse_doc(doc, body, header_length, inputs, outputs, max_rows)
+
+
+# NaN, Infinity and -Infinity are not JSON, but Python's json.dumps writes them (allow_nan is
+# its default): to name the input holding one, the error path reads them as these strings,
+# which no JSON number or ordinary string is, and _bad_value reads them back as floats.
+_NONFINITE = {"\x00nan": math.nan, "\x00+inf": math.inf, "\x00-inf": -math.inf}
+_NUMBER = re.compile(r"-?[0-9][0-9.eE+-]*")
+# Numbers too large for a double (1e400), rewritten one at a time: each costs one more parse.
+_MAX_HUGE_NUMBERS = 3
+
+
+def _lenient_json(header: bytes, error: orjson.JSONDecodeError) -> Any:
+    """The header read with NaN, Infinity, -Infinity and numbers too large for a double as
+    markers (see _NONFINITE), when orjson refused it over such a value; else None. Only to
+    name the input that holds the value, never served. Costs orjson parses of the header: one
+    for any number of NaN and Infinity literals, one more per number past a double (at most
+    _MAX_HUGE_NUMBERS), so the error path stays bounded as a good request's parse is."""
+    if "infinity" not in error.msg and b"NaN" not in header and b"Infinity" not in header:
+        return None
+    try:
+        text = header.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    # (inside a string, a replaced literal breaks the JSON: then there is no better message)
+    text = text.replace("-Infinity", '"\\u0000-inf"').replace("Infinity", '"\\u0000+inf"')
+    text = text.replace("NaN", '"\\u0000nan"')
+    for _ in range(_MAX_HUGE_NUMBERS + 1):
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            number = _NUMBER.match(text, e.pos) if "infinity" in e.msg else None
+            if number is None:
+                return None
+            marker = '"\\u0000-inf"' if number.group().startswith("-") else '"\\u0000+inf"'
+            text = text[: number.start()] + marker + text[number.end() :]
+    return None
+
+
+def _parse_doc(
+    doc: Any,
+    body: bytes,
+    header_length: int | None,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    max_rows: int,
+) -> InferRequest:
     doc = _obj(doc, "the inference request")
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
@@ -131,17 +191,23 @@ def parse_infer_request(
                     f"input {name!r} has binary_data_size but the request has no "
                     "Inference-Header-Content-Length header"
                 )
+            if t.get("data") is not None:
+                raise ProtocolError(
+                    f"input {name!r} has both binary_data_size and data; send its values one way"
+                )
             if not isinstance(size, int) or isinstance(size, bool) or size != count * spec.dtype.itemsize:
                 raise ProtocolError(
-                    f"input {name!r}: binary_data_size {size!r} does not match shape {shape} of "
-                    f"{spec.datatype} ({count * spec.dtype.itemsize} bytes)"
+                    f"input {name!r} declares {spec.datatype} in shape {list(shape)}, "
+                    f"{count * spec.dtype.itemsize} bytes, but its binary_data_size {size!r} does not match"
                 )
             if offset + size > len(body):
                 raise ProtocolError(
                     f"input {name!r}: the body ends {offset + size - len(body)} bytes before its "
                     "binary data does"
                 )
-            arr = np.frombuffer(body, dtype=spec.dtype, count=count, offset=offset).reshape(shape)
+            arr = np.frombuffer(body, dtype=spec.dtype, count=count, offset=offset)
+            _check_binary(arr, spec)
+            arr = arr.reshape(shape)
             offset += size
         else:
             arr = _from_json(t.get("data"), spec, shape)
@@ -193,39 +259,152 @@ def _check_shape(shape: Any, spec: TensorSpec, max_rows: int) -> tuple[int, ...]
 # JSON `data` is checked and converted this many values at a time: each slice is one short C
 # call (about 0.3 ms), so a parse running in a worker thread lets the event loop in between.
 _SLICE = 65536
-_NUMBER = {int, float, bool}
+
+# The Python types of the JSON values each datatype takes: JSON true/false for BOOL, whole
+# numbers (never 3.0 or true) for the integer types, numbers (never true) for the floats.
+_JSON_TYPES: dict[str, frozenset[type]] = {
+    dt: frozenset({bool} if d.kind == "b" else {int} if d.kind in "iu" else {int, float})
+    for dt, d in DATATYPES.items()
+}
+
+
+def _takes(spec: TensorSpec) -> str:
+    """What `spec`'s datatype takes, for error messages."""
+    d = spec.dtype
+    if d.kind == "b":
+        return "true or false"
+    if d.kind in "iu":
+        info = np.iinfo(d)
+        return f"whole numbers from {info.min} to {info.max}"
+    return f"finite numbers from -{float(np.finfo(d).max):g} to {float(np.finfo(d).max):g}"
+
+
+def _show(value: Any) -> str:
+    """A JSON value as an error message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({'true' if value else 'false'})"
+    if isinstance(value, str):
+        text = value if len(value) <= 20 else value[:20] + "..."
+        return f"a string ({text!r})"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return repr(value)
+
+
+def _bad_value(spec: TensorSpec, index: int, value: Any) -> ProtocolError:
+    """The error for element `index` of an input's JSON data, which is `value`."""
+    dt, d = spec.datatype, spec.dtype
+    if type(value) is str and value in _NONFINITE:  # a NaN or Infinity literal (_lenient_json)
+        value = _NONFINITE[value]
+    if d.kind in "iu" and type(value) is float and math.isfinite(value):
+        info = np.iinfo(d)
+        if not value.is_integer():
+            why = ", not a whole number"
+        elif info.min <= value <= info.max and abs(value) < 2**63:
+            # (orjson reads an integer literal past 64 bits as a float: those are out of range)
+            why = f", written as a float (send {int(value)})"
+        else:
+            why = f", outside {dt}'s range"
+    elif type(value) in _JSON_TYPES[dt]:  # a value of the right kind that does not fit
+        if type(value) is float and not math.isfinite(value):
+            why = ", not a finite number"
+        elif d.kind in "iu":
+            why = f", outside {dt}'s range"
+        else:
+            why = f", too large for {dt}"
+    else:
+        why = ", not " + (
+            "true or false" if d.kind == "b" else "a whole number" if d.kind in "iu" else "a number"
+        )
+    return ProtocolError(
+        f"input {spec.name!r} declares {dt} but element {index} is {_show(value)}{why}; {dt} takes "
+        f"{_takes(spec)}, as one flat list in row-major order or nested exactly as the shape"
+    )
 
 
 def _from_json(data: Any, spec: TensorSpec, shape: tuple[int, ...]) -> npt.NDArray[Any]:
     """A JSON list → the tensor: flat in row-major order, or nested exactly as `shape` is.
     Structure, types and length are checked before numpy sees the list (np.asarray on 23 MB
     of nested lists took 4.4 s holding the GIL), in slices, so a worker thread running this
-    lets the event loop in between."""
+    lets the event loop in between. Range and finiteness are checked on the converted array
+    (numpy refuses an out-of-range integer; a float that overflows its datatype becomes an
+    infinity, found by one vectorised pass), so a good request pays no Python loop per value;
+    a bad one pays one over the slice that holds its first bad value."""
     if not isinstance(data, list):
-        raise ProtocolError(f'input {spec.name!r} needs "data" (a list of numbers) or binary data')
+        raise ProtocolError(
+            f'input {spec.name!r} declares {spec.datatype}: it needs "data" (a list of {_takes(spec)}) '
+            "or binary data"
+        )
     data = _flatten(data, spec, shape)
+    allowed = _JSON_TYPES[spec.datatype]
     for i in range(0, len(data), _SLICE):
-        kinds = set(map(type, data[i : i + _SLICE]))
-        if not kinds <= _NUMBER:
-            odd = sorted(k.__name__ for k in kinds - _NUMBER)
-            raise ProtocolError(
-                f"input {spec.name!r}: data is not a list of {spec.datatype} numbers (it holds "
-                f"{', '.join(odd)}); send the values as one flat list, in row-major order"
-            )
+        chunk = data[i : i + _SLICE]
+        if not set(map(type, chunk)) <= allowed:
+            j = next(j for j, v in enumerate(chunk) if type(v) not in allowed)
+            raise _bad_value(spec, i + j, chunk[j])
     count = math.prod(shape)
     if len(data) != count:
         raise ProtocolError(
             f"input {spec.name!r}: data has {len(data)} values, shape {list(shape)} needs {count}"
         )
     arr = np.empty(count, dtype=spec.dtype)
-    try:
+    # An FP32 value past float32's range becomes inf here (found below), not a warning.
+    with np.errstate(over="ignore"):
         for i in range(0, count, _SLICE):
-            arr[i : i + _SLICE] = data[i : i + _SLICE]
-    except (ValueError, TypeError, OverflowError) as e:
-        raise ProtocolError(
-            f"input {spec.name!r}: data is not a list of {spec.datatype} numbers ({e})"
-        ) from None
+            chunk = data[i : i + _SLICE]
+            try:
+                arr[i : i + _SLICE] = chunk
+            except (ValueError, TypeError, OverflowError):
+                # An integer outside the datatype's range (or, for a float datatype, an int
+                # past float64's): find which, in this slice only.
+                j = _first_unconvertible(chunk, spec.dtype)
+                raise _bad_value(spec, i + j, chunk[j]) from None
+    if spec.dtype.kind == "f":
+        finite = np.isfinite(arr)
+        if not finite.all():
+            k = int(np.argmin(finite))
+            raise _bad_value(spec, k, data[k])
     return arr.reshape(shape)
+
+
+def _first_unconvertible(chunk: list[Any], dtype: np.dtype[Any]) -> int:
+    one = np.empty(1, dtype=dtype)
+    for j, v in enumerate(chunk):
+        try:
+            one[0] = v
+        except (ValueError, TypeError, OverflowError):
+            return j
+    return 0  # not reached: numpy refused one of them
+
+
+def _check_binary(arr: npt.NDArray[Any], spec: TensorSpec) -> None:
+    """Binary data of any bytes is a valid integer tensor; a float tensor must be finite (JSON
+    could not even carry NaN or Infinity, and a model fed one answers NaN) and a BOOL tensor
+    must hold bytes 0 and 1 only (other bytes are no bool: numpy and ONNX Runtime give them no
+    defined meaning)."""
+    kind = spec.dtype.kind
+    if kind == "f":
+        finite = np.isfinite(arr)
+        if not finite.all():
+            k = int(np.argmin(finite))
+            raise ProtocolError(
+                f"input {spec.name!r} declares {spec.datatype} but element {k} of its binary data is "
+                f"{_show(float(arr[k]))}; {spec.datatype} takes {_takes(spec)}"
+            )
+    elif kind == "b":
+        raw = arr.view(np.uint8)
+        if (raw > 1).any():
+            k = int(np.argmax(raw > 1))
+            raise ProtocolError(
+                f"input {spec.name!r} declares BOOL but byte {k} of its binary data is {int(raw[k])}; "
+                "BOOL takes one byte per value, 0 (false) or 1 (true)"
+            )
 
 
 def _flatten(data: list[Any], spec: TensorSpec, shape: tuple[int, ...]) -> list[Any]:
@@ -241,10 +420,11 @@ def _flatten(data: list[Any], spec: TensorSpec, shape: tuple[int, ...]) -> list[
             or set(map(len, values[i : i + _SLICE])) != {width}
             for i in range(0, rows, _SLICE)
         ):
+            what = "values" if spec.dtype.kind == "b" else "numbers"
             raise ProtocolError(
-                f"input {spec.name!r}: data is not a list of {spec.datatype} numbers in shape {list(shape)}: "
-                f"nested lists must match the shape exactly (level {k} should be {rows} lists of {width}); "
-                "or send one flat list in row-major order"
+                f"input {spec.name!r} declares {spec.datatype} in shape {list(shape)}, but its data is not "
+                f"a list of {spec.datatype} {what} in that shape: nested lists must match the shape exactly "
+                f"(level {k} should be {rows} lists of {width}); or send one flat list in row-major order"
             )
         flat: list[Any] = []
         for i in range(0, rows, _SLICE):

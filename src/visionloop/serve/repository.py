@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from visionloop.registry.layout import parse_ref
 from visionloop.serve.batcher import Arrays, Batcher, Job
 from visionloop.serve.config import ServeConfig
@@ -222,6 +224,14 @@ class Repository:
                 queue.observe(j.queue_s)
             if self.predlog is None:
                 return
+            if any(j.failed for j in jobs):
+                # A request answered with an error (NaN or infinity in its outputs) is not a
+                # prediction: its rows are not logged (its 500 is counted in the metrics).
+                keep = np.concatenate([np.full(j.rows, not j.failed) for j in jobs])
+                outputs = {k: v[keep] for k, v in outputs.items()}
+                jobs = [j for j in jobs if not j.failed]
+                if not jobs:
+                    return
             fields = task.log_fields(outputs, class_names)
             now = time.time()
             row = 0

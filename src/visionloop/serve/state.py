@@ -18,7 +18,13 @@ import numpy.typing as npt
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from visionloop.serve.batcher import BatcherClosedError, InferenceError, QueueFullError, Result
+from visionloop.serve.batcher import (
+    BatcherClosedError,
+    InferenceError,
+    NonFiniteOutputError,
+    QueueFullError,
+    Result,
+)
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.images import image_bytes, needed_side, preprocess_sized
 from visionloop.serve.metrics import ServeMetrics
@@ -205,6 +211,10 @@ class Server:
             ) from None
         except BatcherClosedError:
             raise ProtocolError("the version was unloaded before the request ran; retry", 503) from None
+        except NonFiniteOutputError as e:
+            # Never answered as a success: a 500 (see app), counted here per version.
+            self.metrics.rejected.labels(sv.name, str(sv.version), "non_finite_output").inc()
+            raise NonFiniteOutputError(f"{sv.name}/{sv.version} produced {e} for this request") from None
 
     def _mirror(self, primary: ServedVersion, shadow: ServedVersion, req: InferRequest, fut: Any) -> None:
         try:
@@ -223,6 +233,9 @@ class Server:
             s: Result = await asyncio.wait_for(sfut, self.config.request_timeout_ms / 1000.0)
         except (asyncio.CancelledError, TimeoutError, BatcherClosedError, InferenceError):
             self.metrics.shadow_dropped.labels(primary.name).inc()
+            if sfut.done() and not sfut.cancelled() and isinstance(sfut.exception(), NonFiniteOutputError):
+                # A challenger answering NaN is what a shadow is there to find out.
+                self.metrics.rejected.labels(shadow.name, str(shadow.version), "non_finite_output").inc()
             return
         task = shadow.task
         # Comparable only as the same task with the same outputs (a challenger of another
