@@ -390,7 +390,10 @@ async def _image(
     image = ImageContext(
         width=size[0], height=size[1], input_height=int(x.shape[2]), input_width=int(x.shape[3])
     )
-    answer = sv.task.served_answer(result.outputs, sv.labels, options=options, image=image)
+    outputs = result.outputs
+    if sv.resolved.temperature is not None:
+        outputs = dict(sv.task.calibrate(outputs, sv.resolved.temperature))
+    answer = sv.task.served_answer(outputs, sv.labels, options=options, image=image)
     server.count(sv, endpoint, started)
     return _json({"model_name": sv.name, "model_version": str(sv.version), **answer})
 

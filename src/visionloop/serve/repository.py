@@ -215,6 +215,7 @@ class Repository:
         depth = m.queue_depth.labels(*labels)
         class_names = sv.labels
         task = sv.task
+        temperature = sv.resolved.temperature
 
         def observe(jobs: list[Job], outputs: Arrays, rows: int, compute_s: float) -> None:
             batch_size.observe(rows)
@@ -232,6 +233,8 @@ class Repository:
                 jobs = [j for j in jobs if not j.failed]
                 if not jobs:
                     return
+            if temperature is not None:  # the log records the confidences the answers gave
+                outputs = dict(task.calibrate(outputs, temperature))
             fields = task.log_fields(outputs, class_names)
             now = time.time()
             row = 0

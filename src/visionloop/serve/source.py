@@ -8,6 +8,7 @@ model that was never registered, and lets tests move aliases without a registry.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from visionloop.core.settings import Settings
 from visionloop.models.card import ModelCard
 from visionloop.registry.layout import ModelRef
 
+log = logging.getLogger(__name__)
+
 
 class ExportMissingError(VisionloopError):
     """The export a server needs has not been made (or failed its gate)."""
@@ -25,12 +28,15 @@ class ExportMissingError(VisionloopError):
 
 @dataclass(frozen=True)
 class ResolvedVersion:
-    """One version of one model, ready to load: its ONNX file and its card."""
+    """One version of one model, ready to load: its ONNX file and its card, and the temperature
+    `visionloop eval` fitted on its validation split (None: confidences are served as the model
+    gives them)."""
 
     name: str
     version: int
     path: Path
     card: ModelCard
+    temperature: float | None = None
 
 
 class ModelSource(Protocol):
@@ -62,8 +68,10 @@ class StaticSource:
         self._champion = champion_alias
         self._lock = threading.Lock()
 
-    def add(self, name: str, version: int, path: Path, card: ModelCard) -> ResolvedVersion:
-        rv = ResolvedVersion(name, version, Path(path), card)
+    def add(
+        self, name: str, version: int, path: Path, card: ModelCard, *, temperature: float | None = None
+    ) -> ResolvedVersion:
+        rv = ResolvedVersion(name, version, Path(path), card, temperature)
         with self._lock:
             self._versions.setdefault(name, {})[version] = rv
             self._aliases.setdefault(name, {})
@@ -141,7 +149,7 @@ class RegistrySource:
                 f"{info.name}/{info.version} has no passing {self.fmt} {self.precision} export; run "
                 f"`visionloop export {info.name}/{info.version} --precision {self.precision}` first."
             )
-        return ResolvedVersion(info.name, info.version, Path(path), info.card())
+        return ResolvedVersion(info.name, info.version, Path(path), info.card(), _temperature(info.dir))
 
     def resolve(self, ref: ModelRef) -> ResolvedVersion:
         from visionloop.registry import get_version
@@ -160,3 +168,16 @@ class RegistrySource:
         from visionloop.registry import rollback
 
         return rollback(name, alias=alias, actor=actor, settings=self.settings).version
+
+
+def _temperature(version_dir: Path) -> float | None:
+    """The version's stored temperature; a damaged file is logged and ignored (the model is
+    served with its raw confidences rather than not at all)."""
+    from visionloop.core.errors import DataError
+    from visionloop.eval.store import read_temperature
+
+    try:
+        return read_temperature(version_dir)
+    except DataError as e:
+        log.error("serving without calibration: %s", e)
+        return None

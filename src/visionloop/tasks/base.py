@@ -404,6 +404,12 @@ class Task(ABC):
         top_k = 5 if options.top_k is None else options.top_k
         return {"predictions": self.postprocess(outputs, class_names, top_k=top_k)[0]}
 
+    def calibrate(self, outputs: Arrays, temperature: float) -> Arrays:
+        """A batch's raw outputs with temperature scaling applied (`visionloop eval` fits the
+        temperature), before `served_answer` and `log_fields` read confidences from them. The
+        default, for a task without `calibration_logits`, leaves them as they are."""
+        return outputs
+
     @abstractmethod
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
         """Per image of a batch: what the prediction log records about the answer."""

@@ -201,6 +201,11 @@ class ClassificationTask(Task):
         # The classifier's outputs are its logits, its targets the class indices.
         return outputs, targets
 
+    def calibrate(self, outputs: Arrays, temperature: float) -> Arrays:
+        # softmax(logits / T): the top class stays, its confidence moves.
+        key = "logits" if "logits" in outputs else next(iter(outputs))
+        return {**outputs, key: outputs[key] / np.float32(temperature)}
+
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
         return answer.log_fields(_logits(outputs), class_names)
 
