@@ -14,7 +14,7 @@ from _modelkit import ModelKit, registered_model  # noqa: F401  (session fixture
 from _trainkit import cli
 from visionloop.core.errors import DataError, SpecError
 from visionloop.eval.api import EvalOptions, evaluate_model
-from visionloop.eval.store import CALIBRATION_FILE, list_evals, read_temperature
+from visionloop.registry.evals import CALIBRATION_FILE, list_evals, read_temperature
 
 
 @pytest.fixture(scope="module")

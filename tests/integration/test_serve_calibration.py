@@ -15,7 +15,7 @@ from PIL import Image
 
 from _modelkit import ModelKit, onnx_model
 from _servekit import NAME, ServeKit, infer_body, ort_logits, serve_kit
-from visionloop.eval.store import CALIBRATION_FILE
+from visionloop.registry.evals import CALIBRATION_FILE
 from visionloop.registry.layout import parse_ref
 from visionloop.serve.source import RegistrySource, StaticSource
 

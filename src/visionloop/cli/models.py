@@ -105,8 +105,8 @@ def show_cmd(
 ) -> None:
     """Show a model's versions and alias history, and one version in detail: card, metrics,
     lineage (run, dataset), exports with their gate results, and evaluations (`visionloop eval`)."""
-    from visionloop.eval.store import EVALS_DIR, list_evals
     from visionloop.registry import alias_history, get_version, list_versions, parse_ref
+    from visionloop.registry.evals import EVALS_DIR, list_evals
 
     parsed = parse_ref(ref)
     info = get_version(parsed)

@@ -25,8 +25,8 @@ from visionloop.eval import calibration as cal
 from visionloop.eval.corruptions import CORRUPTIONS, SEVERITIES, corrupt, image_seed
 from visionloop.eval.report import EvalReport, StressCell, summarize_stress
 from visionloop.eval.run import Corrupter, PassResult, score
-from visionloop.eval.store import CALIBRATION_FILE, EVALS_DIR, REPORT_FILE
 from visionloop.registry import ModelVersionInfo, get_version
+from visionloop.registry.evals import CALIBRATION_FILE, EVALS_DIR, REPORT_FILE
 from visionloop.registry.layout import SPEC_RESOLVED_FILE
 from visionloop.tasks import LossFn, Task, get_task
 

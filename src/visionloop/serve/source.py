@@ -174,7 +174,7 @@ def _temperature(version_dir: Path) -> float | None:
     """The version's stored temperature; a damaged file is logged and ignored (the model is
     served with its raw confidences rather than not at all)."""
     from visionloop.core.errors import DataError
-    from visionloop.eval.store import read_temperature
+    from visionloop.registry.evals import read_temperature
 
     try:
         return read_temperature(version_dir)

@@ -1,6 +1,7 @@
-"""What `visionloop eval` leaves with a model version, read back without torch: the reports
-under `<version dir>/evals/`, and the temperature in `<version dir>/calibration.json` that the
-inference server applies to a classifier's confidences."""
+"""What `visionloop eval` leaves in a model version's folder, read back without torch: the
+reports under `<version dir>/evals/`, and the temperature in `<version dir>/calibration.json`
+that the inference server applies to a classifier's confidences. Part of the registry's
+layout, so that the server and `models show` read it without importing the evaluation."""
 
 from __future__ import annotations
 
