@@ -218,3 +218,37 @@ def _an_image(dataset: Path) -> bytes:
     manifest = read_manifest(dataset)
     record = ShardReader(shard_dir_of(dataset, manifest.splits["val"]))[0]
     return record["image"]
+
+
+def test_eval_with_stress_through_the_contract(tmp_path: Path, task_dataset: tuple[str, Path]) -> None:
+    """`visionloop eval` knows no task: the task's metrics, error analysis and (where its
+    outputs are one softmax) calibration come through the contract, clean and corrupted."""
+    from visionloop.eval.api import EvalOptions, evaluate_model
+    from visionloop.registry import register
+
+    name, dataset = task_dataset
+    task = get_task(name)
+    settings = load_settings().ensure()
+    result = train(validate_train_spec(spec_for(name, dataset)), tmp_path / "run", settings=settings)
+    assert result.exit_code == 0
+    info = register(result.run_dir, name=f"eval-{name}", settings=settings)
+    options = EvalOptions(stress=True, corruptions=("occlusion", "night"), severities=(1, 5), seed=1)
+    report = evaluate_model(info, options, settings=settings)
+    assert report.task == name and report.metric == task.primary_metric
+    assert report.clean == pytest.approx(result.final_metrics[task.primary_metric], abs=1e-6)
+    assert [(c.corruption, c.severity) for c in report.stress] == [
+        ("occlusion", 1),
+        ("occlusion", 5),
+        ("night", 1),
+        ("night", 5),
+    ]
+    assert all(0.0 <= c.value <= 1.0 for c in report.stress)
+    assert report.stress_mean == pytest.approx(sum(c.value for c in report.stress) / 4)
+    assert report.errors is not None
+    assert isinstance(report.errors["confused"], list)
+    again = evaluate_model(info, options, settings=settings)
+    assert [c.metrics for c in again.stress] == [c.metrics for c in report.stress]  # seeded
+    has_logits = task.calibration_logits(torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)) is not None
+    assert (report.calibration is not None) == has_logits
+    if not has_logits:
+        assert report.calibration_note and name in report.calibration_note

@@ -592,3 +592,67 @@ def test_plots_are_written(tmp_path: Path) -> None:
     assert _png_size(plot_pr_curves(empty.report(), tmp_path / "empty_pr.png"))[0] > 0
     cm = plot_detection_confusion_matrix(empty.confusion_matrix(), ["a"], tmp_path / "empty_cm.png")
     assert _png_size(cm)[0] > 0
+
+
+def test_error_kinds_count_each_kind_of_mistake_once() -> None:
+    # classes a=0, b=1. Image 0 holds an a at [0,0,10,10] and a b at [20,20,30,30]; image 1 an
+    # a at [50,50,60,60] that nothing finds; image 2 a crowd of a's at [0,0,100,100].
+    preds = [
+        {
+            "boxes": torch.tensor(
+                [
+                    [0.0, 0, 10, 10],  # a on the a: true positive
+                    [0.0, 0, 10, 9],  # a on the a again: duplicate (IoU 0.9, the a already found)
+                    [20.0, 20, 30, 30],  # a on the b: classification
+                    [0.0, 0, 10, 3],  # a, loose on the a (IoU 0.3): localisation... but see below
+                    [20.0, 20, 30, 23],  # b, loose on the b (IoU 0.3): localisation
+                    [22.0, 22, 30, 24],  # a, loose on the b (IoU 0.16): both
+                    [80.0, 80, 90, 90],  # b where there is nothing: background
+                    [85.0, 85, 95, 95],  # b below the score threshold: not counted
+                ]
+            ),
+            "scores": torch.tensor([0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.1]),
+            "labels": torch.tensor([0, 0, 0, 0, 1, 0, 1, 1]),
+        },
+        _none(),
+        {
+            "boxes": torch.tensor([[10.0, 10, 30, 30]]),  # inside the crowd: neither right nor wrong
+            "scores": torch.tensor([0.9]),
+            "labels": torch.tensor([1]),
+        },
+    ]
+    targets = [
+        {"boxes": torch.tensor([[0.0, 0, 10, 10], [20, 20, 30, 30]]), "labels": torch.tensor([0, 1])},
+        {"boxes": torch.tensor([[50.0, 50, 60, 60]]), "labels": torch.tensor([0])},
+        {
+            "boxes": torch.tensor([[0.0, 0, 100, 100]]),
+            "labels": torch.tensor([0]),
+            "iscrowd": torch.tensor([True]),
+        },
+    ]
+    kinds = _evaluate(preds, targets, ["a", "b"]).error_kinds(score_threshold=0.25)
+    # The loose a on the found a is a localisation error (same class, 0.1 <= IoU < 0.5): the
+    # kind goes by the best overlaps, whether or not the box was found by another detection.
+    assert kinds == {
+        "true_positive": 1,
+        "classification": 1,
+        "localisation": 2,
+        "both": 1,
+        "duplicate": 1,
+        "background": 1,
+        # The b is explained by the classification and localisation errors pointing at it; the
+        # a of image 1 is missed; the crowd is never missed.
+        "missed": 1,
+    }
+    # Everything below a high threshold drops out: what is left of the a's are one true
+    # positive and the duplicate; the b and image 1's a are missed.
+    kinds = _evaluate(preds, targets, ["a", "b"]).error_kinds(score_threshold=0.88)
+    assert kinds == {
+        "true_positive": 1,
+        "classification": 0,
+        "localisation": 0,
+        "both": 0,
+        "duplicate": 1,
+        "background": 0,
+        "missed": 2,
+    }

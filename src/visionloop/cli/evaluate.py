@@ -91,6 +91,17 @@ def evaluate(
     where = escape(f"{report.dataset} [{report.split}], {report.images} images")
     out.print(f"[bold]{escape(report.model)}[/] on {where}")
     out.print(f"  {escape(report.summary)}")
+    if report.errors:
+        kinds = report.errors.get("kinds") or {}
+        if kinds:
+            out.print("  errors: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in kinds.items()))
+        confused = report.errors.get("confused") or []
+        if confused:
+            shown = "; ".join(
+                f"{escape(p['true'])} → {escape(p['predicted'])} {p['count']} ({p['share']:.0%})"
+                for p in confused[:5]
+            )
+            out.print(f"  most confused (true → predicted): {shown}")
     if report.calibration is not None:
         c = report.calibration
         line = f"  calibration: ECE {c['ece']:.4f}  MCE {c['mce']:.4f}  Brier {c['brier']:.4f}"

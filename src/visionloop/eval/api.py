@@ -94,6 +94,8 @@ def evaluate_model(
         seed=options.seed,
         created_at=stamp.isoformat(timespec="seconds"),
     )
+    analysis = clean.evaluator.error_analysis()
+    report.errors = analysis.to_dict() if analysis is not None else None
     out_dir = _out_dir(info.dir, stamp, split)
     files: list[Path] = []
     files += _artifacts(clean, out_dir)

@@ -88,6 +88,7 @@ class EvalReport:
     same_data_as_training: bool  # the model's own dataset version: its gate can compare versions
     seed: int
     created_at: str
+    errors: dict[str, Any] | None = None  # the task's ErrorAnalysis of the clean pass
     calibration: dict[str, Any] | None = None
     calibration_note: str | None = None
     stress: list[StressCell] = field(default_factory=list)

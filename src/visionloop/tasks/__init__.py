@@ -7,6 +7,8 @@
 
 from visionloop.tasks.base import (
     AnswerOptions,
+    ConfusedPair,
+    ErrorAnalysis,
     EvalResult,
     Evaluator,
     ExportComparison,
@@ -20,6 +22,8 @@ from visionloop.tasks.registry import get_task, list_tasks, register_task
 
 __all__ = [
     "AnswerOptions",
+    "ConfusedPair",
+    "ErrorAnalysis",
     "EvalResult",
     "Evaluator",
     "ExportComparison",

@@ -12,6 +12,7 @@ import numpy.typing as npt
 import torch
 
 from visionloop.tasks.base import (
+    ErrorAnalysis,
     EvalResult,
     Evaluator,
     ExportComparison,
@@ -69,6 +70,11 @@ class ClassificationEvaluator(Evaluator):
             f"accuracy {report.accuracy:.2%}  loss {metrics['loss']:.4f}  macro-F1 {report.macro_f1:.3f}"
         )
         return EvalResult(metrics=metrics, report=details, summary=summary)
+
+    def error_analysis(self, limit: int = 10) -> ErrorAnalysis:
+        from visionloop.tasks.base import top_confused
+
+        return ErrorAnalysis(confused=top_confused(self.cm.matrix.cpu().tolist(), self.class_names, limit))
 
     def write_artifacts(self, result: EvalResult, out_dir: Path) -> list[Path]:
         from visionloop.tasks.classification.plots import plot_confusion_matrix

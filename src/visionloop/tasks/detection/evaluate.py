@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from visionloop.tasks.base import EvalResult, Evaluator, ExportComparison, GateMeasurement, OutputScorer
+from visionloop.tasks.base import (
+    ErrorAnalysis,
+    EvalResult,
+    Evaluator,
+    ExportComparison,
+    GateMeasurement,
+    OutputScorer,
+)
 from visionloop.tasks.detection.metrics import DetectionEvaluator, DetectionReport, slot_state_for_sum
 
 # Post-processing of raw (fixed-shape, pre-NMS) outputs before mAP: COCO's evaluation wants
@@ -129,6 +136,17 @@ class DetectionTaskEvaluator(Evaluator):
         )
         return EvalResult(
             metrics=out, report=report.to_dict(), summary=summary or f"no boxes in {report.num_images} images"
+        )
+
+    def error_analysis(self, limit: int = 10) -> ErrorAnalysis:
+        from visionloop.tasks.base import top_confused
+        from visionloop.tasks.detection.metrics import ERROR_KINDS
+
+        kinds = self.inner.error_kinds()
+        return ErrorAnalysis(
+            confused=top_confused(self.inner.confusion_matrix().tolist(), self.class_names, limit),
+            kinds=kinds,
+            definitions=ERROR_KINDS,
         )
 
     def write_artifacts(self, result: EvalResult, out_dir: Path) -> list[Path]:

@@ -372,6 +372,57 @@ class DetectionEvaluator:
             precision50=precision50,
         )
 
+    def error_kinds(
+        self, score_threshold: float = 0.25, fg_iou: float = 0.5, bg_iou: float = 0.1
+    ) -> dict[str, int]:
+        """Counts of each kind of error (`ERROR_KINDS`) and of true positives, after TIDE
+        (Bolya et al., ECCV 2020), counted rather than weighed in AP: in each image, the
+        detections scoring at least `score_threshold`, best first, are each given one kind by
+        their best overlaps with the ground truth, and the ground-truth boxes no true positive
+        found and no classification or localisation error points at are missed. Ignored
+        (crowd) boxes are matched by nothing; a detection on one is neither right nor wrong."""
+        images, gt, dt = self._arrays()
+        counts = dict.fromkeys(("true_positive", *ERROR_KINDS), 0)
+        dt = dt[dt[:, 2] >= score_threshold]
+        gt = gt[np.argsort(gt[:, 0], kind="stable")]
+        dt = dt[np.lexsort((-dt[:, 2], dt[:, 0]))]  # by image, best first within it
+        n = len(images)
+        g_cuts = np.searchsorted(gt[:, 0], np.arange(n + 1))
+        d_cuts = np.searchsorted(dt[:, 0], np.arange(n + 1))
+        for i in range(n):
+            g = gt[g_cuts[i] : g_cuts[i + 1]]
+            d = dt[d_cuts[i] : d_cuts[i + 1]]
+            crowd = g[g[:, 6] == 1]
+            g = g[g[:, 6] == 0]
+            g_cls = g[:, 1].astype(np.int64)
+            found = np.zeros(len(g), dtype=bool)  # by a true positive
+            explained = np.zeros(len(g), dtype=bool)  # by a classification or localisation error
+            iou = box_iou(g[:, 2:6], d[:, 3:7]) if len(g) and len(d) else np.zeros((len(g), len(d)))
+            on_crowd: np.ndarray = np.zeros(len(d), dtype=bool)
+            if len(crowd) and len(d):
+                on_crowd = np.asarray((crowd_iou(crowd[:, 2:6], d[:, 3:7]) >= fg_iou).any(axis=0))
+            for j in range(len(d)):
+                overlap = iou[:, j]
+                same = g_cls == int(d[j, 1])
+                free = same & ~found & (overlap >= fg_iou)
+                if free.any():
+                    found[np.flatnonzero(free)[np.argmax(overlap[free])]] = True
+                    counts["true_positive"] += 1
+                elif (same & (overlap >= fg_iou)).any():
+                    counts["duplicate"] += 1
+                elif (~same & (overlap >= fg_iou)).any():
+                    counts["classification"] += 1
+                    explained[np.flatnonzero(~same & (overlap >= fg_iou))] = True
+                elif (same & (overlap >= bg_iou)).any():
+                    counts["localisation"] += 1
+                    explained[np.flatnonzero(same & (overlap >= bg_iou))] = True
+                elif (overlap >= bg_iou).any():
+                    counts["both"] += 1
+                elif not on_crowd[j]:
+                    counts["background"] += 1
+            counts["missed"] += int((~found & ~explained).sum())
+        return counts
+
     def confusion_matrix(self, iou_threshold: float = 0.5, score_threshold: float = 0.25) -> np.ndarray:
         """Counts `m[true, predicted]` over classes + background (the last row and column).
 
@@ -421,6 +472,17 @@ class DetectionEvaluator:
             m[:c, c] += np.bincount(g_cls[~g_used], minlength=c)
             m[c, :c] += np.bincount(d_cls[~d_used], minlength=c)
         return m
+
+
+# The kinds of error `DetectionEvaluator.error_kinds` counts, with what each means.
+ERROR_KINDS: dict[str, str] = {
+    "classification": "the right place (IoU >= 0.5 with a box) but the wrong class",
+    "localisation": "the right class but a loose box (0.1 <= IoU < 0.5)",
+    "both": "the wrong class and a loose box (0.1 <= IoU < 0.5 with a box of another class)",
+    "duplicate": "a second detection of a box already found",
+    "background": "a detection where there is nothing (IoU < 0.1 with every box)",
+    "missed": "a box no detection found, not even wrongly",
+}
 
 
 def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
