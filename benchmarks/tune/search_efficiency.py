@@ -52,6 +52,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -350,6 +351,87 @@ def summarize_seed(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def write_summary(
+    args: argparse.Namespace,
+    seeds: list[int],
+    per_seed: dict[int, dict[str, Any]],
+    raw: dict[str, Any],
+    wall_s: float,
+) -> Path:
+    """The ratios over the seeds, printed and written with every call's figures."""
+    ratios: dict[str, Any] = {}
+    for arm in ARMS[1:]:
+        for unit in ("cpu", "epochs"):
+            values = [s[f"{arm}_over_random_{unit}"] for s in per_seed.values()]
+            got = [v for v in values if v is not None]
+            ratios[f"{arm}_over_random_{unit}"] = {
+                "per_seed": values,
+                "mean": statistics.fmean(got) if got else None,
+                "reached": f"{len(got)}/{len(values)}",
+            }
+    print()
+    for key, r in ratios.items():
+        mean = f"{r['mean']:.3f}" if r["mean"] is not None else "n/a"
+        per = ", ".join("never" if v is None else f"{v:.3f}" for v in r["per_seed"])
+        print(f"{key}: mean {mean} (reached in {r['reached']} seeds; per seed {per})")
+    # The whole study's compute (every trial to its end or its prune), for scale.
+    for arm in ARMS[1:]:
+        whole = [
+            s["arms"][arm]["total_cpu_s"] / s["arms"]["random"]["total_cpu_s"] for s in per_seed.values()
+        ]
+        ratios[f"{arm}_over_random_whole_study_cpu"] = {"per_seed": whole, "mean": statistics.fmean(whole)}
+        print(f"{arm}_over_random_whole_study_cpu: mean {statistics.fmean(whole):.3f}")
+    print("target: asha_over_random_cpu <= 0.333")
+    path = write_result(
+        args.name,
+        {
+            "config": {
+                "seeds": seeds,
+                "val_fraction": args.val_fraction,
+                "trials": args.trials,
+                "epochs": args.epochs,
+                "min_epochs": args.min_epochs,
+                "reduction_factor": args.eta,
+                "tolerance_points": TOLERANCE_POINTS,
+                "space": SPACE,
+                "base_train_spec": train_doc(Path("<digits>"), args.epochs, 0),
+                "concurrency": 1,
+            },
+            "ratios": ratios,
+            "per_seed": {str(k): v for k, v in per_seed.items()},
+            "runs": raw,
+            "total_wall_s": wall_s,
+        },
+    )
+    return path
+
+
+def merge(args: argparse.Namespace) -> None:
+    """Combine the results of one process per seed (`--merge a,b,c`: result names) into one."""
+    from _common import RESULTS
+
+    per_seed: dict[int, dict[str, Any]] = {}
+    raw: dict[str, Any] = {}
+    wall = 0.0
+    config: dict[str, Any] | None = None
+    for name in args.merge.split(","):
+        doc = json.loads((RESULTS / f"{name}.json").read_text())
+        mine = {k: v for k, v in doc["config"].items() if k != "seeds"}
+        if config is not None and mine != config:
+            raise SystemExit(f"{name} ran another configuration than the others: {mine} != {config}")
+        config = mine
+        for k, v in doc["per_seed"].items():
+            per_seed[int(k)] = v
+        raw.update(doc["runs"])
+        wall += doc["total_wall_s"]
+    assert config is not None
+    for key in ("trials", "epochs", "min_epochs", "val_fraction"):
+        setattr(args, key, config[key])
+    args.eta = config["reduction_factor"]
+    path = write_summary(args, sorted(per_seed), per_seed, raw, wall)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default="0,1,2")
@@ -364,7 +446,17 @@ def main() -> None:
         help="held out for validation; 0.8 is a small-data task (36 training images a class)",
     )
     p.add_argument("--name", default=None, help="results file name (default from --val-fraction)")
+    p.add_argument(
+        "--merge",
+        default=None,
+        help="combine earlier results (comma-separated names, one process per seed) into --name",
+    )
     args = p.parse_args()
+    if args.merge:
+        if args.name is None:
+            raise SystemExit("--merge needs --name for the combined results")
+        merge(args)
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.name is None:
         suffix = "" if args.val_fraction == 0.2 else f"_val{round(args.val_fraction * 100)}"
@@ -408,50 +500,7 @@ def main() -> None:
                 print(
                     f"seed {seed} {arm:9s} to within {TOLERANCE_POINTS} pt of {s['random_best']:.4f}: {shown}"
                 )
-    ratios: dict[str, Any] = {}
-    for arm in ARMS[1:]:
-        for unit in ("cpu", "epochs"):
-            values = [s[f"{arm}_over_random_{unit}"] for s in per_seed.values()]
-            got = [v for v in values if v is not None]
-            ratios[f"{arm}_over_random_{unit}"] = {
-                "per_seed": values,
-                "mean": statistics.fmean(got) if got else None,
-                "reached": f"{len(got)}/{len(values)}",
-            }
-    print()
-    for key, r in ratios.items():
-        mean = f"{r['mean']:.3f}" if r["mean"] is not None else "n/a"
-        per = ", ".join("never" if v is None else f"{v:.3f}" for v in r["per_seed"])
-        print(f"{key}: mean {mean} (reached in {r['reached']} seeds; per seed {per})")
-    # The whole study's compute (every trial to its end or its prune), for scale.
-    for arm in ARMS[1:]:
-        whole = [
-            s["arms"][arm]["total_cpu_s"] / s["arms"]["random"]["total_cpu_s"] for s in per_seed.values()
-        ]
-        ratios[f"{arm}_over_random_whole_study_cpu"] = {"per_seed": whole, "mean": statistics.fmean(whole)}
-        print(f"{arm}_over_random_whole_study_cpu: mean {statistics.fmean(whole):.3f}")
-    print("target: asha_over_random_cpu <= 0.333")
-    path = write_result(
-        args.name,
-        {
-            "config": {
-                "seeds": seeds,
-                "val_fraction": args.val_fraction,
-                "trials": args.trials,
-                "epochs": args.epochs,
-                "min_epochs": args.min_epochs,
-                "reduction_factor": args.eta,
-                "tolerance_points": TOLERANCE_POINTS,
-                "space": SPACE,
-                "base_train_spec": train_doc(Path("<digits>"), args.epochs, 0),
-                "concurrency": 1,
-            },
-            "ratios": ratios,
-            "per_seed": {str(k): v for k, v in per_seed.items()},
-            "runs": raw,
-            "total_wall_s": time.perf_counter() - started,
-        },
-    )
+    path = write_summary(args, seeds, per_seed, raw, time.perf_counter() - started)
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
 
 
