@@ -17,6 +17,7 @@ from _modelkit import ModelKit, onnx_model
 from _servekit import NAME, ServeKit, infer_body, ort_logits, serve_kit
 from visionloop.registry.evals import CALIBRATION_FILE
 from visionloop.registry.layout import parse_ref
+from visionloop.serve.record import SCHEMA_VERSION, ReadStats, read_records
 from visionloop.serve.source import RegistrySource, StaticSource
 
 __all__ = ["onnx_model", "serve_kit"]
@@ -61,10 +62,12 @@ def test_image_answers_and_log_use_the_temperature_and_infer_stays_raw(
         np.testing.assert_allclose(got, ref, atol=1e-5)  # the tensor API answers the model's logits
         predlog = server.app.state.server.predlog
         predlog.flush()
-        records = [json.loads(line) for line in predlog.path.read_text().splitlines()]
-    last = records[-2:]
-    for rec, row in zip(last, ref, strict=True):
-        assert rec["confidence"] == pytest.approx(float(_softmax(row / T).max()), abs=1e-5)
+        stats = ReadStats()
+        records = list(read_records(predlog.path, stats))
+    assert stats.bad == 0 and len(records) == len(files) + 2
+    assert {(r.model, r.version, r.role, r.schema) for r in records} == {(NAME, 1, "primary", SCHEMA_VERSION)}
+    for rec, row in zip(records[-2:], ref, strict=True):
+        assert rec.answer["confidence"] == pytest.approx(float(_softmax(row / T).max()), abs=1e-5)
 
 
 def test_registry_source_reads_the_stored_temperature(onnx_model: ModelKit, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""A bounded log of every prediction (time, model, version, latency, top class, confidence),
-as size-capped, rotated JSONL files, for later drift analysis.
+"""A bounded log of every prediction (`serve.record.PredictionRecord`: time, model, version,
+role, latency and the task's answer fields), as size-capped, rotated JSONL files, for drift
+analysis. Records are turned into JSON in the writer thread, off the event loop.
 
 Records go into a bounded in-memory queue and a background thread writes them, so a slow
 disk never slows an answer: when the writer falls behind, records are dropped and counted
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from visionloop.serve.record import PredictionRecord
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class PredictionLog:
         self._thread = threading.Thread(target=self._run, name="prediction-log", daemon=True)
         self._thread.start()
 
-    def put(self, record: dict[str, Any]) -> None:
+    def put(self, record: PredictionRecord) -> None:
         """Queue a record; never blocks."""
         try:
             self._queue.put_nowait(record)
@@ -87,16 +90,16 @@ class PredictionLog:
         try:
             while True:
                 item = self._queue.get()
-                control = None if isinstance(item, dict) else item
+                control = None if isinstance(item, PredictionRecord) else item
                 # Write what else is queued in one go: one syscall per burst, not per record.
-                lines = [] if control is not None else [orjson.dumps(item) + b"\n"]
+                lines = [] if control is not None else [orjson.dumps(item.to_json()) + b"\n"]
                 while control is None and len(lines) < 1024:
                     try:
                         nxt = self._queue.get_nowait()
                     except queue.Empty:
                         break
-                    if isinstance(nxt, dict):
-                        lines.append(orjson.dumps(nxt) + b"\n")
+                    if isinstance(nxt, PredictionRecord):
+                        lines.append(orjson.dumps(nxt.to_json()) + b"\n")
                     else:
                         control = nxt
                 if lines:

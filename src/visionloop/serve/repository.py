@@ -30,6 +30,7 @@ from visionloop.serve.batcher import Arrays, Batcher, Job
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import PredictionLog
+from visionloop.serve.record import PredictionRecord
 from visionloop.serve.runtime import OnnxModel
 from visionloop.serve.source import ModelSource, ResolvedVersion
 from visionloop.tasks import Task, get_task
@@ -242,14 +243,14 @@ class Repository:
                 latency_ms = round((j.queue_s + compute_s) * 1000.0, 3)
                 for r in range(row, row + j.rows):
                     self.predlog.put(
-                        {
-                            "time": now,
-                            "model": sv.name,
-                            "version": sv.version,
-                            "latency_ms": latency_ms,
-                            **fields[r],
-                            "role": "primary" if "primary" in sv.roles else "challenger",
-                        }
+                        PredictionRecord(
+                            time=now,
+                            model=sv.name,
+                            version=sv.version,
+                            role="primary" if "primary" in sv.roles else "challenger",
+                            latency_ms=latency_ms,
+                            answer=fields[r],
+                        )
                     )
                 row += j.rows
 

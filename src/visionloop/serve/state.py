@@ -30,6 +30,7 @@ from visionloop.serve.images import image_bytes, needed_side, preprocess_sized
 from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import PredictionLog
 from visionloop.serve.protocol import InferRequest, ProtocolError
+from visionloop.serve.record import PredictionRecord
 from visionloop.serve.repository import Repository, ServedModel, ServedVersion, UnknownModelError
 from visionloop.serve.source import ModelSource
 
@@ -255,15 +256,15 @@ class Server:
             fields = task.log_fields(s.outputs, shadow.labels)
             for r in range(len(agrees)):
                 self.predlog.put(
-                    {
-                        "time": time.time(),
-                        "model": shadow.name,
-                        "version": shadow.version,
-                        "latency_ms": round((s.queue_s + s.compute_s) * 1000.0, 3),
-                        **fields[r],
-                        "role": "shadow",
-                        "agrees": bool(agrees[r]),
-                    }
+                    PredictionRecord(
+                        time=time.time(),
+                        model=shadow.name,
+                        version=shadow.version,
+                        role="shadow",
+                        latency_ms=round((s.queue_s + s.compute_s) * 1000.0, 3),
+                        answer=fields[r],
+                        agrees=bool(agrees[r]),
+                    )
                 )
 
     def count(self, sv: ServedVersion, endpoint: str, started: float) -> None:
