@@ -213,10 +213,15 @@ def show_cmd(
     else:
         out.print(f"  evaluations    none (visionloop eval {info.name}/{info.version} --stress)")
     if events:
-        table = Table("when", "who", "action", "alias", "version", "was", title="alias history")
+        table = Table(
+            "when", "who", "action", "alias", "version", "was", "gate", "reason", title="alias history"
+        )
         for e in events:
             was = f"v{e.previous}" if e.previous is not None else "-"
-            table.add_row(e.at, e.actor, e.action, e.alias, f"v{e.version}", was)
+            gate = str(e.gate.get("outcome", "-")) if e.gate else "-"
+            table.add_row(
+                e.at, e.actor, e.action, e.alias, f"v{e.version}", was, gate, escape(e.reason or "-")
+            )
         print_wide(table)
 
 
@@ -260,11 +265,66 @@ def alias_cmd(
     version: int = typer.Argument(..., help="Version number to point the alias at."),
     alias: str = typer.Argument(..., help="Alias: champion, challenger, or any name."),
     actor: str | None = typer.Option(None, "--actor", help="Who is doing this (default: your login)."),
+    force: bool = typer.Option(
+        False, "--force", help="Move the champion even though the promotion gate refuses (needs --reason)."
+    ),
+    reason: str | None = typer.Option(
+        None, "--reason", help="Why, recorded in the alias history (required with --force)."
+    ),
+    max_drop: float = typer.Option(
+        1.0, "--max-drop", help="Gate: largest drop of the clean metric, in points, against the champion."
+    ),
+    max_stress_drop: float = typer.Option(
+        2.0, "--max-stress-drop", help="Gate: largest drop of the stress mean, in points."
+    ),
+    max_ece_rise: float = typer.Option(
+        0.02, "--max-ece-rise", help="Gate: largest rise of the calibration error (ECE), absolute."
+    ),
+    require_eval: bool = typer.Option(
+        False,
+        "--require-eval",
+        help="Gate: refuse when the two versions have no evaluations on the same data to compare.",
+    ),
 ) -> None:
-    """Point ALIAS at VERSION (recorded in the alias history with who and when)."""
-    from visionloop.registry import set_alias
+    """Point ALIAS at VERSION (recorded in the alias history with who, when and why).
 
-    info = set_alias(name, version, alias, actor=actor)
+    Moving the champion goes through the promotion gate: it is refused when VERSION is worse than the current champion beyond the margins (clean metric, stress mean, calibration), compared on the newest pair of `visionloop eval` reports of both made on the same data. Without such a pair it is allowed and recorded as not gated (--require-eval refuses it). --force --reason "..." overrides a refusal; the reason and the gate's decision are recorded.
+    """  # noqa: E501 (one line per paragraph: Rich keeps the line breaks of a help text)
+    from visionloop.eval.gate import GateMargins, decision_lines, promote
+
+    if force and not (reason and reason.strip()):
+        raise typer.BadParameter(
+            'forcing a promotion needs a reason, recorded in the alias history: --force --reason "..."',
+            param_hint="--reason",
+        )
+    margins = GateMargins(max_drop=max_drop, max_stress_drop=max_stress_drop, max_ece_rise=max_ece_rise)
+    done = promote(
+        name,
+        version,
+        alias=alias,
+        force_reason=reason if force else None,
+        reason=reason,
+        margins=margins,
+        require_eval=require_eval,
+        actor=actor,
+    )
+    info, decision = done.info, done.decision
+    if done.outcome == "ungated":
+        out.print(f"gate: {escape(done.note or 'not gated')}")
+    elif decision is not None:
+        verdict = {"passed": "[green]passed[/]", "forced": "[red]refused[/], forced with a reason"}
+        out.print(
+            f"gate: v{info.version} against the champion v{done.previous} on "
+            f"{escape(decision.where())}: {verdict[done.outcome]}"
+        )
+        for line in decision_lines(decision):
+            out.print(f"  {escape(line)}")
+        out.print(f"  reports        {escape(str(decision.candidate_report))}")
+        out.print(f"                 {escape(str(decision.champion_report))}")
+    elif alias == "champion" and done.note:
+        out.print(f"gate: none ({escape(done.note)})")
+    if done.reason:
+        out.print(f"reason: {escape(done.reason)}")
     out.print(f"{info.name}@{alias} -> v{info.version}")
 
 

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.core.fsutil import atomic_write_json
@@ -410,9 +410,24 @@ def alias_history(name: str, settings: Settings | None = None) -> list[history.A
 
 
 def set_alias(
-    name: str, version: int, alias: str, *, actor: str | None = None, settings: Settings | None = None
+    name: str,
+    version: int,
+    alias: str,
+    *,
+    actor: str | None = None,
+    settings: Settings | None = None,
+    reason: str | None = None,
+    gate: dict[str, Any] | None = None,
+    expected_previous: int | Literal["any"] | None = "any",
 ) -> ModelVersionInfo:
-    """Point `alias` at `version` of `name`, and record who did it and when."""
+    """Point `alias` at `version` of `name`, and record who did it and when, with the `reason`
+    and the promotion `gate`'s decision if given (stored as they are).
+
+    `expected_previous`: the version the alias must still point to (None: no version) at the
+    moment it moves, else nothing changes and RegistryError says so. A caller that decided on
+    the current alias (the promotion gate) passes what it saw, so a concurrent move is never
+    overwritten by a decision made about another version.
+    """
     settings = settings or load_settings()
     check_alias(alias)
     target = get_version(ModelRef(check_name(name), version=version), settings)
@@ -421,12 +436,19 @@ def set_alias(
         c = rstore.client(settings)
         try:
             previous = _alias_map(c, name, settings).get(alias)
+            if expected_previous != "any" and previous != expected_previous:
+                seen = f"v{expected_previous}" if expected_previous is not None else "unset"
+                now = f"v{previous}" if previous is not None else "unset"
+                raise RegistryError(
+                    f"{name}@{alias} changed while this change was being decided (it was {seen}, "
+                    f"it is now {now}); nothing was moved. Run the command again to decide against {now}."
+                )
             c.set_registered_model_alias(name, alias, str(version))
         except VisionloopError:
             raise
         except Exception as e:
             raise rstore.wrap(f"set alias {alias!r} of {name!r}", settings, e) from e
-        _record_alias(root, "set", alias, version, previous, actor)
+        _record_alias(root, "set", alias, version, previous, actor, reason=reason, gate=gate)
     return get_version(ModelRef(target.name, version=version), settings)
 
 
@@ -469,9 +491,18 @@ def rollback(
 
 
 def _record_alias(
-    root: Path, action: str, alias: str, version: int, previous: int | None, actor: str | None
+    root: Path,
+    action: str,
+    alias: str,
+    version: int,
+    previous: int | None,
+    actor: str | None,
+    *,
+    reason: str | None = None,
+    gate: dict[str, Any] | None = None,
 ) -> None:
-    """Append one alias change, with who and when, to the model's alias history."""
+    """Append one alias change, with who and when (and why, and the gate's decision, when
+    given), to the model's alias history."""
     event = history.AliasEvent(
         at=history.now_iso(),
         actor=actor or history.default_actor(),
@@ -479,6 +510,8 @@ def _record_alias(
         alias=alias,
         version=version,
         previous=previous,
+        reason=reason,
+        gate=gate,
     )
     history.append_event(root / ALIAS_HISTORY_FILE, event)
 

@@ -29,6 +29,11 @@ class AliasEvent(BaseModel):
     alias: str
     version: int
     previous: int | None = None
+    # Why the change was made, as its maker said (required to force past the promotion gate).
+    reason: str | None = None
+    # What the promotion gate decided (visionloop.eval.gate: outcome, criteria with values,
+    # the two reports compared); the registry stores it as given and never reads it.
+    gate: dict[str, Any] | None = None
 
 
 _EVENTS = TypeAdapter(list[AliasEvent])
@@ -65,7 +70,9 @@ def read_history(path: Path) -> list[AliasEvent]:
 
 def append_event(path: Path, event: AliasEvent) -> None:
     events = [*read_history(path), event]
-    atomic_write_text(path, _EVENTS.dump_json(events, indent=2).decode() + "\n")
+    # Unset fields are left out, so a history without reasons or gate decisions stays readable
+    # by a visionloop that predates them.
+    atomic_write_text(path, _EVENTS.dump_json(events, indent=2, exclude_none=True).decode() + "\n")
 
 
 def champion_stack(events: list[AliasEvent], alias: str, current: int | None) -> list[int]:
