@@ -252,3 +252,38 @@ def test_eval_with_stress_through_the_contract(tmp_path: Path, task_dataset: tup
     assert (report.calibration is not None) == has_logits
     if not has_logits:
         assert report.calibration_note and name in report.calibration_note
+
+    # Slices (`visionloop eval --slices`) score subsets of the pass again from each image's
+    # kept result (Task.image_result, join_results, repeated_targets): a slice holding every
+    # image gives the clean metric, and a bootstrap that draws images twice works for the task.
+    from visionloop.data.manifest import shard_dir_of
+    from visionloop.data.shards import ShardReader
+    from visionloop.eval.run import score
+    from visionloop.eval.slices import compute_slices
+
+    card = info.card()
+    data = read_manifest(dataset)
+    reader = ShardReader(shard_dir_of(dataset, data.splits[report.split]))  # type: ignore[index]
+    model = task.load_model(card, info.weights)
+    loss_fn = task.loss_fn(validate_train_spec(spec_for(name, dataset)))
+    kept = score(
+        task, card, model, loss_fn, reader, range(len(reader)), device=torch.device("cpu"), keep_images=True
+    )
+    assert kept.images is not None and len(kept.images) == len(reader) == report.images
+    assert kept.result.metrics[task.primary_metric] == pytest.approx(report.clean, abs=1e-6)
+    (whole,) = compute_slices(
+        task, card.class_names, kept.images, ["all"] * len(reader), column="c", seed=0, resamples=10
+    )
+    assert whole.metric == pytest.approx(report.clean, abs=1e-6)
+    halves = compute_slices(
+        task,
+        card.class_names,
+        kept.images,
+        [i % 2 for i in range(len(reader))],
+        column="c",
+        seed=0,
+        resamples=10,
+    )
+    assert sorted(str(s.value) for s in halves) == ["0", "1"] and sum(s.images for s in halves) == len(reader)
+    for s in halves:
+        assert s.metric is None or s.ci_low is None or s.ci_low <= s.metric <= s.ci_high  # type: ignore[operator]

@@ -256,6 +256,9 @@ def _print_summary(report: IngestReport) -> None:
             f"  duplicates  {m.duplicates:,} byte-identical{conflict}; {fate} "
             f"→ {escape(str(report.duplicates_file))}"
         )
+    if m.metadata_columns:
+        where = escape(str(report.out / "metadata"))
+        _line(f"  metadata    {escape(', '.join(m.metadata_columns))} (per image) → {where}/")
     _line(f"  version     {m.version}")
     if summary is not None and summary.table is not None:
         out.print(_render(summary.table))
@@ -333,6 +336,24 @@ def _counts_table(m: DatasetManifest) -> Table:
     return t
 
 
+def _metadata_table(dataset: Path, m: DatasetManifest) -> Table:
+    """Per metadata column: distinct values, images without one, the most common values."""
+    from visionloop.data.metadata import MISSING_LABEL, summarize_metadata
+
+    t = Table(
+        title="per-image metadata (visionloop eval --slices COLUMN reports the metric per value)",
+        title_justify="left",
+    )
+    t.add_column("column")
+    t.add_column("distinct values", justify="right")
+    t.add_column(f"{MISSING_LABEL}", justify="right")
+    t.add_column("most common", overflow="fold")
+    for c in summarize_metadata(dataset, m):
+        common = ", ".join(f"{escape(str(v))} ({n:,})" for v, n in c.common)
+        t.add_row(escape(c.name), f"{c.distinct:,}", f"{c.missing:,}", common)
+    return t
+
+
 @app.command("info")
 def info_command(
     dataset: Path = typer.Argument(
@@ -350,6 +371,9 @@ def info_command(
     out.print(_summary_table(m))
     summary = _task_summary(m)
     out.print(_counts_table(m) if summary is None or summary.table is None else _render(summary.table))
+
+    if m.metadata_columns:
+        out.print(_metadata_table(dataset, m))
 
     rejected = _read_jsonl(dataset / REJECTED_NAME)
     if m.rejected:

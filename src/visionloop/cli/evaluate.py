@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -42,7 +43,9 @@ def evaluate(
     severities: str | None = typer.Option(
         None, "--severities", help="With --stress: a comma-separated subset of 1-5 (default: all)."
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the corruptions: the same seed, the same images."),
+    seed: int = typer.Option(
+        0, "--seed", help="Seed of the corruptions and the slices' bootstrap: same seed, same results."
+    ),
     max_images: int | None = typer.Option(
         None, "--max-images", help="Score at most this many images, spread over the split."
     ),
@@ -51,6 +54,15 @@ def evaluate(
     no_calibrate: bool = typer.Option(
         False, "--no-calibrate", help="Measure temperature scaling but do not store it with the model."
     ),
+    slices: str | None = typer.Option(
+        None,
+        "--slices",
+        help="Metadata column(s) of the dataset, comma-separated (e.g. camera,time_of_day): the "
+        "metric per value, worst first, with a 95% bootstrap interval.",
+    ),
+    slice_resamples: int = typer.Option(
+        200, "--slice-resamples", help="With --slices: bootstrap resamples per value (seeded by --seed)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Evaluate a registered model: its metrics, how it fails under corruption, how well its confidences are calibrated.
@@ -58,6 +70,8 @@ def evaluate(
     Scores the model on a dataset split with the task's own metrics (accuracy, per-class precision and recall; mAP for a detector). With --stress, every image is also scored under nine seeded, reproducible corruptions (night, glare, motion blur, defocus blur, fog, gaussian noise, JPEG, pixelation, occlusion) at five severities: the metric per corruption and severity, its mean, and the corrupted error relative to clean (ImageNet-C's measure, with the clean model as reference).
 
     A classifier's calibration is measured (expected calibration error over 15 bins, maximum calibration error, Brier score, reliability diagram), and temperature scaling is fitted and measured on held-out halves of the split. On the model's own validation data the temperature is stored with the model version, and `visionloop serve` applies it to served confidences.
+
+    With --slices COLUMN, the metric is also reported per value of a per-image metadata column the dataset was ingested with (a CSV's extra columns, a COCO image's fields: `visionloop data info` lists them), worst first, with a 95% percentile-bootstrap interval; images without a value form the slice (missing), and a value with fewer than 5 images gets no interval.
 
     The report (eval.json and PNG plots) goes to the version's folder under evals/; `visionloop models show` lists it.
     """  # noqa: E501 (one line per paragraph: Rich keeps the line breaks of a help text)
@@ -83,6 +97,8 @@ def evaluate(
         batch_size=batch_size,
         device=device,
         calibrate=not no_calibrate,
+        slices=_csv(slices) or (),
+        slice_resamples=slice_resamples,
     )
     report = evaluate_model(model, options)
     if as_json:
@@ -132,4 +148,35 @@ def evaluate(
         assert report.stress_mean is not None
         mre = "n/a" if report.mean_relative_error is None else f"{report.mean_relative_error:.2f}"
         out.print(f"  stress mean {report.stress_mean:.4f}; mean error relative to clean {mre}")
+    for column, rows in (report.slices or {}).items():
+        print_wide(_slice_table(report.metric, column, rows, report.slice_bootstrap or {}))
     out.print(f"report: {escape(report.path)}")
+
+
+def _slice_table(metric: str, column: str, rows: list[dict[str, Any]], bootstrap: dict[str, Any]) -> Table:
+    """One column's slices, worst first, with their intervals."""
+    from visionloop.data.metadata import MISSING_LABEL
+
+    confidence = f"{bootstrap.get('confidence', 0.95):.0%}"
+    table = Table(
+        title=f"{metric} by {escape(column)} (worst first; {confidence} bootstrap interval, "
+        f"{bootstrap.get('resamples', '?')} resamples)",
+        title_justify="left",
+    )
+    table.add_column(escape(column))
+    table.add_column("images", justify="right")
+    table.add_column(metric, justify="right")
+    table.add_column(f"{confidence} interval", justify="right")
+    for r in rows:
+        value = MISSING_LABEL if r["value"] is None else str(r["value"])
+        score = "n/a" if r["metric"] is None else f"{r['metric']:.4f}"
+        if r["ci_low"] is not None:
+            interval = f"{r['ci_low']:.4f} – {r['ci_high']:.4f}"
+            if r["resampled"] < r["images"]:
+                interval += f" (from {r['resampled']} images)"
+        elif r["metric"] is not None:
+            interval = f"too few images (< {bootstrap.get('min_images', 5)})"
+        else:
+            interval = ""
+        table.add_row(escape(value), f"{r['images']:,}", score, interval)
+    return table

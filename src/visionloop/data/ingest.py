@@ -18,11 +18,16 @@ a CSV with `ingest_images`). A task's own ingest builds on the helpers here and 
    `duplicates.jsonl`, and move the finished folder into place (`publish`): `out` never
    holds half a dataset.
 
+A CSV's extra columns are per-image metadata (`metadata`): written beside the shards, one
+line per record in the same order, listed in the manifest and covered by the version; a
+source without them gives the dataset it always gave.
+
 Options and the report live in `ingest_options` and are re-exported here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -56,6 +61,7 @@ from visionloop.data.manifest import (
     SplitPolicy,
     write_manifest,
 )
+from visionloop.data.metadata import MetadataWriter
 from visionloop.data.publish import building, publish
 from visionloop.data.shards import Record, ShardWriter
 from visionloop.data.sources import LINK_OUTSIDE, SourceListing, list_source
@@ -199,6 +205,7 @@ class _Run:
         self.reported_duplicates: list[dict[str, object]] = []
         self.warnings = list(listing.warnings)
         self.stats = StatsAccumulator(listing.classes)
+        self.metadata: MetadataWriter | None = None
         # Links leading outside the source, not followed: rejected before any work.
         self.rejections.extend(
             {"path": link.rel, "label": link.label, "reason": LINK_OUTSIDE, "message": link.message}
@@ -261,15 +268,18 @@ class _Run:
         writers = {s: ShardWriter(self.tmp / SHARDS_DIR / s) for s in SPLIT_NAMES}
         batches = list(self._batches(self.options.workers))
         self.progress("decode", 0, len(self.order))
-        decode_in_pool(
-            batches,
-            path_of=lambda i: cands[i].path,
-            rel_of=lambda i: cands[i].rel,
-            policy=self.policy,
-            workers=self.options.workers,
-            store=lambda i, outcome: self._store(i, outcome, writers),
-            progress=lambda done: self.progress("decode", done, len(self.order)),
-        )
+        columns = self.listing.metadata_columns
+        self.metadata = MetadataWriter(self.tmp, columns) if columns else None
+        with self.metadata or contextlib.nullcontext():
+            decode_in_pool(
+                batches,
+                path_of=lambda i: cands[i].path,
+                rel_of=lambda i: cands[i].rel,
+                policy=self.policy,
+                workers=self.options.workers,
+                store=lambda i, outcome: self._store(i, outcome, writers),
+                progress=lambda done: self.progress("decode", done, len(self.order)),
+            )
         for split, writer in writers.items():
             writer.close()
             self.stats.set_bytes(split, writer.bytes)
@@ -290,6 +300,8 @@ class _Run:
         split = self.splits[i]
         label = self.listing.candidates[i].label
         writers[split].add(Record(image=outcome.data, label=label, index=i))
+        if self.metadata is not None:
+            self.metadata.add(split, outcome.sha256, self.listing.candidates[i].metadata or {})
         self.stats.add(split, label, outcome)
 
     def _settle_duplicates(self) -> None:
@@ -345,8 +357,9 @@ class _Run:
             # The fractions asked for were not used; record the shares the source gave.
             val_fraction = round(self.stats.count("val") / self.stats.total, 4)
             test_fraction = round(self.stats.count("test") / self.stats.total, 4)
+        version = dataset_version(self.policy, classes, stored)
         manifest = DatasetManifest(
-            version=dataset_version(self.policy, classes, stored),
+            version=version if self.metadata is None else self.metadata.version(version),
             classes=classes,
             splits=self.stats.split_infos(),
             image_policy=self.policy,
@@ -365,6 +378,7 @@ class _Run:
             duplicates=len(self.reported_duplicates),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
             visionloop_version=__version__,
+            metadata_columns=None if self.metadata is None else self.metadata.columns,
         )
         write_manifest(self.tmp, manifest)
         return manifest

@@ -31,6 +31,7 @@ MANIFEST_NAME = "dataset.json"
 REJECTED_NAME = "rejected.jsonl"
 DUPLICATES_NAME = "duplicates.jsonl"
 SHARDS_DIR = "shards"
+METADATA_DIR = "metadata"  # per-image metadata, one JSON-lines file per split (`data.metadata`)
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
 # A manifest is a few KiB; a bigger file is not one, and must not be parsed into memory.
@@ -38,6 +39,10 @@ MAX_MANIFEST_BYTES = 4 * 2**20
 # shard_dir is a relative path of plain names (none starts with a dot): never absolute, never
 # `..`, so a manifest can only point inside its own dataset folder.
 _PLAIN_RELATIVE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+# Per-image metadata columns (camera, site, time_of_day): at most this many, each a simple name.
+MAX_METADATA_COLUMNS = 32
+METADATA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+METADATA_NAME_RULE = "letters, digits, _ . - (up to 64 characters, starting with a letter or _)"
 
 SplitName = Literal["train", "val", "test"]
 # What a source was read as: "imagefolder", "csv", or a format a task reads (`Task.source_formats`).
@@ -128,6 +133,25 @@ class DatasetManifest(_Strict):
     # the JSON when None, so that a manifest without it is written exactly as before (older
     # readers forbid extra keys).
     task_stats: dict[str, JsonValue] | None = None
+    # The per-image metadata columns ingest kept (a CSV's extra columns, a COCO image's own
+    # fields), in order; their values are in METADATA_DIR/<split>.jsonl (`data.metadata`).
+    # Left out of the JSON when None, as task_stats: a dataset without metadata keeps the
+    # manifest and the version it had before metadata existed.
+    metadata_columns: list[str] | None = None
+
+    @field_validator("metadata_columns")
+    @classmethod
+    def _simple_columns(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v or len(v) > MAX_METADATA_COLUMNS:
+            raise ValueError(f"metadata_columns must list 1 to {MAX_METADATA_COLUMNS} names, got {len(v)}")
+        bad = [name for name in v if not METADATA_NAME.fullmatch(name)]
+        if bad:
+            raise ValueError(f"metadata column {bad[0][:80]!r} is not a simple name ({METADATA_NAME_RULE})")
+        if len(set(v)) != len(v):
+            raise ValueError("metadata_columns names a column twice")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -142,10 +166,12 @@ class DatasetManifest(_Strict):
         return data
 
     @model_serializer(mode="wrap")
-    def _drop_absent_task_stats(self, handler: SerializerFunctionWrapHandler) -> Any:
+    def _drop_absent_optional_fields(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
-        if isinstance(data, dict) and data.get("task_stats", 0) is None:
-            del data["task_stats"]
+        if isinstance(data, dict):
+            for key in ("task_stats", "metadata_columns"):
+                if key in data and data[key] is None:
+                    del data[key]
         return data
 
     @property

@@ -5,7 +5,12 @@ Two layouts are understood:
 - an **ImageFolder**: one folder per class, optionally under top-level `train/`, `val/`,
   `test/` folders, in which case the split comes from the source;
 - a **CSV** file with the header `path,label[,split]`, paths relative to the CSV's folder
-  or absolute.
+  or absolute. Any other column is per-image **metadata** (camera, site, time_of_day, ...),
+  bounded as `data.metadata` says: at most 32 columns with simple names (checked here, a
+  `DataError` before any work), scalar values of at most 256 characters (a value that breaks
+  a rule is left out with a warning; an empty cell is no value). Values stay strings, as
+  written. A column named like `split` or `label` but misspelt (`splt`, `lable`) is refused,
+  not taken for metadata.
 
 **Symbolic links** that resolve outside the source folder (an ImageFolder's root, a CSV's
 folder) are not followed, files and folders alike: they are listed in `SourceListing.links`
@@ -23,6 +28,7 @@ with single files (unreadable, not an image) are left to ingest, which rejects t
 from __future__ import annotations
 
 import csv
+import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +37,7 @@ from typing import Literal, cast
 from visionloop.core.errors import DataError
 from visionloop.data.imageio import is_image_name
 from visionloop.data.manifest import SPLITS, SplitName
+from visionloop.data.metadata import Metadata, MetadataCleaner, column_problems
 
 SourceKind = Literal["imagefolder", "csv"]
 
@@ -42,16 +49,17 @@ Expected one of:
   the same under split folders (the split then comes from the source):
     SOURCE/train/cat/001.jpg
     SOURCE/val/cat/101.jpg
-  or a CSV file with the header `path,label[,split]`:
-    path,label,split
-    images/001.jpg,cat,train
-    images/101.jpg,cat,val"""
+  or a CSV file with the header `path,label[,split]` (other columns are per-image metadata):
+    path,label,split,camera
+    images/001.jpg,cat,train,north
+    images/101.jpg,cat,val,south"""
 
 CSV_EXAMPLE = """\
-Example (paths relative to the CSV's folder, or absolute; the split column is optional):
-  path,label,split
-  images/001.jpg,cat,train
-  images/002.jpg,dog,val"""
+Example (paths relative to the CSV's folder, or absolute; the split column is optional; any
+other column, such as camera, is per-image metadata):
+  path,label,split,camera
+  images/001.jpg,cat,train,north
+  images/002.jpg,dog,val,south"""
 
 _CSV_COLUMNS = ("path", "label", "split")
 LINK_OUTSIDE = "link_outside_source"  # the reason in rejected.jsonl
@@ -120,6 +128,11 @@ class Candidate:
     path: str  # where to read it (a str: a million Path objects cost half a gigabyte)
     label: int  # index into SourceListing.classes
     split: SplitName | None  # given by the source, or None to let ingest split
+    metadata: Metadata | None = None  # its values of SourceListing.metadata_columns (a CSV's)
+
+
+# (rel path, class name, split given by the source, metadata values) of one listed image
+_Entry = tuple[str, str, SplitName | None, Metadata | None]
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,7 @@ class SourceListing:
     split_from_source: bool
     warnings: list[str] = field(default_factory=list)
     links: list[SkippedLink] = field(default_factory=list)  # not followed: they lead outside
+    metadata_columns: list[str] = field(default_factory=list)  # a CSV's extra columns, in order
 
     @property
     def files_seen(self) -> int:
@@ -241,7 +255,7 @@ def _list_imagefolder(root: Path, links: _Links) -> SourceListing:
     layers: list[tuple[SplitName | None, Path]] = (
         [(cast(SplitName, s), root / s) for s in split_dirs] if split_dirs else [(None, root)]
     )
-    entries: list[tuple[str, str, SplitName | None]] = []  # (rel path, class name, split)
+    entries: list[_Entry] = []  # (rel path, class name, split, no metadata)
     class_dirs: set[str] = set()
     per_split: dict[SplitName | None, set[str]] = {}
     for split, folder in layers:
@@ -254,7 +268,7 @@ def _list_imagefolder(root: Path, links: _Links) -> SourceListing:
         for cls in names:
             rels, more = _walk_images(folder / cls, root, links, cls)
             skipped += more
-            entries.extend((rel, cls, split) for rel in rels)
+            entries.extend((rel, cls, split, None) for rel in rels)
             if rels:
                 per_split.setdefault(split, set()).add(cls)
 
@@ -263,7 +277,7 @@ def _list_imagefolder(root: Path, links: _Links) -> SourceListing:
             f"found no image files in {root} ({skipped} other file(s) skipped{_links_note(links)}; "
             f"image extensions are .jpg .png .webp .bmp .gif .tif ...).\n{LAYOUT_EXAMPLE}"
         )
-    classes = sorted({cls for _, cls, _ in entries})
+    classes = sorted({e[1] for e in entries})
     warnings: list[str] = []
     empty = sorted(class_dirs - set(classes))
     if empty:
@@ -279,29 +293,48 @@ def _csv_error(path: Path, problem: str) -> DataError:
     return DataError(f"{path}: {problem}\n{CSV_EXAMPLE}")
 
 
-def _read_header(path: Path, header: list[str] | None) -> dict[str, int]:
+def _read_header(path: Path, header: list[str] | None) -> tuple[dict[str, int], dict[str, int]]:
+    """(the known columns → their index, the metadata columns → their index)."""
     if header is None:
         raise _csv_error(
             path, "the file is empty; it needs the header line `path,label` or `path,label,split`."
         )
-    names = [h.strip().lower() for h in header]
-    unknown = [h for h in names if h not in _CSV_COLUMNS]
+    given = [h.strip() for h in header]
+    names = [h.lower() for h in given]
+    extra = [h for h, name in zip(given, names, strict=True) if name not in _CSV_COLUMNS]
     missing = [c for c in ("path", "label") if c not in names]
-    if missing or unknown or len(set(names)) != len(names):
-        found = ",".join(h.strip() for h in header)
+    known = [name for name in names if name in _CSV_COLUMNS]
+    # With path or label missing, the other columns are most likely them misnamed; a column
+    # named nearly like a known one (splt, lable) is a typo, not metadata.
+    unknown = extra if missing else [h for h in extra if _looks_like_known(h)]
+    if missing or unknown or len(set(known)) != len(known):
+        found = ",".join(given)
         details = []
         if missing:
             details.append(f"missing column(s) {', '.join(missing)}")
         if unknown:
-            details.append(f"unknown column(s) {', '.join(repr(u) for u in unknown)}")
-        if len(set(names)) != len(names):
+            hints = "".join(
+                f" (did you mean {_looks_like_known(u)}?)" for u in unknown[:1] if _looks_like_known(u)
+            )
+            details.append(f"unknown column(s) {', '.join(repr(u) for u in unknown)}{hints}")
+        if len(set(known)) != len(known):
             details.append("a column is named twice")
         raise _csv_error(
             path,
             f"bad header `{found}`: {'; '.join(details)}. "
-            "The header must be `path,label` or `path,label,split`.",
+            "The header must be `path,label` or `path,label,split`, then any metadata columns.",
         )
-    return {name: i for i, name in enumerate(names)}
+    problems = column_problems(extra)
+    if problems:
+        raise _csv_error(path, f"bad header `{','.join(given)}`: {'; '.join(problems[:5])}.")
+    columns = {name: i for i, name in enumerate(names) if name in _CSV_COLUMNS}
+    return columns, {h: i for i, h in enumerate(given) if h.lower() not in _CSV_COLUMNS}
+
+
+def _looks_like_known(name: str) -> str | None:
+    """The known column `name` is a misspelling of, if any."""
+    close = difflib.get_close_matches(name.lower(), _CSV_COLUMNS, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def _links_note(links: _Links) -> str:
@@ -312,21 +345,25 @@ def _links_note(links: _Links) -> str:
 def _list_csv(path: Path, links: _Links) -> SourceListing:
     base = path.parent
     folders: dict[str, bool] = {}  # a relative row's folder → whether it resolves inside
-    entries: list[tuple[str, str, SplitName | None]] = []
+    entries: list[_Entry] = []
     skipped = 0
+    cleaner: MetadataCleaner | None = None
     try:
         # utf-8-sig: spreadsheets put a byte-order mark in front of the header.
         with open(path, encoding="utf-8-sig", newline="") as f:
             reader = csv.reader(f)
-            columns = _read_header(path, next(reader, None))
+            columns, meta = _read_header(path, next(reader, None))
+            width = len(columns) + len(meta)
             has_split = "split" in columns
+            if meta:
+                cleaner = MetadataCleaner(list(meta))
             for row in reader:
                 line = reader.line_num
                 if not any(cell.strip() for cell in row):
                     continue
-                if len(row) != len(columns):
+                if len(row) != width:
                     raise _csv_error(
-                        path, f"line {line} has {len(row)} field(s), but the header has {len(columns)}."
+                        path, f"line {line} has {len(row)} field(s), but the header has {width}."
                     )
                 rel = row[columns["path"]].strip()
                 label = row[columns["label"]].strip()
@@ -357,7 +394,10 @@ def _list_csv(path: Path, links: _Links) -> SourceListing:
                 ):
                     links.skipped.append(SkippedLink(Path(rel).as_posix(), label, False))
                     continue
-                entries.append((Path(rel).as_posix(), label, split))
+                values = None
+                if cleaner is not None:
+                    values = cleaner.clean({name: row[i].strip() for name, i in meta.items()})
+                entries.append((Path(rel).as_posix(), label, split, values))
     except UnicodeDecodeError as e:
         raise _csv_error(path, f"is not UTF-8 text ({e}); save it as UTF-8 CSV.") from e
     except csv.Error as e:
@@ -368,8 +408,10 @@ def _list_csv(path: Path, links: _Links) -> SourceListing:
             f"lists no image files ({skipped} row(s) without an image extension skipped"
             f"{_links_note(links)}).",
         )
-    classes = sorted({label for _, label, _ in entries})
-    return _listing("csv", path, classes, entries, skipped, has_split, [], base, links)
+    classes = sorted({e[1] for e in entries})
+    warnings = cleaner.warnings(path.name) if cleaner is not None else []
+    kept = cleaner.columns if cleaner is not None else []
+    return _listing("csv", path, classes, entries, skipped, has_split, warnings, base, links, kept)
 
 
 def _csv_row_inside(file: Path, links: _Links, folders: dict[str, bool]) -> bool:
@@ -386,17 +428,20 @@ def _listing(
     kind: SourceKind,
     root: Path,
     classes: list[str],
-    entries: list[tuple[str, str, SplitName | None]],
+    entries: list[_Entry],
     skipped: int,
     split_from_source: bool,
     warnings: list[str],
     base: Path,
     links: _Links,
+    metadata_columns: list[str] | None = None,
 ) -> SourceListing:
     label_of = {name: i for i, name in enumerate(classes)}
     # Stable sort: a CSV naming one file twice keeps its rows in file order.
     entries.sort(key=lambda e: e[0])
-    candidates = [Candidate(rel, str(base / rel), label_of[cls], split) for rel, cls, split in entries]
+    candidates = [
+        Candidate(rel, str(base / rel), label_of[cls], split, meta) for rel, cls, split, meta in entries
+    ]
     if links.skipped:
         warnings = [
             *warnings,
@@ -412,4 +457,5 @@ def _listing(
         split_from_source,
         warnings,
         sorted(links.skipped, key=lambda link: link.rel),
+        list(metadata_columns or []),
     )

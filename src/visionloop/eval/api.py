@@ -1,5 +1,6 @@
 """`evaluate_model`: a registered model version's metrics on a dataset split, under stress
-(seeded corruptions at five severities) and with its confidences' calibration.
+(seeded corruptions at five severities), with its confidences' calibration, and per value of
+the dataset's per-image metadata columns (`slices`: worst first, with bootstrap intervals).
 
 The report and its plots go to `<version dir>/evals/<time>-<split>/` (eval.json, PNGs); a
 temperature fitted on the model's own validation split goes to `<version dir>/calibration.json`,
@@ -20,8 +21,10 @@ from visionloop.core.errors import DataError, NotFoundError, SpecError
 from visionloop.core.fsutil import atomic_write_bytes, atomic_write_json
 from visionloop.core.settings import Settings, load_settings
 from visionloop.data.manifest import DatasetManifest, eval_split, read_manifest, shard_dir_of
+from visionloop.data.metadata import Scalar, load_metadata, value_key
 from visionloop.data.shards import ShardReader
 from visionloop.eval import calibration as cal
+from visionloop.eval import slices as sl
 from visionloop.eval.corruptions import CORRUPTIONS, SEVERITIES, corrupt, image_seed
 from visionloop.eval.report import EvalReport, StressCell, summarize_stress
 from visionloop.eval.run import Corrupter, PassResult, score
@@ -47,6 +50,11 @@ class EvalOptions:
     batch_size: int = 64
     device: str = "auto"  # auto (cuda when available), cpu, cuda
     calibrate: bool = True  # fit and store a temperature (own validation split only)
+    # Metadata columns to report the primary metric per value of (worst first, with a 95%
+    # bootstrap interval from `slice_resamples` resamples); the clean pass then runs one image
+    # per batch.
+    slices: tuple[str, ...] = ()
+    slice_resamples: int = sl.DEFAULT_RESAMPLES
 
 
 def evaluate_model(
@@ -62,17 +70,18 @@ def evaluate_model(
     path, manifest = _dataset(info, options.dataset)
     split, reader = _split(path, manifest, options.split)
     positions = _positions(len(reader), options.max_images)
+    slice_values = _slice_values(path, manifest, split, len(reader), positions, options.slices)
     device = _device(options.device)
     model = task.load_model(card, info.weights).to(device)
     loss_fn = _loss_fn(task, info)
 
-    def run(corrupter: Corrupter | None) -> PassResult:
+    def run(corrupter: Corrupter | None, keep_images: bool = False) -> PassResult:
         return score(
             task, card, model, loss_fn, reader, positions,
-            device=device, batch_size=options.batch_size, corrupter=corrupter,
+            device=device, batch_size=options.batch_size, corrupter=corrupter, keep_images=keep_images,
         )  # fmt: skip
 
-    clean = run(None)
+    clean = run(None, keep_images=bool(slice_values))
     own_data = card.dataset_version is not None and manifest.version == card.dataset_version
     primary = task.primary_metric
     if primary not in clean.result.metrics:
@@ -96,6 +105,22 @@ def evaluate_model(
     )
     analysis = clean.evaluator.error_analysis()
     report.errors = analysis.to_dict() if analysis is not None else None
+    if slice_values:
+        assert clean.images is not None
+        report.slices = {}
+        for column, values in slice_values.items():
+            rows = sl.compute_slices(
+                task, card.class_names, clean.images, values,
+                column=column, seed=options.seed, resamples=options.slice_resamples,
+            )  # fmt: skip
+            report.slices[column] = [s.to_dict() for s in rows]
+        report.slice_bootstrap = {
+            "confidence": sl.CONFIDENCE,
+            "resamples": options.slice_resamples,
+            "min_images": sl.MIN_INTERVAL_IMAGES,
+            "max_images_resampled": sl.MAX_BOOTSTRAP_IMAGES,
+            "seed": options.seed,
+        }
     out_dir = _out_dir(info.dir, stamp, split)
     files: list[Path] = []
     files += _artifacts(clean, out_dir)
@@ -158,6 +183,12 @@ def _check_options(o: EvalOptions) -> None:
         raise SpecError(f"--batch-size must be at least 1, got {o.batch_size}.")
     if o.device not in ("auto", "cpu", "cuda"):
         raise SpecError(f"unknown device {o.device!r}; use auto, cpu or cuda.")
+    if any(not c.strip() for c in o.slices):
+        raise SpecError("--slices names metadata columns (e.g. --slices camera,time_of_day), not ''.")
+    if len(set(o.slices)) != len(o.slices):
+        raise SpecError(f"--slices names a column twice: {', '.join(o.slices)}.")
+    if not 10 <= o.slice_resamples <= 10_000:
+        raise SpecError(f"--slice-resamples must be between 10 and 10000, got {o.slice_resamples}.")
 
 
 def _dataset(info: ModelVersionInfo, given: Path | None) -> tuple[Path, DatasetManifest]:
@@ -209,6 +240,53 @@ def _positions(total: int, limit: int | None) -> list[int]:
     if limit is None or total <= limit:
         return list(range(total))
     return sorted({int(i) for i in np.linspace(0, total - 1, num=limit)})
+
+
+def _slice_values(
+    path: Path,
+    manifest: DatasetManifest,
+    split: str,
+    records: int,
+    positions: list[int],
+    columns: tuple[str, ...],
+) -> dict[str, list[Scalar | None]]:
+    """Per column asked for, each scored image's value (None: it has none), read and checked
+    before any image is scored."""
+    if not columns:
+        return {}
+    have = manifest.metadata_columns
+    if not have:
+        raise DataError(
+            f"--slices {','.join(columns)}: {path} has no per-image metadata, so there is nothing to "
+            "slice by. Ingest the images with their metadata: a CSV with extra columns "
+            "(path,label,split,camera,...) or a COCO file whose `images` entries carry fields "
+            "(camera, site, ...), e.g. `visionloop data ingest labels.csv --out DIR`; then "
+            "evaluate on it with --dataset DIR."
+        )
+    unknown = [c for c in columns if c not in have]
+    if unknown:
+        raise SpecError(
+            f"--slices {unknown[0]!r}: {path} has no metadata column {unknown[0]!r}; its columns are "
+            f"{', '.join(have)}."
+        )
+    rows = load_metadata(path, manifest, split)
+    if rows is None or len(rows) != records:
+        raise DataError(
+            f"{path}: the {split} metadata does not describe the {records} records of its shards; "
+            "re-run `visionloop data ingest` to rebuild the dataset."
+        )
+    out: dict[str, list[Scalar | None]] = {}
+    for column in columns:
+        values = [rows[p].get(column) for p in positions]
+        distinct = len({value_key(v) for v in values})
+        if distinct > sl.MAX_SLICE_VALUES:
+            raise SpecError(
+                f"--slices {column!r}: the {len(positions)} images scored have {distinct} distinct values "
+                f"of {column!r}, more than the {sl.MAX_SLICE_VALUES} a slice report shows (a value "
+                "per image is an id, not a slice). Slice by a coarser column."
+            )
+        out[column] = values
+    return out
 
 
 def _device(name: str) -> torch.device:

@@ -1,4 +1,4 @@
-"""What `visionloop eval` reports: the clean metrics, the stress grid, calibration.
+"""What `visionloop eval` reports: the clean metrics, the stress grid, calibration, slices.
 
 The stress summary follows ImageNet-C (Hendrycks & Dietterich 2019) with the clean model as
 its own reference, since there is no AlexNet to normalise by: for each corruption, the primary
@@ -95,6 +95,11 @@ class EvalReport:
     corruptions: list[CorruptionSummary] = field(default_factory=list)
     stress_mean: float | None = None
     mean_relative_error: float | None = None
+    # Per metadata column asked for (--slices): one row per value, worst first:
+    # {value (null: no value, shown "(missing)"), images, metric, ci_low, ci_high, resampled}
+    # (`eval.slices.Slice`), and how the intervals were drawn.
+    slices: dict[str, list[dict[str, Any]]] | None = None
+    slice_bootstrap: dict[str, Any] | None = None
     files: list[str] = field(default_factory=list)
     path: str = ""  # where eval.json was written
     version: int = REPORT_VERSION

@@ -5,6 +5,11 @@ stress pass) corrupted as a camera would have corrupted it, before any resizing,
 model card's eval preprocessing. The task's own evaluator scores the outputs, so every task's
 metrics come out of `visionloop eval` without this module knowing what they are. Targets are
 the task's `record_targets`, what the export gate and bench score against.
+
+A pass asked to keep every image's result (`keep_images`, for slices) runs one image per batch
+(a valid batch for every task's evaluator) and keeps each image's outputs and targets as the
+task reduces them (`Task.image_result`), so that any subset of the images can be scored again
+without the model.
 """
 
 from __future__ import annotations
@@ -26,15 +31,26 @@ from visionloop.tasks import EvalResult, Evaluator, LossFn, Task
 Corrupter = Callable[[np.ndarray, int], np.ndarray]
 
 
+@dataclass(frozen=True)
+class ImageResult:
+    """One image's outputs and targets (a one-image batch, on the CPU) and its summed loss."""
+
+    outputs: Any
+    targets: Any
+    loss_sum: float
+
+
 @dataclass
 class PassResult:
     """The evaluator (which draws the task's plots) and its result, and (for a task that has
-    them) every image's logits and label, for calibration."""
+    them) every image's logits and label, for calibration; with `keep_images`, every image's
+    result, in the order of the positions scored."""
 
     evaluator: Evaluator
     result: EvalResult
     logits: np.ndarray | None
     labels: np.ndarray | None
+    images: list[ImageResult] | None = None
 
 
 def batches(
@@ -72,11 +88,16 @@ def score(
     device: torch.device,
     batch_size: int = 64,
     corrupter: Corrupter | None = None,
+    keep_images: bool = False,
 ) -> PassResult:
-    """Score `model` (eval mode) on the images at `positions`, optionally corrupted."""
+    """Score `model` (eval mode) on the images at `positions`, optionally corrupted; with
+    `keep_images`, one image per batch, each image's result kept."""
     evaluator = task.evaluator(card.class_names)
     logits: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
+    kept: list[ImageResult] | None = [] if keep_images else None
+    if keep_images:
+        batch_size = 1
     model.eval()
     with torch.inference_mode():
         for x, y in batches(task, card, reader, positions, batch_size=batch_size, corrupter=corrupter):
@@ -84,6 +105,9 @@ def score(
             y = task.targets_to(y, device)
             out, loss_sum = task.eval_forward(model, x, y, loss_fn)
             evaluator.update(out, y, loss_sum)
+            if kept is not None:
+                outputs, targets = task.image_result(out, y)
+                kept.append(ImageResult(outputs, targets, float(loss_sum)))
             pair = task.calibration_logits(out, y)
             if pair is not None:
                 logits.append(pair[0].detach().float().cpu())
@@ -93,4 +117,5 @@ def score(
         result=evaluator.compute(),
         logits=torch.cat(logits).numpy() if logits else None,
         labels=torch.cat(labels).numpy() if labels else None,
+        images=kept,
     )

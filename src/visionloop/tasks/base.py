@@ -404,6 +404,28 @@ class Task(ABC):
     @abstractmethod
     def evaluator(self, class_names: Sequence[str]) -> Evaluator: ...
 
+    def image_result(self, outputs: Any, targets: Any) -> tuple[Any, Any]:
+        """One image's (outputs, targets), from a one-image batch of `eval_forward`, as kept to
+        score subsets of a split again without running the model (`visionloop eval --slices`:
+        the metric per metadata value, bootstrap intervals): on the CPU, without anything the
+        evaluator does not need to score. A one-image batch is a valid batch for `evaluator`'s
+        `update`. Default: every tensor in them moved to the CPU."""
+        return _to_cpu(outputs), _to_cpu(targets)
+
+    def join_results(self, results: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
+        """Several kept one-image results (`image_result`'s (outputs, targets)) as one batch for
+        `evaluator`'s update, in order. Default: tensors concatenated along their first (batch)
+        axis, lists joined, tuples and dicts joined item by item; a task whose outputs or
+        targets are shaped otherwise overrides it."""
+        return _join([o for o, _ in results]), _join([t for _, t in results])
+
+    def repeated_targets(self, targets: Any, copy: int) -> Any:
+        """The targets of a kept one-image result (`image_result`) given again in the same
+        evaluator pass, as its `copy`-th repeat (1, 2, ...): a bootstrap resample draws images
+        with replacement. Default: unchanged; a task whose evaluator refuses an image it has
+        seen (an image id given twice) makes the repeat another image."""
+        return targets
+
     def calibration_logits(self, outputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A batch's (logits (N, C), true labels (N,)) for confidence calibration (ECE, Brier,
         temperature scaling), from `eval_forward`'s outputs and the collated targets; None for
@@ -469,3 +491,34 @@ class Task(ABC):
     def agreement(self, a: Arrays, b: Arrays) -> np.ndarray:
         """Per image: whether two models' raw outputs give the same answer (bool array); the
         shadow comparison counts it."""
+
+
+def _join(values: Sequence[Any]) -> Any:
+    """One-image batches as one batch (see `Task.join_results`)."""
+    first = values[0]
+    if hasattr(first, "detach") and hasattr(first, "cpu"):
+        import torch
+
+        return torch.cat(list(values))
+    if isinstance(first, list):
+        return [item for value in values for item in value]
+    if isinstance(first, tuple):
+        return tuple(_join([value[i] for value in values]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {key: _join([value[key] for value in values]) for key in first}
+    raise TypeError(
+        f"cannot join one-image results holding a {type(first).__name__} into a batch; "
+        "override Task.join_results"
+    )
+
+
+def _to_cpu(value: Any) -> Any:
+    """`value` with every tensor in it (nested in lists, tuples and dicts) detached and on the
+    CPU; without importing torch (anything with `detach` and `cpu` is taken for a tensor)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value

@@ -16,11 +16,16 @@ The stages mirror classification ingest (`ingest`), with boxes carried alongside
    reader issue as `Issue.to_row()`, images that failed to decode, boxes lost to scaling)
    and `duplicates.jsonl`, and publish the folder atomically.
 
+Each sample's `metadata` (COCO's own image fields) goes to the generic `MetadataWriter`, one
+line per record in the shards' order, and into the version; a source without any writes what
+it always wrote.
+
 The source is only ever read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -57,6 +62,7 @@ from visionloop.data.manifest import (
     SplitPolicy,
     write_manifest,
 )
+from visionloop.data.metadata import MetadataWriter
 from visionloop.data.publish import building, publish
 from visionloop.data.shards import ShardWriter, make_record
 from visionloop.data.split import Duplicate, assign_splits, find_duplicates, rarest_class_groups, write_order
@@ -143,6 +149,7 @@ class _Run:
         self.boxes = DetectionAccumulator(src.classes)
         self.dropped_boxes = sum(1 for i in src.issues if i.reason in BOX_REASONS and not i.kept)
         self.versioned: list[tuple[str, str, bytes]] = []
+        self.metadata: MetadataWriter | None = None
         self._clips = clipped_per_image(src)
         self._clips_placed = 0
 
@@ -242,15 +249,18 @@ class _Run:
         writers = {s: ShardWriter(self.tmp / SHARDS_DIR / s, fields=fields) for s in SPLIT_NAMES}
         batches = list(self._batches(self.options.workers))
         self.progress("decode", 0, len(self.order))
-        decode_in_pool(
-            batches,
-            path_of=lambda i: str(samples[i].image),
-            rel_of=lambda i: samples[i].rel,
-            policy=self.policy,
-            workers=self.options.workers,
-            store=lambda i, outcome: self._store(i, outcome, writers),
-            progress=lambda done: self.progress("decode", done, len(self.order)),
-        )
+        columns = self.src.metadata_columns
+        self.metadata = MetadataWriter(self.tmp, columns) if columns else None
+        with self.metadata or contextlib.nullcontext():
+            decode_in_pool(
+                batches,
+                path_of=lambda i: str(samples[i].image),
+                rel_of=lambda i: samples[i].rel,
+                policy=self.policy,
+                workers=self.options.workers,
+                store=lambda i, outcome: self._store(i, outcome, writers),
+                progress=lambda done: self.progress("decode", done, len(self.order)),
+            )
         for split, writer in writers.items():
             writer.close()
             self.stats.set_bytes(split, writer.bytes)
@@ -306,6 +316,8 @@ class _Run:
         encoded = encode_boxes(boxes, labels, ignore)
         split = self.splits[i]
         writers[split].add(make_record(outcome.data, len(labels), i, boxes=encoded))
+        if self.metadata is not None:
+            self.metadata.add(split, outcome.sha256, sample.metadata)
         self.stats.add_image(split, sorted({int(v) for v in labels}), outcome)
         clips = self._clips.get(sample.rel, 0)
         self._clips_placed += clips
@@ -338,8 +350,9 @@ class _Run:
         images_seen = len(self.src.samples) + sum(
             1 for i in self.src.issues if i.reason in IMAGE_REASONS and not i.kept
         )
+        version = labelled_version(DetectionTask.name, self.policy, self.src.classes, self.versioned)
         manifest = DatasetManifest(
-            version=labelled_version(DetectionTask.name, self.policy, self.src.classes, self.versioned),
+            version=version if self.metadata is None else self.metadata.version(version),
             task=DetectionTask.name,
             classes=list(self.src.classes),
             splits=self.stats.split_infos(),
@@ -360,6 +373,7 @@ class _Run:
             task_stats=self.boxes.stats(
                 self.dropped_boxes, unplaced_clipped=all_clips - placed_anywhere
             ).model_dump(mode="json"),
+            metadata_columns=None if self.metadata is None else self.metadata.columns,
         )
         write_manifest(self.tmp, manifest)
         return manifest

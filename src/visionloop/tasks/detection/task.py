@@ -273,6 +273,19 @@ class DetectionTask(Task):
         ]
         return dets, 0.0
 
+    def image_result(self, outputs: Any, targets: Any) -> tuple[Any, Any]:
+        # The input image rides along in the outputs for drawing; a kept result needs only
+        # the boxes to be scored again.
+        kept = [{k: v for k, v in d.items() if k != "image"} for d in outputs]
+        return super().image_result(kept, targets)
+
+    def repeated_targets(self, targets: Any, copy: int) -> Any:
+        # The evaluator refuses an image_id given twice (a padded distributed sampler); a
+        # bootstrap repeat is another image to it.
+        if copy == 0:
+            return targets
+        return [{k: v for k, v in t.items() if k != "image_id"} for t in targets]
+
     def evaluator(self, class_names: Sequence[str]) -> Evaluator:
         from visionloop.tasks.detection.evaluate import DetectionTaskEvaluator
 

@@ -7,6 +7,13 @@ annotation is a background image. `iscrowd: 1` boxes are kept with `difficult=Tr
 stores the flag, evaluation ignores them (as COCO's does) and training leaves them out of its
 targets (as torchvision's references do). Segmentations are not read.
 
+An image entry's other fields (`camera`, `site`, `time_of_day`, ...: anything but COCO's own
+`STANDARD_IMAGE_FIELDS`) are the image's metadata, bounded by `data.metadata.MetadataCleaner`:
+scalar values only, at most 32 columns, simple names, values of at most 256 characters; what
+breaks a rule is left out with a warning. COCO's own per-image fields (license, URLs,
+`date_captured`) are not metadata: every COCO export has them, and a dataset's version must
+not change because of them.
+
 Orientation: COCO's `width`/`height` are, in most tools, of the stored pixel array, and its
 boxes are drawn on it (pycocotools and torchvision's CocoDetection never apply EXIF). So boxes
 are taken in the raw frame and moved onto the upright image, unless the file says otherwise:
@@ -29,6 +36,7 @@ from pathlib import Path
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
 from visionloop.data.manifest import SplitName
+from visionloop.data.metadata import Metadata, MetadataCleaner
 from visionloop.tasks.detection.annotations import orient
 from visionloop.tasks.detection.annotations.common import (
     Header,
@@ -56,6 +64,10 @@ Expected COCO detection JSON:
 
 
 Id = int | str | None
+# An image entry's fields that COCO itself defines: not metadata.
+STANDARD_IMAGE_FIELDS = frozenset(
+    {"id", "file_name", "width", "height", "license", "coco_url", "flickr_url", "date_captured"}
+)
 
 
 def _id(value: object) -> Id:
@@ -149,6 +161,8 @@ def read_coco(images_dir: Path, instances_json: Path, *, split: SplitName | None
     # Images: resolve, read headers, note which frame each declared size points to.
     found: dict[Id, tuple[Path, str, Header, tuple[int, int] | None]] = {}
     by_file: dict[str, Id] = {}
+    cleaner = MetadataCleaner()
+    metadata: dict[Id, Metadata] = {}
     for n, img in enumerate(raw_images):
         where = Where(file, annotation=f"images[{n}]")
         iid = _id(img.get("id")) if isinstance(img, dict) else None
@@ -187,6 +201,7 @@ def read_coco(images_dir: Path, instances_json: Path, *, split: SplitName | None
             else None
         )
         found[iid] = (path, rel, header, declared)
+        metadata[iid] = cleaner.clean({k: v for k, v in img.items() if k not in STANDARD_IMAGE_FIELDS})
 
     default, disagree = vote_frame([(header, declared) for _, _, header, declared in found.values()], "raw")
     if disagree:
@@ -231,7 +246,9 @@ def read_coco(images_dir: Path, instances_json: Path, *, split: SplitName | None
                 continue
             x, y, bw, bh = (float(v) for v in values if v is not None)
             boxes.add((x, y, x + bw, y + bh), label_of[cid], where, difficult=ann.get("iscrowd") in (1, True))
-        samples.append(boxes.sample(path, rel, split))
+        sample = boxes.sample(path, rel, split)
+        sample.metadata = metadata[iid]
+        samples.append(sample)
 
     for anns in by_image.values():
         for n, ann in anns:
@@ -242,7 +259,8 @@ def read_coco(images_dir: Path, instances_json: Path, *, split: SplitName | None
                 f"image_id {short(ann.get('image_id'))} is not in `images`; the annotation is left out",
             )
     samples.sort(key=lambda s: s.rel)
-    return DetectionSource("coco", root.root, classes, samples, issues.items, warnings)
+    warnings.extend(cleaner.warnings(file))
+    return DetectionSource("coco", root.root, classes, samples, issues.items, warnings, cleaner.columns)
 
 
 def write_coco(source: DetectionSource, out_json: Path, images_root: Path) -> None:

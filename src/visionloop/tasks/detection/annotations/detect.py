@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from visionloop.core.errors import DataError
+from visionloop.data.metadata import MetadataCleaner
 from visionloop.tasks.detection.annotations.coco import read_coco
 from visionloop.tasks.detection.annotations.common import Issues, Where, split_from_name
 from visionloop.tasks.detection.annotations.label_studio import read_label_studio
@@ -163,6 +164,10 @@ def merge(fmt: str, root: Path, sources: list[DetectionSource]) -> DetectionSour
     issues = Issues()
     warnings: list[str] = []
     seen: set[str] = set()
+    # Each file's metadata columns, joined (in the order first seen) and bounded again.
+    cleaner = MetadataCleaner()
+    for source in sources:
+        cleaner.declare(source.metadata_columns)
     for source in sources:
         for name in source.classes:
             if name not in index:
@@ -184,11 +189,12 @@ def merge(fmt: str, root: Path, sources: list[DetectionSource]) -> DetectionSour
                 continue
             seen.add(rel)
             labels = [remap[label] for label in s.labels]
-            samples.append(
-                DetectionSample(s.image, rel, s.width, s.height, s.boxes, labels, s.difficult, s.split)
-            )
+            sample = DetectionSample(s.image, rel, s.width, s.height, s.boxes, labels, s.difficult, s.split)
+            sample.metadata = cleaner.clean(s.metadata)
+            samples.append(sample)
     samples.sort(key=lambda s: s.rel)
-    return DetectionSource(fmt, root, classes, samples, issues.items, warnings)
+    warnings.extend(cleaner.warnings(root.name))
+    return DetectionSource(fmt, root, classes, samples, issues.items, warnings, cleaner.columns)
 
 
 def read_detection_source(path: Path, format: str | None = None) -> DetectionSource:

@@ -14,6 +14,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from visionloop.data.manifest import SplitName
+from visionloop.data.metadata import Metadata
 
 Box = tuple[float, float, float, float]
 
@@ -90,6 +91,10 @@ class DetectionSample:
     labels: list[int] = field(default_factory=list)
     difficult: list[bool] = field(default_factory=list)
     split: SplitName | None = None
+    # What the source says about the image besides its boxes (COCO: the image entry's own
+    # fields, such as camera or site), cleaned by `data.metadata`; ingest stores it as the
+    # record's metadata.
+    metadata: Metadata = field(default_factory=dict)
 
     @property
     def background(self) -> bool:
@@ -116,6 +121,8 @@ class DetectionSource:
     samples: list[DetectionSample]
     issues: list[Issue] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # The metadata columns the samples' `metadata` use, in order (none: no metadata).
+    metadata_columns: list[str] = field(default_factory=list)
 
     def counts(self) -> DetectionCounts:
         per_class = Counter(label for s in self.samples for label in s.labels)
