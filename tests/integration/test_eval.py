@@ -143,3 +143,34 @@ def test_cli_as_a_user_runs_it(kit: ModelKit) -> None:
     assert r.returncode == 2 and "--severities" in r.stderr
     r = cli("eval", "nosuch", env=env)
     assert r.returncode != 0 and "nosuch" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_evaluation_is_an_mlflow_run_linked_to_the_version(kit: ModelKit) -> None:
+    from visionloop.eval.tracking import EXPERIMENT, VERSION_TAG
+    from visionloop.track import store as track_store
+
+    opts = EvalOptions(stress=True, corruptions=("night",), severities=(3,), max_images=80)
+    report = evaluate_model(kit.ref, opts, settings=kit.settings)
+    assert report.mlflow_run_id is not None
+    assert json.loads(Path(report.path).read_text())["mlflow_run_id"] == report.mlflow_run_id
+    client = track_store.client(kit.settings)
+    run = client.get_run(report.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == EXPERIMENT
+    tags = run.data.tags
+    assert (tags["visionloop.model"], tags["visionloop.model_version"]) == ("digits", "1")
+    assert tags["visionloop.dataset_version"] == report.dataset_version and tags["visionloop.split"] == "val"
+    metrics = run.data.metrics
+    assert metrics["clean/accuracy"] == pytest.approx(report.clean)
+    assert metrics["stress/accuracy_mean"] == pytest.approx(report.stress_mean)
+    assert metrics["stress/night/accuracy_mean"] == pytest.approx(report.stress[0].value)
+    assert report.calibration is not None
+    assert metrics["calibration/ece"] == pytest.approx(report.calibration["ece"])
+    names = {a.path for a in client.list_artifacts(report.mlflow_run_id)}
+    assert {"eval.json", "stress.png", "reliability.png"} <= names
+    version = client.get_model_version("digits", "1")
+    assert version.tags[VERSION_TAG] == report.mlflow_run_id
+    # --no-track: the report only.
+    quiet = evaluate_model(kit.ref, EvalOptions(max_images=60, track=False), settings=kit.settings)
+    assert quiet.mlflow_run_id is None
+    assert client.get_model_version("digits", "1").tags[VERSION_TAG] == report.mlflow_run_id

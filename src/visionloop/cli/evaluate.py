@@ -54,6 +54,11 @@ def evaluate(
     no_calibrate: bool = typer.Option(
         False, "--no-calibrate", help="Measure temperature scaling but do not store it with the model."
     ),
+    no_track: bool = typer.Option(
+        False,
+        "--no-track",
+        help="Do not record the evaluation as an MLflow run (experiment visionloop-eval).",
+    ),
     slices: str | None = typer.Option(
         None,
         "--slices",
@@ -97,6 +102,7 @@ def evaluate(
         batch_size=batch_size,
         device=device,
         calibrate=not no_calibrate,
+        track=not no_track,
         slices=_csv(slices) or (),
         slice_resamples=slice_resamples,
     )
@@ -151,6 +157,8 @@ def evaluate(
     for column, rows in (report.slices or {}).items():
         print_wide(_slice_table(report.metric, column, rows, report.slice_bootstrap or {}))
     out.print(f"report: {escape(report.path)}")
+    if report.mlflow_run_id:
+        out.print(f"MLflow run: {report.mlflow_run_id} (experiment visionloop-eval)")
 
 
 def _slice_table(metric: str, column: str, rows: list[dict[str, Any]], bootstrap: dict[str, Any]) -> Table:

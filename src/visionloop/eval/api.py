@@ -28,6 +28,7 @@ from visionloop.eval import slices as sl
 from visionloop.eval.corruptions import CORRUPTIONS, SEVERITIES, corrupt, image_seed
 from visionloop.eval.report import EvalReport, StressCell, summarize_stress
 from visionloop.eval.run import Corrupter, PassResult, score
+from visionloop.eval.tracking import log_eval_run
 from visionloop.registry import ModelVersionInfo, get_version
 from visionloop.registry.evals import CALIBRATION_FILE, EVALS_DIR, REPORT_FILE
 from visionloop.registry.layout import SPEC_RESOLVED_FILE
@@ -50,6 +51,7 @@ class EvalOptions:
     batch_size: int = 64
     device: str = "auto"  # auto (cuda when available), cpu, cuda
     calibrate: bool = True  # fit and store a temperature (own validation split only)
+    track: bool = True  # record the evaluation as an MLflow run linked to the version
     # Metadata columns to report the primary metric per value of (worst first, with a 95%
     # bootstrap interval from `slice_resamples` resamples); the clean pass then runs one image
     # per batch.
@@ -148,6 +150,10 @@ def evaluate_model(
     report.files = [str(p) for p in files]
     report.path = str(out_dir / REPORT_FILE)
     atomic_write_json(out_dir / REPORT_FILE, report.to_dict())
+    if options.track:
+        # On disk first: a tracking store that fails costs the run, never the report.
+        report.mlflow_run_id = log_eval_run(info, report, [*files, out_dir / REPORT_FILE], settings)
+        atomic_write_json(out_dir / REPORT_FILE, report.to_dict())
     if temperature is not None:
         atomic_write_json(
             info.dir / CALIBRATION_FILE,

@@ -102,6 +102,7 @@ class EvalReport:
     slice_bootstrap: dict[str, Any] | None = None
     files: list[str] = field(default_factory=list)
     path: str = ""  # where eval.json was written
+    mlflow_run_id: str | None = None  # the evaluation's run in the tracking store
     version: int = REPORT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
