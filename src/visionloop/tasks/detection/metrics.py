@@ -372,6 +372,23 @@ class DetectionEvaluator:
             precision50=precision50,
         )
 
+    def _per_image(
+        self, score_threshold: float, *, best_first: bool
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per image seen: its counted ground-truth rows, its ignored (crowd) ones, and its
+        detection rows scoring at least `score_threshold` (in input order, or best first)."""
+        images, gt, dt = self._arrays()
+        dt = dt[dt[:, 2] >= score_threshold]
+        gt = gt[np.argsort(gt[:, 0], kind="stable")]
+        order = np.lexsort((-dt[:, 2], dt[:, 0])) if best_first else np.argsort(dt[:, 0], kind="stable")
+        dt = dt[order]
+        n = len(images)
+        g_cuts = np.searchsorted(gt[:, 0], np.arange(n + 1))
+        d_cuts = np.searchsorted(dt[:, 0], np.arange(n + 1))
+        for i in range(n):
+            g = gt[g_cuts[i] : g_cuts[i + 1]]
+            yield g[g[:, 6] == 0], g[g[:, 6] == 1], dt[d_cuts[i] : d_cuts[i + 1]]
+
     def error_kinds(
         self, score_threshold: float = 0.25, fg_iou: float = 0.5, bg_iou: float = 0.1
     ) -> dict[str, int]:
@@ -381,19 +398,8 @@ class DetectionEvaluator:
         their best overlaps with the ground truth, and the ground-truth boxes no true positive
         found and no classification or localisation error points at are missed. Ignored
         (crowd) boxes are matched by nothing; a detection on one is neither right nor wrong."""
-        images, gt, dt = self._arrays()
         counts = dict.fromkeys(("true_positive", *ERROR_KINDS), 0)
-        dt = dt[dt[:, 2] >= score_threshold]
-        gt = gt[np.argsort(gt[:, 0], kind="stable")]
-        dt = dt[np.lexsort((-dt[:, 2], dt[:, 0]))]  # by image, best first within it
-        n = len(images)
-        g_cuts = np.searchsorted(gt[:, 0], np.arange(n + 1))
-        d_cuts = np.searchsorted(dt[:, 0], np.arange(n + 1))
-        for i in range(n):
-            g = gt[g_cuts[i] : g_cuts[i + 1]]
-            d = dt[d_cuts[i] : d_cuts[i + 1]]
-            crowd = g[g[:, 6] == 1]
-            g = g[g[:, 6] == 0]
+        for g, crowd, d in self._per_image(score_threshold, best_first=True):
             g_cls = g[:, 1].astype(np.int64)
             found = np.zeros(len(g), dtype=bool)  # by a true positive
             explained = np.zeros(len(g), dtype=bool)  # by a classification or localisation error
@@ -439,20 +445,9 @@ class DetectionEvaluator:
         prediction left unmatched that lies on one (at least `iou_threshold` of its own area
         inside it, COCO's measure for crowd regions) is not counted as a false alarm either.
         """
-        images, gt, dt = self._arrays()
         c = self.num_classes
         m = np.zeros((c + 1, c + 1), dtype=np.int64)
-        dt = dt[dt[:, 2] >= score_threshold]
-        gt = gt[np.argsort(gt[:, 0], kind="stable")]
-        dt = dt[np.argsort(dt[:, 0], kind="stable")]
-        n = len(images)
-        g_cuts = np.searchsorted(gt[:, 0], np.arange(n + 1))
-        d_cuts = np.searchsorted(dt[:, 0], np.arange(n + 1))
-        for i in range(n):
-            g = gt[g_cuts[i] : g_cuts[i + 1]]
-            d = dt[d_cuts[i] : d_cuts[i + 1]]
-            crowd = g[g[:, 6] == 1]
-            g = g[g[:, 6] == 0]
+        for g, crowd, d in self._per_image(score_threshold, best_first=False):
             g_cls = g[:, 1].astype(np.int64)
             d_cls = d[:, 1].astype(np.int64)
             g_used = np.zeros(len(g), dtype=bool)
