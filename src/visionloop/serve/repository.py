@@ -186,12 +186,21 @@ class Repository:
 
         threads = cpu_threads_per_batch(cfg) if cfg.device == "cpu" else cfg.intra_op_threads
 
-        def build() -> OnnxModel:
+        def build() -> tuple[OnnxModel, Callable[[Any], Any]]:
             m = OnnxModel(rv.path, device=cfg.device, intra_op_threads=threads)
             m.warm_up()
-            return m
+            # The image endpoint's preprocessing, built and run once now: its first use imports
+            # torchvision (seconds), which the first image request must not wait for.
+            from PIL import Image
 
-        model = await asyncio.to_thread(build)
+            from visionloop.serve.images import card_transform
+
+            transform = card_transform(rv.card)
+            _, h, w = rv.card.input_size
+            transform(Image.new("RGB", (w, h)))
+            return m, transform
+
+        model, transform = await asyncio.to_thread(build)
         batcher = Batcher(
             model,
             max_batch_size=cfg.max_batch_size,
@@ -200,7 +209,7 @@ class Repository:
             name=f"ort-{rv.name}-v{rv.version}",
             concurrency=cfg.batch_concurrency,
         )
-        served = ServedVersion(rv, model, batcher)
+        served = ServedVersion(rv, model, batcher, _transform=transform)
         batcher.observer = self._observer(served)
         batcher.start()
         log.info("loaded %s/%s from %s (%s)", rv.name, rv.version, rv.path, ", ".join(model.providers))
