@@ -257,11 +257,47 @@ def test_export_module_shapes_dtypes_and_zero_padding(arch: str) -> None:
 
 
 def _rows(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, i: int) -> np.ndarray:
-    """Image i's detections over 0.05 as rows (score, label, box), in a canonical order:
-    runtimes may order tied scores differently."""
+    """Image i's detections over 0.05 as rows (score, label, box), best first."""
     keep = scores[i] > 0.05
     rows = np.concatenate([scores[i][keep, None], labels[i][keep, None], boxes[i][keep]], axis=1)
-    return rows[np.lexsort(rows.T[::-1])]
+    return rows[np.argsort(-rows[:, 0], kind="stable")]
+
+
+def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    lo, hi = np.maximum(box[:2], boxes[:, :2]), np.minimum(box[2:], boxes[:, 2:])
+    inter = np.prod(np.clip(hi - lo, 0, None), axis=1)
+    area = np.prod(box[2:] - box[:2])
+    areas = np.prod(boxes[:, 2:] - boxes[:, :2], axis=1)
+    return inter / np.maximum(area + areas - inter, 1e-9)
+
+
+def _assert_same_detections(want: np.ndarray, have: np.ndarray, nms: float) -> None:
+    """Every reference detection has a partner with the same label, a score within 1e-4 and a
+    box within 1e-3 pixels. Runtimes add in a different order, so a detection may go unpaired
+    only where a rounding difference can flip a decision: its score sits on the 0.05 threshold
+    or on the top-100 cut, or its overlap with a better box of its class sits on the NMS
+    threshold (0.4999997 against 0.5 was seen)."""
+    assert len(want) > 0
+    free = np.ones(len(have), dtype=bool)
+    unpaired = []
+    for row in want:
+        close = (
+            free
+            & (have[:, 1] == row[1])
+            & (np.abs(have[:, 0] - row[0]) <= 1e-4)
+            & (np.abs(have[:, 2:] - row[2:]).max(axis=1) < 1e-3)
+        )
+        if close.any():
+            free[np.flatnonzero(close)[0]] = False
+        else:
+            unpaired.append(row)
+    edges = [0.05, min(want[:, 0].min(), have[:, 0].min() if len(have) else 1.0)]
+    both = np.concatenate([want, have])
+    for row in [*unpaired, *have[free]]:
+        on_edge = min(abs(row[0] - e) for e in edges) <= 1e-4
+        better = both[(both[:, 1] == row[1]) & (both[:, 0] > row[0] + 1e-4)]
+        on_nms = len(better) > 0 and bool((np.abs(_iou(row[2:], better[:, 2:]) - nms) < 1e-4).any())
+        assert on_edge or on_nms, f"no partner for detection {row}"
 
 
 def _onnx_parity(arch: str, tmp_path: Path, exporter: str = "torchscript") -> None:
@@ -270,6 +306,9 @@ def _onnx_parity(arch: str, tmp_path: Path, exporter: str = "torchscript") -> No
     s = _size(arch)
     model = build_detector(arch, 3, image_size=s).eval()
     _spread_scores(model)
+    nms = float(
+        getattr(model, "nms_thresh", None) or model.roi_heads.nms_thresh
+    )  # Faster R-CNN: its ROI head
     module = export_module(model)
     path = tmp_path / f"{arch}.onnx"
     with warnings.catch_warnings():
@@ -287,11 +326,7 @@ def _onnx_parity(arch: str, tmp_path: Path, exporter: str = "torchscript") -> No
         assert [g.shape for g in got] == [(batch, 100, 4), (batch, 100), (batch, 100)]
         assert [g.dtype for g in got] == [np.float32, np.float32, np.int64]
         for i in range(batch):
-            want, have = _rows(*ref, i), _rows(*got, i)
-            assert len(want) > 0 and want.shape == have.shape
-            assert np.array_equal(want[:, 1], have[:, 1])  # labels
-            assert np.allclose(want[:, 0], have[:, 0], atol=1e-5)  # scores
-            assert np.abs(want[:, 2:] - have[:, 2:]).max() < 1e-3  # boxes, input pixels
+            _assert_same_detections(_rows(*ref, i), _rows(*got, i), nms)
 
 
 def test_native_detector_exports_to_onnx_with_a_dynamic_batch(tmp_path: Path) -> None:
