@@ -155,7 +155,7 @@ def test_at_most_max_concurrent_decodes_images_decode_at_once(
     running = 0
     most = 0
     lock = threading.Lock()
-    real = state.preprocess_sized
+    real = state.decode_image
 
     def counting(*args: Any) -> Any:
         nonlocal running, most
@@ -169,7 +169,7 @@ def test_at_most_max_concurrent_decodes_images_decode_at_once(
             with lock:
                 running -= 1
 
-    monkeypatch.setattr(state, "preprocess_sized", counting)
+    monkeypatch.setattr(state, "decode_image", counting)
     png = _encode(_picture(200, 200), "PNG")
     statuses: list[int] = []
 

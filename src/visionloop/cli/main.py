@@ -20,6 +20,7 @@ from visionloop.cli import demo as demo_cli
 from visionloop.cli import evaluate as eval_cli
 from visionloop.cli import export as export_cli
 from visionloop.cli import models as models_cli
+from visionloop.cli import monitor as monitor_cli
 from visionloop.cli import queue as queue_cli
 from visionloop.cli import runs as runs_cli
 from visionloop.cli import serve as serve_cli
@@ -59,6 +60,7 @@ app.add_typer(size_cli.app, name="size")
 app.command("export", context_settings={"help_option_names": ["-h", "--help"]})(export_cli.export)
 app.command("bench", context_settings={"help_option_names": ["-h", "--help"]})(bench_cli.bench)
 app.command("eval", context_settings={"help_option_names": ["-h", "--help"]})(eval_cli.evaluate)
+app.command("monitor", context_settings={"help_option_names": ["-h", "--help"]})(monitor_cli.monitor)
 app.command("serve", cls=serve_cli.ServeCommand, context_settings={"help_option_names": ["-h", "--help"]})(
     serve_cli.serve
 )

@@ -69,9 +69,9 @@ def evaluate_model(
     info = ref if isinstance(ref, ModelVersionInfo) else get_version(ref, settings)
     card = info.card()
     task = get_task(card.task)
-    path, manifest = _dataset(info, options.dataset)
-    split, reader = _split(path, manifest, options.split)
-    positions = _positions(len(reader), options.max_images)
+    path, manifest = dataset_for(info, options.dataset)
+    split, reader = split_reader(path, manifest, options.split)
+    positions = spread_positions(len(reader), options.max_images)
     slice_values = _slice_values(path, manifest, split, len(reader), positions, options.slices)
     device = _device(options.device)
     model = task.load_model(card, info.weights).to(device)
@@ -197,7 +197,7 @@ def _check_options(o: EvalOptions) -> None:
         raise SpecError(f"--slice-resamples must be between 10 and 10000, got {o.slice_resamples}.")
 
 
-def _dataset(info: ModelVersionInfo, given: Path | None) -> tuple[Path, DatasetManifest]:
+def dataset_for(info: ModelVersionInfo, given: Path | None) -> tuple[Path, DatasetManifest]:
     """The dataset to evaluate on: `given` (any dataset of the model's task and classes), else
     the one the version was trained on."""
     card = info.card()
@@ -227,7 +227,7 @@ def _dataset(info: ModelVersionInfo, given: Path | None) -> tuple[Path, DatasetM
     return path, manifest
 
 
-def _split(path: Path, manifest: DatasetManifest, split: str | None) -> tuple[str, ShardReader]:
+def split_reader(path: Path, manifest: DatasetManifest, split: str | None) -> tuple[str, ShardReader]:
     name = split if split is not None else eval_split(manifest)
     info = manifest.splits.get(name) if name is not None else None  # type: ignore[call-overload]
     if name is None or info is None or info.count == 0:
@@ -240,7 +240,7 @@ def _split(path: Path, manifest: DatasetManifest, split: str | None) -> tuple[st
     return name, ShardReader(shard_dir_of(path, info))
 
 
-def _positions(total: int, limit: int | None) -> list[int]:
+def spread_positions(total: int, limit: int | None) -> list[int]:
     """`limit` positions spread evenly over the split (every class of a dataset written class
     by class), or all of them."""
     if limit is None or total <= limit:

@@ -366,11 +366,12 @@ async def _image(
     body = await server.body(request)
     sv, shadow = server.pick(m, v)
     # The form's parse, the decode and the resize: in the bounded decode pool.
-    data, x, size = await server.decode(body, request.headers.get("content-type", ""), sv)
+    decoded = await server.decode(body, request.headers.get("content-type", ""), sv)
     if sv.batcher.closed:  # promoted away while decoding: ask again (same card, or redo)
         old, (sv, shadow) = sv, server.pick(m, v)
         if sv.resolved.card.eval_preprocess() != old.resolved.card.eval_preprocess():
-            _, x, size = await server.decode(data, "", sv)
+            decoded = await server.decode(decoded.data, "", sv)
+    x, size = decoded.input, decoded.size
     if sv.task.image_endpoint != endpoint:
         # A canary of another task (or an alias moved to one) cannot answer this request.
         raise ProtocolError(
@@ -385,7 +386,7 @@ async def _image(
             "endpoint cannot build from its model card; use the infer endpoint",
             status=400,
         )
-    req = InferRequest(None, {spec.name: x}, 1, [])
+    req = InferRequest(None, {spec.name: x}, 1, [], decoded.stats)
     result = await server.run(sv, req, shadow)
     image = ImageContext(
         width=size[0], height=size[1], input_height=int(x.shape[2]), input_width=int(x.shape[3])

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +64,7 @@ class Job:
     enqueued: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0
     failed: bool = False  # its outputs were not finite: answered with NonFiniteOutputError
+    image: Mapping[str, float] | None = None  # an image request's statistics (prediction log)
 
 
 # Called in the event loop after each batch: (jobs, outputs of the whole batch, rows, seconds).
@@ -105,12 +106,14 @@ class Batcher:
     def depth(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, feeds: Arrays, rows: int) -> asyncio.Future[Result]:
+    def submit(
+        self, feeds: Arrays, rows: int, image: Mapping[str, float] | None = None
+    ) -> asyncio.Future[Result]:
         """Queue one request (all inputs batch-first, `rows` rows); never waits."""
         if self.closed:
             raise BatcherClosedError("this version is being unloaded")
         key = tuple(a.shape[1:] for a in feeds.values())
-        job = Job(feeds, rows, key, asyncio.get_running_loop().create_future())
+        job = Job(feeds, rows, key, asyncio.get_running_loop().create_future(), image=image)
         try:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:

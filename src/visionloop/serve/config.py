@@ -92,6 +92,12 @@ class ServeConfig(BaseModel):
         64.0, gt=0.0, examples=[64.0], description="per file, before rotating"
     )
     prediction_log_backups: int = Field(4, ge=0, le=1000, examples=[4])
+    log_image_stats: bool = Field(
+        True,
+        examples=[True],
+        description="record each image request's statistics (brightness, sharpness, ...) in the prediction "
+        "log, for `visionloop monitor`; about 1 ms of a decode thread per image",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from email.message import Message
 from typing import Any
 
@@ -216,9 +217,43 @@ def preprocess_sized(
     max_pixels: int = MAX_PIXELS,
 ) -> tuple[npt.NDArray[Any], tuple[int, int]]:
     """`preprocess`, and the upright (width, height) of the image as sent (`decode_sized`)."""
+    d = decode_image(data, transform, dtype, need, max_pixels)
+    return d.input, d.size
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    data: bytes  # the image file
+    input: npt.NDArray[Any]  # the model's input, (1, C, H, W)
+    size: tuple[int, int]  # upright (width, height) as sent
+    stats: dict[str, float] | None = None  # `image_statistics`, when asked for
+
+
+def decode_image(
+    data: bytes,
+    transform: Callable[[Any], Any],
+    dtype: np.dtype[Any],
+    need: int | None = None,
+    max_pixels: int = MAX_PIXELS,
+    stats: bool = False,
+) -> DecodedImage:
+    """`preprocess_sized`, and with `stats` the image's `image_statistics`."""
     im, size = decode_sized(data, need, max_pixels)
     tensor = transform(im)
-    return np.ascontiguousarray(tensor.numpy()[None], dtype=dtype), size
+    x = np.ascontiguousarray(tensor.numpy()[None], dtype=dtype)
+    return DecodedImage(data, x, size, image_statistics(im, size) if stats else None)
+
+
+def image_statistics(im: Any, size: tuple[int, int]) -> dict[str, float]:
+    """`monitor.imagestats` of a decoded image (as `decode_sized` returns it, possibly reduced),
+    with the width, height and aspect of the image as sent: what the prediction log records
+    and a monitoring reference is built from, so both read an image the same way."""
+    from visionloop.monitor.imagestats import image_stats
+
+    rgb = im if im.mode == "RGB" else im.convert("RGB")
+    stats = image_stats(np.asarray(rgb))
+    stats.update(width=float(size[0]), height=float(size[1]), aspect=size[0] / max(size[1], 1))
+    return stats
 
 
 def card_transform(card: ModelCard) -> Callable[[Any], Any]:

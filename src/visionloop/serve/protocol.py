@@ -22,6 +22,7 @@ import itertools
 import math
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ class InferRequest:
     feeds: dict[str, npt.NDArray[Any]]
     rows: int
     outputs: list[RequestedOutput]
+    image: Mapping[str, float] | None = None  # an image request's statistics, for the prediction log
 
 
 def _obj(value: Any, what: str) -> dict[str, Any]:

@@ -6,33 +6,90 @@ On disk a record is one flat JSON object, the task's own fields (`Task.log_field
 classifier's top class and confidence, a detector's detection count, counts per class and
 best score) beside the common ones:
 
-    {"schema": 2, "time": 1764230400.1, "model": "digits", "version": 3, "role": "primary",
-     "latency_ms": 4.2, "top_class": "7", "confidence": 0.98}
+    {"schema": 3, "time": 1764230400.1, "model": "digits", "version": 3, "role": "primary",
+     "latency_ms": 4.2, "top_class": "7", "confidence": 0.98,
+     "monitor": {"outputs": [0.001, ..., 0.98, ...], "predicted": 7, "confidence": 0.98,
+                 "image": {"brightness": 0.41, "contrast": 0.2, ...}}}
 
-Schema 1 (before this module) was the same object without "schema"; it still reads.
+`monitor` (schema 3) holds what `visionloop monitor` compares with the version's reference
+(`MonitorFields`): the task's drift columns (`Task.drift_outputs`: a classifier's calibrated
+class probabilities), the predicted class and its confidence, and, for a request to the image
+endpoint, the image's statistics (`monitor.imagestats`). Schemas 1 (no "schema") and 2 (no
+"monitor") still read, with `monitor` None.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import orjson
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 Role = Literal["primary", "challenger", "shadow"]
 ROLES: tuple[Role, ...] = ("primary", "challenger", "shadow")
 # The common fields; a task's field of the same name would be shadowed by them.
-COMMON = ("schema", "time", "model", "version", "role", "latency_ms", "agrees")
+COMMON = ("schema", "time", "model", "version", "role", "latency_ms", "agrees", "monitor")
+# A record's drift columns (a classifier's probabilities) and image statistics are bounded.
+MAX_OUTPUTS = 1000
+MAX_IMAGE_STATS = 32
 # A record is a few hundred bytes; a line far longer was not written by the server.
 MAX_LINE_BYTES = 64 * 1024
 
 
 class RecordError(ValueError):
     """A line of a prediction log is not a prediction record this release can read."""
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorFields:
+    """Per request, what drift monitoring reads (see the module docstring)."""
+
+    outputs: Sequence[float] | None = None  # the task's drift columns, in its order
+    predicted: int | None = None
+    confidence: float | None = None
+    image: Mapping[str, float] | None = None  # imagestats of the image as sent
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        if self.outputs is not None:
+            # A numpy row from the server: tolist() gives Python floats (in the writer thread).
+            values = self.outputs.tolist() if hasattr(self.outputs, "tolist") else list(self.outputs)
+            doc["outputs"] = [round(float(v), 6) for v in values]
+        if self.predicted is not None:
+            doc["predicted"] = int(self.predicted)
+        if self.confidence is not None:
+            doc["confidence"] = round(float(self.confidence), 6)
+        if self.image is not None:
+            doc["image"] = {k: round(float(v), 6) for k, v in self.image.items()}
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> MonitorFields:
+        if not isinstance(doc, dict):
+            raise RecordError(f"monitor must be a JSON object, got {type(doc).__name__}")
+        outputs = doc.get("outputs")
+        if outputs is not None:
+            if not isinstance(outputs, list) or len(outputs) > MAX_OUTPUTS:
+                raise RecordError(f"monitor.outputs must be a list of at most {MAX_OUTPUTS} numbers")
+            outputs = tuple(_number({"v": v}, "monitor.outputs[]", "v") for v in outputs)
+        predicted = doc.get("predicted")
+        if predicted is not None and (
+            not isinstance(predicted, int) or isinstance(predicted, bool) or predicted < 0
+        ):
+            raise RecordError(f"monitor.predicted must be a class index (an integer >= 0), got {predicted!r}")
+        confidence = (
+            None if doc.get("confidence") is None else _number(doc, "monitor.confidence", "confidence")
+        )
+        image = doc.get("image")
+        if image is not None:
+            if not isinstance(image, dict) or len(image) > MAX_IMAGE_STATS:
+                raise RecordError(f"monitor.image must be an object of at most {MAX_IMAGE_STATS} statistics")
+            image = {str(k): _number(image, f"monitor.image.{k}", k) for k in image}
+        return cls(outputs, predicted, confidence, image)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +101,7 @@ class PredictionRecord:
     latency_ms: float  # queue + compute
     answer: Mapping[str, Any] = field(default_factory=dict)  # the task's log_fields
     agrees: bool | None = None  # a shadow's answer: whether it agreed with the primary's
+    monitor: MonitorFields | None = None
     schema: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -59,6 +117,8 @@ class PredictionRecord:
         )
         if self.agrees is not None:
             doc["agrees"] = self.agrees
+        if self.monitor is not None:
+            doc["monitor"] = self.monitor.to_json()
         return doc
 
     @classmethod
@@ -88,14 +148,15 @@ class PredictionRecord:
         agrees = doc.get("agrees")
         if agrees is not None and not isinstance(agrees, bool):
             raise RecordError(f"agrees must be true or false, got {agrees!r}")
+        monitor = None if doc.get("monitor") is None else MonitorFields.from_json(doc["monitor"])
         answer = {k: v for k, v in doc.items() if k not in COMMON}
-        return cls(t, model, version, cast(Role, role), latency, answer, agrees, SCHEMA_VERSION)
+        return cls(t, model, version, cast(Role, role), latency, answer, agrees, monitor, SCHEMA_VERSION)
 
 
-def _number(doc: Mapping[str, Any], key: str) -> float:
-    value = doc.get(key)
+def _number(doc: Mapping[str, Any], what: str, key: str | None = None) -> float:
+    value = doc.get(what if key is None else key)
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise RecordError(f"{key} must be a finite number, got {value!r}")
+        raise RecordError(f"{what} must be a finite number, got {value!r}")
     return float(value)
 
 

@@ -19,7 +19,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +30,11 @@ from visionloop.serve.batcher import Arrays, Batcher, Job
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import PredictionLog
-from visionloop.serve.record import PredictionRecord
+from visionloop.serve.record import MonitorFields, PredictionRecord
 from visionloop.serve.runtime import OnnxModel
 from visionloop.serve.source import ModelSource, ResolvedVersion
 from visionloop.tasks import Task, get_task
+from visionloop.tasks.drift_outputs import DriftOutputs
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +247,7 @@ class Repository:
             if temperature is not None:  # the log records the confidences the answers gave
                 outputs = dict(task.calibrate(outputs, temperature))
             fields = task.log_fields(outputs, class_names)
+            drift = task.drift_outputs(outputs, class_names)
             now = time.time()
             row = 0
             for j in jobs:
@@ -259,6 +261,7 @@ class Repository:
                             role="primary" if "primary" in sv.roles else "challenger",
                             latency_ms=latency_ms,
                             answer=fields[r],
+                            monitor=_monitor_fields(drift, r, j.image),
                         )
                     )
                 row += j.rows
@@ -380,3 +383,18 @@ def cpu_threads_per_batch(cfg: ServeConfig) -> int:
         return cfg.intra_op_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // cfg.batch_concurrency)
+
+
+def _monitor_fields(
+    drift: DriftOutputs | None, row: int, image: Mapping[str, float] | None
+) -> MonitorFields | None:
+    """One logged row's drift fields: numpy views and scalars, turned into JSON by the log's
+    writer thread, not here in the event loop."""
+    if drift is None:
+        return None if image is None else MonitorFields(image=image)
+    return MonitorFields(
+        outputs=drift.columns[row],  # a numpy row: MonitorFields.to_json reads it
+        predicted=None if drift.classes is None else int(drift.classes[row]),
+        confidence=None if drift.confidence is None else float(drift.confidence[row]),
+        image=image,
+    )

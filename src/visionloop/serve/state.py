@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy.typing as npt
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
@@ -26,7 +25,7 @@ from visionloop.serve.batcher import (
     Result,
 )
 from visionloop.serve.config import ServeConfig
-from visionloop.serve.images import image_bytes, needed_side, preprocess_sized
+from visionloop.serve.images import DecodedImage, decode_image, image_bytes, needed_side
 from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import PredictionLog
 from visionloop.serve.protocol import InferRequest, ProtocolError
@@ -158,22 +157,20 @@ class Server:
         thread, not the event loop (health checks and small requests are answered meanwhile)."""
         return await asyncio.get_running_loop().run_in_executor(self._parses, fn, *args)
 
-    async def decode(
-        self, body: bytes, content_type: str, sv: ServedVersion
-    ) -> tuple[bytes, npt.NDArray[Any], tuple[int, int]]:
-        """An image request's body → (the image file, the model's input (1, C, H, W), the
-        image's upright (width, height) as sent), in the decode pool: the multipart form is
-        split, the image decoded (reduced to what the card's resize needs) and preprocessed
-        there, a bounded number at a time."""
+    async def decode(self, body: bytes, content_type: str, sv: ServedVersion) -> DecodedImage:
+        """An image request's body → the image file, the model's input (1, C, H, W), the
+        image's upright (width, height) as sent and (when logged) its statistics, in the decode
+        pool: the multipart form is split, the image decoded (reduced to what the card's
+        resize needs) and preprocessed there, a bounded number at a time."""
         cfg = self.config
+        stats = self.predlog is not None and cfg.log_image_stats
 
-        def work() -> tuple[bytes, npt.NDArray[Any], tuple[int, int]]:
+        def work() -> DecodedImage:
             data = image_bytes(body, content_type)
             need = needed_side(sv.resolved.card.eval_preprocess())
-            x, size = preprocess_sized(
-                data, sv.transform(), sv.model.inputs[0].dtype, need, cfg.max_image_pixels
+            return decode_image(
+                data, sv.transform(), sv.model.inputs[0].dtype, need, cfg.max_image_pixels, stats
             )
-            return data, x, size
 
         return await asyncio.get_running_loop().run_in_executor(self._decodes, work)
 
@@ -187,7 +184,7 @@ class Server:
 
     async def run(self, sv: ServedVersion, req: InferRequest, shadow: ServedVersion | None) -> Result:
         try:
-            fut = sv.batcher.submit(req.feeds, req.rows)
+            fut = sv.batcher.submit(req.feeds, req.rows, req.image)
         except QueueFullError:
             self.metrics.rejected.labels(sv.name, str(sv.version), "queue_full").inc()
             raise ProtocolError(

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from visionloop.data.shards import Record, ShardReader
     from visionloop.models import ModelCard
     from visionloop.specs import TrainSpec
+    from visionloop.tasks.drift_outputs import DriftOutputs
 
 # (model outputs, targets) -> scalar loss. Outputs and targets are whatever the task's model
 # returns and its collate makes.
@@ -482,6 +483,12 @@ class Task(ABC):
         temperature), before `served_answer` and `log_fields` read confidences from them. The
         default, for a task without `calibration_logits`, leaves them as they are."""
         return outputs
+
+    def drift_outputs(self, outputs: Arrays, class_names: Sequence[str]) -> DriftOutputs | None:
+        """Per image of a batch (calibrated outputs): what drift monitoring compares with the
+        version's reference (`tasks.drift_outputs`). Default: nothing, so the monitor tests
+        only the image statistics."""
+        return None
 
     @abstractmethod
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:

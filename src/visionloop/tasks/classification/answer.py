@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from visionloop.tasks.drift_outputs import MAX_PROBABILITY_COLUMNS, DriftOutputs
+
 
 def top1(scores: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """Per row: the top class and its softmax probability."""
@@ -50,3 +52,24 @@ def log_fields(scores: npt.NDArray[Any], class_names: Sequence[str]) -> list[dic
             }
         )
     return out
+
+
+def drift_outputs(scores: npt.NDArray[Any], class_names: Sequence[str]) -> DriftOutputs:
+    """Per row: the class probabilities (softmax of the, already calibrated, logits) as
+    columns "p(<class>)", or confidence, margin (top-1 minus top-2) and entropy past
+    `MAX_PROBABILITY_COLUMNS` classes; the top class; the top probability as confidence."""
+    flat = scores.reshape(scores.shape[0], -1).astype(np.float64)
+    probs = np.exp(flat - flat.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    top = probs.argmax(axis=1)
+    conf = probs[np.arange(len(top)), top]
+    k = probs.shape[1]
+    if k <= MAX_PROBABILITY_COLUMNS:
+        names = tuple(f"p({class_names[i] if i < len(class_names) else i})" for i in range(k))
+        columns = probs
+    else:
+        second = np.partition(probs, k - 2, axis=1)[:, k - 2]
+        entropy = -(probs * np.log(np.clip(probs, 1e-12, None))).sum(axis=1)
+        names = ("confidence", "margin", "entropy")
+        columns = np.stack([conf, conf - second, entropy], axis=1)
+    return DriftOutputs(names, columns.astype(np.float32), top.astype(np.int64), conf.astype(np.float32))

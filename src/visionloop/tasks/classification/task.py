@@ -26,6 +26,7 @@ from visionloop.tasks.base import (
     Task,
 )
 from visionloop.tasks.classification import answer
+from visionloop.tasks.drift_outputs import DriftOutputs
 from visionloop.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -205,6 +206,9 @@ class ClassificationTask(Task):
         # softmax(logits / T): the top class stays, its confidence moves.
         key = "logits" if "logits" in outputs else next(iter(outputs))
         return {**outputs, key: outputs[key] / np.float32(temperature)}
+
+    def drift_outputs(self, outputs: Arrays, class_names: Sequence[str]) -> DriftOutputs:
+        return answer.drift_outputs(_logits(outputs), class_names)
 
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
         return answer.log_fields(_logits(outputs), class_names)

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from visionloop.models.card import letterbox_scale
 from visionloop.tasks.base import Answer, AnswerOptions, Arrays, ImageContext
+from visionloop.tasks.drift_outputs import DriftOutputs
 
 DEFAULT_SCORE_THRESHOLD = 0.25
 NMS_IOU = 0.5
@@ -173,6 +174,19 @@ def log_fields(outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, An
             }
         )
     return out
+
+
+def drift_outputs(outputs: Arrays) -> DriftOutputs:
+    """Per image: how many detections pass the default threshold, the best score over all
+    rows (0 when none) and the mean score of those that pass (0 when none). A detector has no
+    one class or confidence per image: no label-shift test, no accuracy estimate."""
+    boxes, scores, labels = _arrays(outputs)
+    columns = np.zeros((scores.shape[0], 3), dtype=np.float32)
+    for i in range(scores.shape[0]):
+        _, sc, _ = _kept(boxes[i], scores[i], labels[i], DEFAULT_SCORE_THRESHOLD, None, MAX_DETECTIONS)
+        row = scores[i][np.isfinite(scores[i])]
+        columns[i] = (len(sc), float(row.max()) if row.size else 0.0, float(sc.mean()) if len(sc) else 0.0)
+    return DriftOutputs(("detections", "max_score", "mean_score"), columns)
 
 
 def agreement(a: Arrays, b: Arrays) -> npt.NDArray[np.bool_]:

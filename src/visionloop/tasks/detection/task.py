@@ -37,6 +37,7 @@ from visionloop.tasks.base import (
     SummaryTable,
     Task,
 )
+from visionloop.tasks.drift_outputs import DriftOutputs
 from visionloop.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -358,6 +359,11 @@ class DetectionTask(Task):
         from visionloop.tasks.detection import answer
 
         return answer.served(outputs, class_names, options=options, image=image)
+
+    def drift_outputs(self, outputs: Arrays, class_names: Sequence[str]) -> DriftOutputs:
+        from visionloop.tasks.detection import answer
+
+        return answer.drift_outputs(outputs)
 
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
         from visionloop.tasks.detection import answer
