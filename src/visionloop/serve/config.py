@@ -92,11 +92,11 @@ class ServeConfig(BaseModel):
         64.0, gt=0.0, examples=[64.0], description="per file, before rotating"
     )
     prediction_log_backups: int = Field(4, ge=0, le=1000, examples=[4])
-    log_image_stats: bool = Field(
+    prediction_log_monitor: bool = Field(
         True,
         examples=[True],
-        description="record each image request's statistics (brightness, sharpness, ...) in the prediction "
-        "log, for `visionloop monitor`; about 1 ms of a decode thread per image",
+        description="record what `visionloop monitor` compares in each prediction record: the task's drift "
+        "outputs (a classifier's probabilities) and an image request's statistics (brightness, ...)",
     )
 
     @model_validator(mode="after")

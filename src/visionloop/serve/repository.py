@@ -247,7 +247,7 @@ class Repository:
             if temperature is not None:  # the log records the confidences the answers gave
                 outputs = dict(task.calibrate(outputs, temperature))
             fields = task.log_fields(outputs, class_names)
-            drift = task.drift_outputs(outputs, class_names)
+            drift = task.drift_outputs(outputs, class_names) if self.config.prediction_log_monitor else None
             now = time.time()
             row = 0
             for j in jobs:

@@ -163,7 +163,7 @@ class Server:
         pool: the multipart form is split, the image decoded (reduced to what the card's
         resize needs) and preprocessed there, a bounded number at a time."""
         cfg = self.config
-        stats = self.predlog is not None and cfg.log_image_stats
+        stats = self.predlog is not None and cfg.prediction_log_monitor
 
         def work() -> DecodedImage:
             data = image_bytes(body, content_type)
