@@ -13,6 +13,7 @@ import sys
 import typer
 from rich.markup import escape
 
+from visionloop.cli import alerts as alerts_cli
 from visionloop.cli import archs as archs_cli
 from visionloop.cli import bench as bench_cli
 from visionloop.cli import data as data_cli
@@ -55,6 +56,7 @@ app.add_typer(queue_cli.jobs_app, name="jobs")
 app.add_typer(queue_cli.admin_app, name="admin")
 app.add_typer(queue_cli.cost_app, name="cost")
 app.add_typer(models_cli.app, name="models")
+app.add_typer(alerts_cli.app, name="alerts")
 app.add_typer(tune_cli.app, name="tune")
 app.add_typer(size_cli.app, name="size")
 app.command("export", context_settings={"help_option_names": ["-h", "--help"]})(export_cli.export)
