@@ -248,10 +248,12 @@ def test_eval_with_stress_through_the_contract(tmp_path: Path, task_dataset: tup
     assert isinstance(report.errors["confused"], list)
     again = evaluate_model(info, options, settings=settings)
     assert [c.metrics for c in again.stress] == [c.metrics for c in report.stress]  # seeded
-    has_logits = task.calibration_logits(torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)) is not None
-    assert (report.calibration is not None) == has_logits
-    if not has_logits:
+    # Every task calibrates its confidences (a detector's, per detection); an untrained one
+    # may give nothing to calibrate, which the report says instead of failing.
+    if report.calibration is None:
         assert report.calibration_note and name in report.calibration_note
+    else:
+        assert 0.0 <= report.calibration["ece"] <= 1.0 and report.calibration["samples"] > 0
 
     # Slices (`visionloop eval --slices`) score subsets of the pass again from each image's
     # kept result (Task.image_result, join_results, repeated_targets): a slice holding every

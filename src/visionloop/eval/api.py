@@ -362,7 +362,10 @@ def _calibrate(
     'after' figure is on images the temperature never saw. Returns the temperature fitted on
     the whole split when it is to be stored with the model (its own validation split)."""
     if clean.logits is None or clean.labels is None:
-        report.calibration_note = f"calibration is not defined for {report.task} outputs yet"
+        report.calibration_note = (
+            f"no calibration: the {report.task} model gave no confidences to calibrate on this split "
+            "(e.g. a detector that detected nothing)"
+        )
         return None
     before = cal.calibration(cal.softmax(clean.logits), clean.labels)
     report.calibration = before.to_dict()

@@ -360,6 +360,19 @@ class DetectionTask(Task):
 
         return answer.served(outputs, class_names, options=options, image=image)
 
+    def calibration_logits(self, outputs: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # Each detection is a binary event, right or wrong: logits [0, logit(score)] and 1 when
+        # it is a true positive at IoU 0.5 (tasks/detection/calibration.py).
+        from visionloop.tasks.detection.calibration import calibration_pairs
+
+        return calibration_pairs(outputs, targets)
+
+    def calibrate(self, outputs: Arrays, temperature: float) -> Arrays:
+        # sigmoid(logit(score) / T): the ranking (so mAP) stays, the scores move.
+        from visionloop.tasks.detection.calibration import scaled_scores
+
+        return {**outputs, "scores": scaled_scores(outputs["scores"], temperature)}
+
     def drift_outputs(self, outputs: Arrays, class_names: Sequence[str]) -> DriftOutputs:
         from visionloop.tasks.detection import answer
 
