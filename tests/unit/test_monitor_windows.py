@@ -202,3 +202,23 @@ def test_a_detector_gives_box_counts_and_scores_and_a_classifier_its_probabiliti
     many = get_task("classification").drift_outputs({"logits": np.zeros((1, 200), np.float32)}, [])
     assert many is not None and many.names == ("confidence", "margin", "entropy")
     np.testing.assert_allclose(many.columns, [[1 / 200, 0.0, np.log(200)]], rtol=1e-5)
+
+
+def test_a_confident_model_is_not_flagged_for_the_logs_rounding() -> None:
+    # Probabilities under 5e-7 are logged as 0 (6 decimals): compared with the unrounded
+    # reference they would all sit below it, and KS flags every window of this model.
+    rng = np.random.default_rng(3)
+    ref = _reference(2000, rng)
+    same = _reference(2000, rng)
+    assert ref.outputs is not None and same.outputs is not None
+    sharpen = lambda p: (p**8 / (p**8).sum(axis=1, keepdims=True)).astype(np.float32)  # noqa: E731
+    ref.outputs, window_probs = sharpen(ref.outputs), sharpen(same.outputs)
+    assert float(np.mean(ref.outputs < 5e-7)) > 0.2
+    logged = [
+        PredictionRecord.from_json(
+            orjson.loads(orjson.dumps(_rec(float(i), window_probs[i].tolist(), 0).to_json()))
+        )
+        for i in range(2000)
+    ]
+    w = judge(ref, logged, thin=1)
+    assert "ks_bbsd" not in w.flagged, w.p_values

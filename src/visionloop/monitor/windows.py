@@ -37,7 +37,7 @@ import numpy as np
 from visionloop.monitor import drift
 from visionloop.monitor.history import WindowRecord
 from visionloop.monitor.reference import Reference
-from visionloop.serve.record import PredictionRecord, ReadStats, read_records
+from visionloop.serve.record import MONITOR_DECIMALS, PredictionRecord, ReadStats, read_records
 
 
 @dataclass(frozen=True)
@@ -119,15 +119,18 @@ def judge(
         image = {k: drift.thin(v, step) for k, v in image.items()}
     results: list[drift.TestResult] = []
     if outputs is not None and ref.outputs is not None:
-        results.append(drift.ks_bbsd(ref.outputs, outputs, alpha, columns=ref.output_names))
-        results.append(drift.mmd_permutation(ref.outputs, outputs, alpha, seed=seed))
+        reference = _as_logged(ref.outputs)
+        results.append(drift.ks_bbsd(reference, outputs, alpha, columns=ref.output_names))
+        results.append(drift.mmd_permutation(reference, outputs, alpha, seed=seed))
         results[-1] = _renamed(results[-1], "mmd_outputs")
     if predicted is not None and ref.class_counts is not None:
         results.append(drift.label_shift(ref.class_counts, predicted, alpha, labels=ref.class_names))
     if image and ref.image:
         keys = sorted(set(image) & set(ref.image))
         results.append(
-            drift.univariate_ks({k: ref.image[k] for k in keys}, {k: image[k] for k in keys}, alpha)
+            drift.univariate_ks(
+                {k: _as_logged(ref.image[k]) for k in keys}, {k: image[k] for k in keys}, alpha
+            )
         )
         results[-1] = _renamed(results[-1], "image_stats")
     tested = max([len(outputs) if outputs is not None else 0, *(len(v) for v in image.values())], default=0)
@@ -150,6 +153,14 @@ def judge(
         estimated_accuracy=None if confidence is None else ref.estimate_accuracy(confidence),
         p_values={r.name: r.p_value for r in results},
     )
+
+
+def _as_logged(values: np.ndarray) -> np.ndarray:
+    """Reference numbers rounded as the prediction log rounds its monitor fields (float64, as
+    the log's numbers are read): otherwise a probability under 5e-7, logged as 0, sits below
+    every unrounded reference value, and KS sees a shift that is only rounding. (Seen: every
+    window of a confident model flagged, at a temperature of 0.5.)"""
+    return np.round(np.asarray(values, dtype=np.float64), MONITOR_DECIMALS)
 
 
 def _renamed(r: drift.TestResult, name: str) -> drift.TestResult:

@@ -36,6 +36,9 @@ COMMON = ("schema", "time", "model", "version", "role", "latency_ms", "agrees", 
 # A record's drift columns (a classifier's probabilities) and image statistics are bounded.
 MAX_OUTPUTS = 1000
 MAX_IMAGE_STATS = 32
+# Decimals the monitor fields keep. A reader comparing them with unrounded numbers must round
+# those the same way: a probability under 5e-7 is logged as 0, below every unrounded one.
+MONITOR_DECIMALS = 6
 # A record is a few hundred bytes; a line far longer was not written by the server.
 MAX_LINE_BYTES = 64 * 1024
 
@@ -58,13 +61,13 @@ class MonitorFields:
         if self.outputs is not None:
             # A numpy row from the server: tolist() gives Python floats (in the writer thread).
             values = self.outputs.tolist() if hasattr(self.outputs, "tolist") else list(self.outputs)
-            doc["outputs"] = [round(float(v), 6) for v in values]
+            doc["outputs"] = [round(float(v), MONITOR_DECIMALS) for v in values]
         if self.predicted is not None:
             doc["predicted"] = int(self.predicted)
         if self.confidence is not None:
-            doc["confidence"] = round(float(self.confidence), 6)
+            doc["confidence"] = round(float(self.confidence), MONITOR_DECIMALS)
         if self.image is not None:
-            doc["image"] = {k: round(float(v), 6) for k, v in self.image.items()}
+            doc["image"] = {k: round(float(v), MONITOR_DECIMALS) for k, v in self.image.items()}
         return doc
 
     @classmethod
