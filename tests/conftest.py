@@ -8,9 +8,16 @@ from pathlib import Path
 import pytest
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Markers come from the folder, as in LitServe: tests/unit -> unit, and so on.
     for item in items:
+        # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command): a file's tests
+        # run on one worker, so its module fixtures are built once, and every test on the
+        # session's Ray cluster (tests/_raysession.py) runs on the same worker as the others.
+        if item.get_closest_marker("xdist_group") is None:
+            uses_ray = "ray_cluster" in getattr(item, "fixturenames", ())
+            item.add_marker(pytest.mark.xdist_group("ray" if uses_ray else item.nodeid.split("::")[0]))
         parts = Path(str(item.fspath)).parts
         for kind in ("unit", "integration", "e2e"):
             if kind in parts:
