@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,13 +31,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist, in the controller: tell each worker whether COLUMNS was set here."""
+    node.workerinput["visionloop_columns"] = os.environ.get("COLUMNS")
+
+
 @pytest.fixture(autouse=True)
-def vl_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def vl_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[Path]:
     """A private visionloop home (and MLflow store) for each test."""
     home = tmp_path_factory.mktemp("vlhome")
     monkeypatch.setenv("VISIONLOOP_HOME", str(home))
     monkeypatch.delenv("VISIONLOOP_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    worker = getattr(request.config, "workerinput", None)
+    if worker is not None and worker.get("visionloop_columns") is None:
+        # An xdist worker has COLUMNS=80 and LINES=24 in its environment (a terminal library
+        # sets them there), which the CLIs under test would inherit and narrow their tables to.
+        monkeypatch.delenv("COLUMNS", raising=False)
+        monkeypatch.delenv("LINES", raising=False)
     yield home
 
 
