@@ -81,6 +81,14 @@ def test_a_victim_ignoring_sigterm_is_killed_after_the_grace_period_and_requeued
     _stubborn(cp, 600, done)
     low = _submit(cp, digits_dataset, team="research", priority="low")
     cp.wait_job(low, lambda j: j["state"] == "running")
+    # "running" is the launch; the victim ignores SIGTERM only once its handler is installed,
+    # which it says with "started" (on a loaded machine Python's start-up took longer than the
+    # preemption, and the victim died of the SIGTERM, 143).
+    deadline = time.monotonic() + 60
+    with cp.client() as c:
+        while "started" not in c.get(f"/v1/jobs/{low}/logs", params={"attempt": 1}).text:
+            assert time.monotonic() < deadline, "the victim did not start within 60 s"
+            time.sleep(0.05)
     high = _submit(cp, digits_dataset, team="vision", priority="high")
     show = cp.wait_job(high, lambda j: j["state"] == "running")
     done.touch()  # from now on every attempt ends at once, with 0
