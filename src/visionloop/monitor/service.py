@@ -20,6 +20,7 @@ from visionloop.core.settings import Settings
 from visionloop.monitor.history import WindowRecord, append_window, read_windows
 from visionloop.monitor.reference import DEFAULT_MAX_IMAGES, Reference, build_reference, load_reference
 from visionloop.monitor.windows import WindowSpec, cut, judge, log_files, version_records
+from visionloop.serve.predlog import predictions_dir
 from visionloop.serve.record import ReadStats
 
 
@@ -35,10 +36,6 @@ class MonitorOptions:
     reference_images: int = DEFAULT_MAX_IMAGES
     precision: str = "fp32"
     seed: int = 0
-
-
-def predictions_dir(settings: Settings) -> Path:
-    return settings.home / "serve" / "predictions"
 
 
 def reference_for(
@@ -77,7 +74,7 @@ def new_windows(
     seen = [w for w in read_windows(settings.home, reference.model) if w.version == reference.version]
     after = max((w.end for w in seen), default=-math.inf)
     stats = ReadStats()
-    files = log_files(options.logs or predictions_dir(settings))
+    files = log_files(options.logs or predictions_dir(settings.home))
     records = version_records(files, reference.model, reference.version, after=after, stats=stats)
     judged: list[WindowRecord] = []
     used = 0

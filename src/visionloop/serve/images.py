@@ -206,19 +206,7 @@ def preprocess(
     max_pixels: int = MAX_PIXELS,
 ) -> npt.NDArray[Any]:
     """Image bytes → a (1, C, H, W) array of `dtype`, or a 400/413/415 naming the problem."""
-    return preprocess_sized(data, transform, dtype, need, max_pixels)[0]
-
-
-def preprocess_sized(
-    data: bytes,
-    transform: Callable[[Any], Any],
-    dtype: np.dtype[Any],
-    need: int | None = None,
-    max_pixels: int = MAX_PIXELS,
-) -> tuple[npt.NDArray[Any], tuple[int, int]]:
-    """`preprocess`, and the upright (width, height) of the image as sent (`decode_sized`)."""
-    d = decode_image(data, transform, dtype, need, max_pixels)
-    return d.input, d.size
+    return decode_image(data, transform, dtype, need, max_pixels).input
 
 
 @dataclass(frozen=True)
@@ -237,7 +225,8 @@ def decode_image(
     max_pixels: int = MAX_PIXELS,
     stats: bool = False,
 ) -> DecodedImage:
-    """`preprocess_sized`, and with `stats` the image's `image_statistics`."""
+    """`preprocess`, the upright (width, height) of the image as sent (`decode_sized`), and
+    with `stats` the image's `image_statistics`."""
     im, size = decode_sized(data, need, max_pixels)
     tensor = transform(im)
     x = np.ascontiguousarray(tensor.numpy()[None], dtype=dtype)

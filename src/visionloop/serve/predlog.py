@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+def predictions_dir(home: Path) -> Path:
+    """Where the servers of a visionloop home write their prediction logs (one file each)."""
+    return Path(home) / "serve" / "predictions"
+
+
 class PredictionLog:
     def __init__(
         self,

@@ -27,6 +27,7 @@ from visionloop.core.settings import Settings
 from visionloop.serve.app import create_app
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.keys import KeyRing
+from visionloop.serve.predlog import predictions_dir
 from visionloop.serve.source import ModelSource
 from visionloop.serve.state import Server
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 def predictions_path(settings: Settings, host: str, port: int) -> Path:
     """One log per listening address under the home: two servers never write the same file."""
     safe = host.replace(":", "_").replace("/", "_")
-    return settings.home / "serve" / "predictions" / f"{safe}-{port}.jsonl"
+    return predictions_dir(settings.home) / f"{safe}-{port}.jsonl"
 
 
 Tls = tuple[Path, Path]  # (certificate chain PEM, private key PEM)
