@@ -123,7 +123,8 @@ def monitor(
         acc = "" if reference.accuracy is None else f", accuracy {reference.accuracy:.4f}"
         out.print(
             f"{what} the reference of {escape(name)}: {reference.images} images of "
-            f"{escape(reference.dataset)} [{reference.split}]{acc}"
+            f"{escape(reference.dataset)} {escape(f'[{reference.split}]')}, "
+            f"{reference.precision} export{acc}"
         )
     gauges = Gauges()
     if metrics_port is not None:
