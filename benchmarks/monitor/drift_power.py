@@ -80,6 +80,7 @@ from visionloop.monitor.history import WindowRecord
 from visionloop.monitor.reference import Reference, atc_threshold
 from visionloop.monitor.windows import judge
 from visionloop.serve.record import MonitorFields, PredictionRecord
+from visionloop.tasks.drift_outputs import EMBEDDING_OUTPUT
 
 MODEL = "digits-no9"
 UNSEEN = "9"
@@ -93,7 +94,9 @@ CORRELATED_SHIFT = ("night", 3)
 # None: the model as trained; 0.656: the temperature fitted to the demo's model (BENCHMARKS.md,
 # "Calibration and stress"); 0.5: a sharper one.
 ROUNDING_TEMPERATURES = (None, 0.656, 0.5)
-TESTS = ("ks_bbsd", "mmd_outputs", "label_shift", "image_stats")
+# MMD runs on the export's embeddings (`mmd_embeddings`); `--no-embedding` exports without
+# that output, and the monitor falls back to MMD on the drift columns (`mmd_outputs`).
+TESTS = ("ks_bbsd", "mmd_embeddings", "mmd_outputs", "label_shift", "image_stats")
 
 Array = npt.NDArray[Any]
 
@@ -202,6 +205,7 @@ class Bank:
     stats: dict[str, Array]  # image statistic -> (n,)
     correct: Array  # (n,) bool
     logged: list[MonitorFields]  # as read back from the prediction log
+    embeddings: Array | None = None  # (n, k) the export's embedding output, when it has one
 
     def take(self, idx: Array) -> list[MonitorFields]:
         return [self.logged[i] for i in idx]
@@ -213,7 +217,7 @@ def score(served: Served, pngs: Sequence[bytes], labels: Array, batch: int = 32)
     from visionloop.serve.images import MAX_PIXELS, decode_image
 
     spec = served.model.inputs[0]
-    columns, classes, conf, logged = [], [], [], []
+    columns, classes, conf, logged, embedded = [], [], [], [], []
     stats: dict[str, list[float]] = {}
     for start in range(0, len(pngs), batch):
         decoded = [
@@ -224,6 +228,9 @@ def score(served: Served, pngs: Sequence[bytes], labels: Array, batch: int = 32)
         if served.temperature is not None:
             outputs = dict(served.task.calibrate(outputs, served.temperature))
         drift = served.task.drift_outputs(outputs, served.card.class_names)
+        emb = outputs.get(EMBEDDING_OUTPUT)
+        if emb is not None:
+            embedded.append(np.asarray(emb, dtype=np.float32))
         columns.append(np.asarray(drift.columns, dtype=np.float32))
         classes.append(np.asarray(drift.classes, dtype=np.int64))
         conf.append(np.asarray(drift.confidence, dtype=np.float32))
@@ -236,6 +243,7 @@ def score(served: Served, pngs: Sequence[bytes], labels: Array, batch: int = 32)
                 predicted=int(drift.classes[r]),
                 confidence=float(drift.confidence[r]),
                 image=d.stats,
+                embedding=None if emb is None else emb[r],
             )
             logged.append(_through_log(served, fields))
     predicted = np.concatenate(classes)
@@ -246,6 +254,7 @@ def score(served: Served, pngs: Sequence[bytes], labels: Array, batch: int = 32)
         stats={k: np.asarray(v, dtype=np.float32) for k, v in stats.items()},
         correct=predicted == labels,
         logged=logged,
+        embeddings=np.concatenate(embedded) if embedded else None,
     )
 
 
@@ -313,8 +322,9 @@ def build_banks(
 # --------------------------------------------------------------------------- trials
 
 
-def make_reference(served: Served, clean: Bank, idx: Array) -> Reference:
-    """A reference of the pool images `idx`, built as `build_reference` builds one."""
+def make_reference(served: Served, clean: Bank, idx: Array, embeddings: bool = True) -> Reference:
+    """A reference of the pool images `idx`, built as `build_reference` builds one; without
+    `embeddings`, as for an export without that output (the monitor's MMD on the outputs)."""
     k = clean.outputs.shape[1]
     names = tuple(served.card.class_names)
     return Reference(
@@ -334,6 +344,7 @@ def make_reference(served: Served, clean: Bank, idx: Array) -> Reference:
         image={key: v[idx] for key, v in clean.stats.items()},
         accuracy=float(clean.correct[idx].mean()),
         atc_threshold=atc_threshold(clean.confidence[idx], clean.correct[idx]),
+        embeddings=None if clean.embeddings is None or not embeddings else clean.embeddings[idx],
     )
 
 
@@ -419,7 +430,7 @@ def run_independent(
         for t in range(max(args.trials, args.null_trials)):
             rng = np.random.default_rng((args.seed, m, t))
             ref_idx, win_idx = split(rng, len(clean.correct), args.reference, m)
-            ref = make_reference(served, clean, ref_idx)
+            ref = make_reference(served, clean, ref_idx, args.embedding)
             configs: list[tuple[str, list[MonitorFields], float]] = []
             configs.append(("none", clean.take(win_idx), float(clean.correct[win_idx].mean())))
             if t < args.trials:
@@ -484,7 +495,7 @@ def run_correlated(
         for t in range(max(args.correlated_trials, args.correlated_null_trials)):
             rng = np.random.default_rng((args.seed, 1_000_000 + m, t))
             ref_idx, rest = split(rng, pool, args.reference, pool - args.reference)
-            ref = make_reference(served, clean, ref_idx)
+            ref = make_reference(served, clean, ref_idx, args.embedding)
             win = stream(rng, rest, m, args.run_length)
             steps.setdefault(f"distinct@{m}", []).append(len(np.unique(win)))
             for key, bank in (("none", clean), ("night/3", shift)):
@@ -531,14 +542,16 @@ def rounding_check(
             else score(replace(served, temperature=temperature), pngs, labels)
         )
         exact = [
-            MonitorFields(outputs=row, predicted=int(p), confidence=float(c), image=f.image)
+            MonitorFields(
+                outputs=row, predicted=int(p), confidence=float(c), image=f.image, embedding=f.embedding
+            )
             for row, p, c, f in zip(bank.outputs, bank.predicted, bank.confidence, bank.logged, strict=True)
         ]
         tallies = {arm: Tally() for arm in ("as_logged", "unrounded_window", "rounded_reference")}
         for t in range(args.null_trials):
             rng = np.random.default_rng((args.seed, m, t))  # the null trials' draws at this m
             ref_idx, win_idx = split(rng, len(bank.correct), args.reference, m)
-            ref = make_reference(served, bank, ref_idx)
+            ref = make_reference(served, bank, ref_idx, args.embedding)
             assert ref.outputs is not None
             # in float64, as the window's logged values are read: float32 cannot hold 1e-6 exactly
             as_logged: Any = np.round(ref.outputs.astype(np.float64), 6)
@@ -661,6 +674,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smoke run: few trials, one epoch")
     p.add_argument("--name", default=None, help="results file name (default monitor_drift_power)")
+    p.add_argument(
+        "--no-embedding",
+        dest="embedding",
+        action="store_false",
+        help="judge as for an export without the embedding output: MMD on the drift columns",
+    )
     args = p.parse_args()
     args.windows = list(WINDOWS)
     args.correlated_windows = list(CORRELATED_WINDOWS)

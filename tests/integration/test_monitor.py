@@ -103,8 +103,12 @@ def test_the_reference_is_what_the_served_model_does_on_the_validation_split(
     }
     assert set(np.unique(ref.image["width"])) == {16.0}
     assert float(ref.image["saturation"].max()) == 0.0  # the digits are grey
+    # The export's embedding output (16 PCA components of the penultimate layer), per image.
+    assert ref.embeddings is not None and ref.embeddings.shape == (n, 16)
+    assert float(ref.embeddings.std(axis=0).min()) > 0.0  # every component varies
     back = load_reference(kit.info().dir)
     assert back.meta() == ref.meta() and where == kit.info().dir / "monitor"
+    np.testing.assert_array_equal(back.embeddings, ref.embeddings)
     np.testing.assert_array_equal(back.outputs, ref.outputs)
     np.testing.assert_array_equal(back.image["brightness"], ref.image["brightness"])
 
@@ -124,6 +128,8 @@ def test_the_log_carries_what_the_reference_holds_for_the_same_image(served: tup
     assert first.predicted == int(np.argmax(ref.outputs[0]))
     for key, values in ref.image.items():
         assert first.image[key] == pytest.approx(float(values[0]), abs=2e-6), key
+    assert ref.embeddings is not None and first.embedding is not None
+    np.testing.assert_allclose(first.embedding, ref.embeddings[0], atol=1e-5)
     night = records[WINDOW].monitor
     assert night is not None and night.image is not None
     assert night.image["brightness"] < 0.5 * first.image["brightness"]
@@ -143,7 +149,8 @@ def test_clean_traffic_passes_and_night_traffic_is_flagged_with_what_moved(
     assert night.drift and night.p_value is not None and night.p_value < 1e-6
     assert "image_stats" in night.flagged
     assert any("brightness" in m for m in night.moved), night.moved
-    assert set(night.p_values) == {"ks_bbsd", "mmd_outputs", "label_shift", "image_stats"}
+    assert set(night.p_values) == {"ks_bbsd", "mmd_embeddings", "label_shift", "image_stats"}
+    assert "mmd_embeddings" in night.flagged  # the penultimate layer sees the night too
     # The label-free estimate: near the reference accuracy on clean traffic, lower at night.
     assert clean.estimated_accuracy is not None and night.estimated_accuracy is not None
     assert ref.accuracy is not None and abs(clean.estimated_accuracy - ref.accuracy) < 0.1

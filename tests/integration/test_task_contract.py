@@ -26,6 +26,7 @@ from visionloop.data.manifest import eval_split, read_manifest
 from visionloop.models.card import ModelCard
 from visionloop.specs import validate_train_spec
 from visionloop.tasks import AnswerOptions, ImageContext, get_task, list_tasks
+from visionloop.tasks.drift_outputs import EMBEDDING_OUTPUT
 from visionloop.train.api import train
 from visionloop.train.report import Reporter
 from visionloop.train.signals import StopRequest
@@ -176,7 +177,11 @@ def test_register_export_compare_and_serve(tmp_path: Path, task_dataset: tuple[s
         r = httpx.post(f"{server.url}/v2/models/{info.name}/infer", json=infer, timeout=60)
         assert r.status_code == 200, r.text
         outputs = {o["name"]: o for o in r.json()["outputs"]}
-        assert list(outputs) == list(task.output_names)
+        # The task's outputs, then the embedding the export adds (both example archs have one;
+        # at most 16 components, fewer on a validation split this small: images - 1).
+        assert report.embedding_dim is not None and 1 < report.embedding_dim <= 16
+        assert list(outputs) == [*task.output_names, EMBEDDING_OUTPUT]
+        assert outputs[EMBEDDING_OUTPUT]["shape"] == [2, report.embedding_dim]
         assert all(o["shape"][0] == 2 for o in outputs.values())
 
 

@@ -46,6 +46,12 @@ def export(
         None, "--dataset", help="The model's dataset, if it moved since training (must be the same version)."
     ),
     exporter: str = typer.Option("torchscript", "--exporter", help="torchscript (default) or dynamo."),
+    embedding: bool = typer.Option(
+        True,
+        "--embedding/--no-embedding",
+        help="Add the `embedding` output (penultimate layer, 16 PCA components fitted on the "
+        "validation images), which `visionloop monitor` tests for drift.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
 ) -> None:
     """Export a registered model to ONNX (fp32, fp16 or int8) behind a parity check and a metric gate.
@@ -74,6 +80,7 @@ def export(
         calibration_size=calibration_size,
         dataset=dataset,
         exporter=cast("Exporter", exporter),
+        embedding=embedding,
     )
     if as_json:
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
@@ -82,3 +89,8 @@ def export(
     from visionloop.bench.table import human_bytes  # the units bench and `models show` print
 
     out.print(f"  file     {report.path} ({human_bytes(report.size_bytes)}, sha256 {report.sha256})")
+    if report.embedding_dim is not None:
+        kept = (
+            "" if report.embedding_variance is None else f", {report.embedding_variance:.0%} of the variance"
+        )
+        out.print(f"  embedding output: {report.embedding_dim} PCA components of the penultimate layer{kept}")

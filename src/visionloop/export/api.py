@@ -20,6 +20,14 @@ from visionloop.core.settings import Settings, load_settings
 from visionloop.data.shards import ShardReader
 from visionloop.export import convert
 from visionloop.export.data import ModelDataset, open_model_dataset
+from visionloop.export.embedding import (
+    DEFAULT_COMPONENTS,
+    MAX_FIT_IMAGES,
+    Projection,
+    WithEmbedding,
+    collect_features,
+    fit_projection,
+)
 from visionloop.export.report import (
     DEFAULT_PARITY,
     PRECISIONS,
@@ -36,6 +44,7 @@ from visionloop.registry.files import model_lock
 from visionloop.registry.history import now_iso
 from visionloop.registry.layout import EXPORT_REPORT_FILE, FAILED_EXPORT_REPORT_FILE, ONNX_FILE, export_dir
 from visionloop.tasks import GateMeasurement
+from visionloop.tasks.drift_outputs import EMBEDDING_OUTPUT
 
 CARD_METADATA_KEY = "visionloop.model_card"
 DEFAULT_CALIBRATION_SIZE = 256
@@ -54,6 +63,7 @@ def export_model(
     dataset: Path | None = None,
     max_samples: int | None = None,
     exporter: convert.Exporter = "torchscript",
+    embedding: bool = True,
     settings: Settings | None = None,
 ) -> ExportReport:
     """Export `ref` and gate it. Returns the report of a passed export; raises ExportGateError
@@ -66,6 +76,9 @@ def export_model(
     (percentage points) below eager fp32 PyTorch's.
     int8 is calibrated on `calibration_size` training images, or on `calibration_images`
     (preprocessed, (N, C, H, W)) when given.
+    With `embedding` (the default) and a task that has an embedding layer, the file has one
+    more output, `embedding`: each image's penultimate-layer features reduced by a PCA fitted
+    on the validation images (`export.embedding`), for drift monitoring and label selection.
     """
     started = time.monotonic()
     settings = settings or load_settings()
@@ -94,10 +107,19 @@ def export_model(
     agree_limit = min_top1_agreement if min_top1_agreement is not None else default_agree
     out_dir = export_dir(info.dir, fmt, precision)
 
+    projection = _embedding_projection(model, ds, reader, positions) if embedding else None
+    exported: torch.nn.Module = model
+    names = tuple(task.output_names)
+    if projection is not None:
+        layer = task.embedding_layer(model)
+        assert layer is not None
+        exported = WithEmbedding(model, layer, projection)
+        names = (*names, EMBEDDING_OUTPUT)
+
     with tempfile.TemporaryDirectory(prefix="visionloop-export-") as tmp:
         work = Path(tmp)
         convert.export_fp32(
-            model, card.input_size, work / "fp32.onnx", exporter=exporter, output_names=task.output_names
+            exported, card.input_size, work / "fp32.onnx", exporter=exporter, output_names=names
         )
         built = work / "fp32.onnx"
         calibration_source: str | None = None
@@ -114,7 +136,7 @@ def export_model(
             n_calibration = len(calibration_images)
             built = work / "int8.onnx"
             convert.to_int8(work / "fp32.onnx", built, calibration_images, work)
-        metadata = _metadata(info, precision, task.output_names)
+        metadata = _metadata(info, precision, names)
         data = convert.set_metadata(built, metadata, doc=f"{info.ref} ({precision})")
 
         m = _measure(model, data, ds, reader, positions)
@@ -162,6 +184,8 @@ def export_model(
         agreement_label=task.agreement_label,
         # One output called logits (a classifier), else the outputs at large (boxes, scores, ...).
         output_label="logit" if tuple(task.output_names) == ("logits",) else "output",
+        embedding_dim=None if projection is None else projection.dim,
+        embedding_variance=None if projection is None else round(projection.explained, 4),
     )
     kept = _store(out_dir, data, report)
     if kept:
@@ -183,6 +207,19 @@ def export_model(
     if not report.passed:
         raise ExportGateError(_failure_message(report, out_dir, instead=instead), report)
     return report
+
+
+def _embedding_projection(
+    model: torch.nn.Module, ds: ModelDataset, reader: ShardReader, positions: list[int]
+) -> Projection | None:
+    """The PCA of the task's embedding layer on the validation images, or None for a task (or
+    an architecture) without one."""
+    layer = ds.task.embedding_layer(model)
+    if layer is None:
+        return None
+    fit = positions[:MAX_FIT_IMAGES]
+    feats = collect_features(model, layer, (images for images, _ in ds.batches(reader, fit)))
+    return fit_projection(feats, DEFAULT_COMPONENTS)
 
 
 def _metadata(info: ModelVersionInfo, precision: str, output_names: Sequence[str]) -> dict[str, str]:

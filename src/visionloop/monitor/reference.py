@@ -12,7 +12,8 @@ would differ from an INT8 export by more than a large window's KS test tolerates
 Stored under `<version>/monitor/`: `reference.npz` (arrays; read back with
 `allow_pickle=False`, nothing in it is executed) and `reference.json` (what it was built from).
 It holds the per-image statistics, the drift columns (a classifier's class probabilities), the
-predicted-class counts, the confidences, and the threshold of the label-free accuracy estimate:
+predicted-class counts, the confidences, the export's embeddings (its `embedding` output: the
+penultimate layer reduced by the PCA fitted at export), and the threshold of the label-free accuracy estimate:
 average thresholded confidence (ATC, Garg et al., "Leveraging Unlabeled Data to Predict
 Out-of-Distribution Performance", ICLR 2022): t is chosen so that the share of reference images
 with confidence >= t equals the accuracy on the reference; on a window, the estimated accuracy
@@ -33,6 +34,7 @@ import numpy.typing as npt
 
 from visionloop.core.errors import DataError, NotFoundError
 from visionloop.core.fsutil import atomic_write_bytes, atomic_write_json
+from visionloop.tasks.drift_outputs import EMBEDDING_OUTPUT
 
 REFERENCE_DIR = "monitor"
 ARRAYS_FILE = "reference.npz"
@@ -60,6 +62,9 @@ class Reference:
     accuracy: float | None = None  # on the reference images, from their labels
     atc_threshold: float | None = None
     created: float = 0.0
+    # The export's `embedding` output per image (images, k), for the MMD test; None for an
+    # export without one (the monitor then runs MMD on the drift columns).
+    embeddings: npt.NDArray[np.float32] | None = None
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -76,6 +81,7 @@ class Reference:
             "accuracy": self.accuracy,
             "atc_threshold": self.atc_threshold,
             "created": self.created,
+            "embedding_dim": None if self.embeddings is None else int(self.embeddings.shape[1]),
         }
 
     def estimate_accuracy(self, confidence: npt.NDArray[Any]) -> float | None:
@@ -113,6 +119,7 @@ def save_reference(version_dir: Path, ref: Reference) -> Path:
         ("outputs", ref.outputs),
         ("class_counts", ref.class_counts),
         ("confidence", ref.confidence),
+        ("embeddings", ref.embeddings),
     ):
         if value is not None:
             arrays[key] = value
@@ -155,6 +162,7 @@ def load_reference(version_dir: Path) -> Reference:
             accuracy=None if meta["accuracy"] is None else float(meta["accuracy"]),
             atc_threshold=None if meta["atc_threshold"] is None else float(meta["atc_threshold"]),
             created=float(meta["created"]),
+            embeddings=arrays.get("embeddings"),
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(
@@ -164,6 +172,10 @@ def load_reference(version_dir: Path) -> Reference:
     if ref.outputs is not None and ref.outputs.shape != (ref.images, len(ref.output_names)):
         raise DataError(
             f"the monitoring reference in {out} is damaged (outputs {ref.outputs.shape}); rebuild it."
+        )
+    if ref.embeddings is not None and (ref.embeddings.ndim != 2 or len(ref.embeddings) != ref.images):
+        raise DataError(
+            f"the monitoring reference in {out} is damaged (embeddings {ref.embeddings.shape}); rebuild it."
         )
     return ref
 
@@ -211,6 +223,7 @@ def build_reference(
     classes: list[npt.NDArray[np.int64]] = []
     confidence: list[npt.NDArray[np.float32]] = []
     labels: list[npt.NDArray[np.int64]] = []
+    embeddings: list[npt.NDArray[np.float32]] = []
     stats: dict[str, list[float]] = {}
     names: tuple[str, ...] = ()
     for start in range(0, len(positions), _BATCH):
@@ -224,6 +237,8 @@ def build_reference(
             for k, v in d.stats.items():
                 stats.setdefault(k, []).append(v)
         outputs = model.run({spec.name: np.concatenate(inputs)})
+        if EMBEDDING_OUTPUT in outputs:
+            embeddings.append(np.asarray(outputs[EMBEDDING_OUTPUT], dtype=np.float32))
         if resolved.temperature is not None:
             outputs = dict(task.calibrate(outputs, resolved.temperature))
         drift = task.drift_outputs(outputs, card.class_names)
@@ -271,5 +286,6 @@ def build_reference(
         accuracy=accuracy,
         atc_threshold=threshold,
         created=time.time(),
+        embeddings=np.concatenate(embeddings) if embeddings else None,
     )
     return reference, save_reference(info.dir, reference)

@@ -9,8 +9,10 @@ a fixed number of requests (`--window-requests 500`), and each complete window i
 - `ks_bbsd`: KS on each drift column (a classifier's calibrated class probabilities),
   Bonferroni over the columns;
 - `label_shift`: chi-square on the predicted-class frequencies;
-- `mmd_outputs`: MMD with a permutation test on the drift columns taken together (the
-  multivariate test; on the outputs, because a served ONNX model exposes no embeddings);
+- `mmd_embeddings`: MMD with a permutation test on the export's embeddings (the
+  penultimate layer reduced by PCA at export, `export.embedding`), the multivariate test;
+  for an export without an embedding output (exported before it existed, or a torchvision
+  detector), `mmd_outputs`: the same test on the drift columns taken together;
 - `image_stats`: KS on each image statistic (image-endpoint requests only);
 
 `drift.combine` makes one verdict (Bonferroni over the tests that ran). The estimated accuracy
@@ -111,9 +113,11 @@ def judge(
 ) -> WindowRecord:
     """Test one window against the reference (see the module docstring)."""
     outputs, predicted, confidence, image = _columns(ref, window)
+    embeddings = _embeddings(ref, window)
     step = _thinning(thin, outputs, image)
     if step > 1:
         outputs = None if outputs is None else drift.thin(outputs, step)
+        embeddings = None if embeddings is None else drift.thin(embeddings, step)
         predicted = None if predicted is None else drift.thin(predicted, step)
         confidence = None if confidence is None else drift.thin(confidence, step)
         image = {k: drift.thin(v, step) for k, v in image.items()}
@@ -121,8 +125,12 @@ def judge(
     if outputs is not None and ref.outputs is not None:
         reference = _as_logged(ref.outputs)
         results.append(drift.ks_bbsd(reference, outputs, alpha, columns=ref.output_names))
-        results.append(drift.mmd_permutation(reference, outputs, alpha, seed=seed))
-        results[-1] = _renamed(results[-1], "mmd_outputs")
+        if embeddings is None:
+            results.append(drift.mmd_permutation(reference, outputs, alpha, seed=seed))
+            results[-1] = _renamed(results[-1], "mmd_outputs")
+    if embeddings is not None and ref.embeddings is not None:
+        results.append(drift.mmd_permutation(_as_logged(ref.embeddings), embeddings, alpha, seed=seed))
+        results[-1] = _renamed(results[-1], "mmd_embeddings")
     if predicted is not None and ref.class_counts is not None:
         results.append(drift.label_shift(ref.class_counts, predicted, alpha, labels=ref.class_names))
     if image and ref.image:
@@ -194,6 +202,19 @@ def _columns(
             if len(values) == len(stats):
                 image[key] = np.asarray(values, dtype=np.float64)
     return outputs, predicted, confidence, image
+
+
+def _embeddings(ref: Reference, window: Sequence[PredictionRecord]) -> np.ndarray | None:
+    """The window's embeddings with the reference's dimension, None when the reference has
+    none or fewer than half the window's records carry one (an older export still serving)."""
+    if ref.embeddings is None:
+        return None
+    k = ref.embeddings.shape[1]
+    rows = [r.monitor.embedding for r in window if r.monitor is not None and r.monitor.embedding is not None]
+    rows = [e for e in rows if len(e) == k]
+    if not rows or 2 * len(rows) < len(window):
+        return None
+    return np.asarray(rows, dtype=np.float64)
 
 
 def _thinning(thin: int | str, outputs: np.ndarray | None, image: dict[str, np.ndarray]) -> int:

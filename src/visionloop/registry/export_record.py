@@ -58,6 +58,10 @@ class ExportReport(BaseModel):
     metric: str = Field("accuracy", description="what accuracy and reference_accuracy hold: accuracy, mAP")
     agreement_label: str = Field("top-1 agreement", description="what top1_agreement counts")
     output_label: str = Field("logit", description="what max_abs_diff is the difference of")
+    # The `embedding` output (export.embedding): its PCA dimensions and the share of the
+    # features' variance they keep; None for an export without one.
+    embedding_dim: int | None = None
+    embedding_variance: float | None = None
 
     def summary(self) -> str:
         verdict = "passed" if self.passed else "FAILED"

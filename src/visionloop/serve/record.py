@@ -14,7 +14,9 @@ best score) beside the common ones:
 `monitor` (schema 3) holds what `visionloop monitor` compares with the version's reference
 (`MonitorFields`): the task's drift columns (`Task.drift_outputs`: a classifier's calibrated
 class probabilities), the predicted class and its confidence, and, for a request to the image
-endpoint, the image's statistics (`monitor.imagestats`). Schemas 1 (no "schema") and 2 (no
+endpoint, the image's statistics (`monitor.imagestats`); for a model exported with an
+embedding output, also the image's PCA-reduced penultimate-layer embedding (`"embedding"`, 16
+numbers). Schemas 1 (no "schema") and 2 (no
 "monitor") still read, with `monitor` None.
 """
 
@@ -36,6 +38,7 @@ COMMON = ("schema", "time", "model", "version", "role", "latency_ms", "agrees", 
 # A record's drift columns (a classifier's probabilities) and image statistics are bounded.
 MAX_OUTPUTS = 1000
 MAX_IMAGE_STATS = 32
+MAX_EMBEDDING = 256
 # Decimals the monitor fields keep. A reader comparing them with unrounded numbers must round
 # those the same way: a probability under 5e-7 is logged as 0, below every unrounded one.
 MONITOR_DECIMALS = 6
@@ -55,30 +58,29 @@ class MonitorFields:
     predicted: int | None = None
     confidence: float | None = None
     image: Mapping[str, float] | None = None  # imagestats of the image as sent
+    # The export's `embedding` output (penultimate layer, PCA-reduced); None without one.
+    embedding: Sequence[float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {}
         if self.outputs is not None:
-            # A numpy row from the server: tolist() gives Python floats (in the writer thread).
-            values = self.outputs.tolist() if hasattr(self.outputs, "tolist") else list(self.outputs)
-            doc["outputs"] = [round(float(v), MONITOR_DECIMALS) for v in values]
+            doc["outputs"] = _rounded(self.outputs)
         if self.predicted is not None:
             doc["predicted"] = int(self.predicted)
         if self.confidence is not None:
             doc["confidence"] = round(float(self.confidence), MONITOR_DECIMALS)
         if self.image is not None:
             doc["image"] = {k: round(float(v), MONITOR_DECIMALS) for k, v in self.image.items()}
+        if self.embedding is not None:
+            doc["embedding"] = _rounded(self.embedding)
         return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> MonitorFields:
         if not isinstance(doc, dict):
             raise RecordError(f"monitor must be a JSON object, got {type(doc).__name__}")
-        outputs = doc.get("outputs")
-        if outputs is not None:
-            if not isinstance(outputs, list) or len(outputs) > MAX_OUTPUTS:
-                raise RecordError(f"monitor.outputs must be a list of at most {MAX_OUTPUTS} numbers")
-            outputs = tuple(_number({"v": v}, "monitor.outputs[]", "v") for v in outputs)
+        outputs = _numbers(doc, "outputs", MAX_OUTPUTS)
+        embedding = _numbers(doc, "embedding", MAX_EMBEDDING)
         predicted = doc.get("predicted")
         if predicted is not None and (
             not isinstance(predicted, int) or isinstance(predicted, bool) or predicted < 0
@@ -92,7 +94,22 @@ class MonitorFields:
             if not isinstance(image, dict) or len(image) > MAX_IMAGE_STATS:
                 raise RecordError(f"monitor.image must be an object of at most {MAX_IMAGE_STATS} statistics")
             image = {str(k): _number(image, f"monitor.image.{k}", k) for k in image}
-        return cls(outputs, predicted, confidence, image)
+        return cls(outputs, predicted, confidence, image, embedding)
+
+
+def _rounded(values: Sequence[float]) -> list[float]:
+    # A numpy row from the server: tolist() gives Python floats (in the writer thread).
+    items = values.tolist() if hasattr(values, "tolist") else list(values)
+    return [round(float(v), MONITOR_DECIMALS) for v in items]
+
+
+def _numbers(doc: dict[str, Any], key: str, limit: int) -> tuple[float, ...] | None:
+    values = doc.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, list) or len(values) > limit:
+        raise RecordError(f"monitor.{key} must be a list of at most {limit} numbers")
+    return tuple(_number({"v": v}, f"monitor.{key}[]", "v") for v in values)
 
 
 @dataclass(frozen=True, slots=True)

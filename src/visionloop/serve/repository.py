@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from visionloop.registry.layout import parse_ref
 from visionloop.serve.batcher import Arrays, Batcher, Job
@@ -34,7 +35,7 @@ from visionloop.serve.record import MonitorFields, PredictionRecord
 from visionloop.serve.runtime import OnnxModel
 from visionloop.serve.source import ModelSource, ResolvedVersion
 from visionloop.tasks import Task, get_task
-from visionloop.tasks.drift_outputs import DriftOutputs
+from visionloop.tasks.drift_outputs import EMBEDDING_OUTPUT, DriftOutputs
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,9 @@ class Repository:
             if temperature is not None:  # the log records the confidences the answers gave
                 outputs = dict(task.calibrate(outputs, temperature))
             fields = task.log_fields(outputs, class_names)
-            drift = task.drift_outputs(outputs, class_names) if self.config.prediction_log_monitor else None
+            monitor = self.config.prediction_log_monitor
+            drift = task.drift_outputs(outputs, class_names) if monitor else None
+            embedding = outputs.get(EMBEDDING_OUTPUT) if monitor else None
             now = time.time()
             row = 0
             for j in jobs:
@@ -261,7 +264,7 @@ class Repository:
                             role="primary" if "primary" in sv.roles else "challenger",
                             latency_ms=latency_ms,
                             answer=fields[r],
-                            monitor=_monitor_fields(drift, r, j.image),
+                            monitor=_monitor_fields(drift, r, j.image, embedding),
                         )
                     )
                 row += j.rows
@@ -386,15 +389,20 @@ def cpu_threads_per_batch(cfg: ServeConfig) -> int:
 
 
 def _monitor_fields(
-    drift: DriftOutputs | None, row: int, image: Mapping[str, float] | None
+    drift: DriftOutputs | None,
+    row: int,
+    image: Mapping[str, float] | None,
+    embedding: npt.NDArray[Any] | None = None,
 ) -> MonitorFields | None:
     """One logged row's drift fields: numpy views and scalars, turned into JSON by the log's
     writer thread, not here in the event loop."""
+    emb = None if embedding is None else embedding[row]  # a numpy row, like the outputs
     if drift is None:
-        return None if image is None else MonitorFields(image=image)
+        return None if image is None and emb is None else MonitorFields(image=image, embedding=emb)
     return MonitorFields(
         outputs=drift.columns[row],  # a numpy row: MonitorFields.to_json reads it
         predicted=None if drift.classes is None else int(drift.classes[row]),
         confidence=None if drift.confidence is None else float(drift.confidence[row]),
         image=image,
+        embedding=emb,
     )

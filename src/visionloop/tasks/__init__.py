@@ -8,6 +8,7 @@
 from visionloop.tasks.base import (
     AnswerOptions,
     ConfusedPair,
+    EmbeddingLayer,
     ErrorAnalysis,
     EvalResult,
     Evaluator,
@@ -23,6 +24,7 @@ from visionloop.tasks.registry import get_task, list_tasks, register_task
 __all__ = [
     "AnswerOptions",
     "ConfusedPair",
+    "EmbeddingLayer",
     "ErrorAnalysis",
     "EvalResult",
     "Evaluator",

@@ -245,6 +245,16 @@ class DatasetSummary:
     table: SummaryTable | None = None
 
 
+@dataclass(frozen=True)
+class EmbeddingLayer:
+    """Where a model's per-image embedding is read (`Task.embedding_layer`): the input or the
+    output of `module`, a submodule of the exported module. A 4-D tensor there is averaged
+    over its spatial dimensions; a dict, list or tuple gives its last tensor."""
+
+    module: nn.Module
+    read: Literal["input", "output"] = "input"
+
+
 class Task(ABC):
     """One task. Stateless: `get_task(name)` hands out one shared instance."""
 
@@ -451,6 +461,13 @@ class Task(ABC):
         """The module to export: returns a tensor or a tuple in `output_names` order. Default:
         the model itself."""
         return model
+
+    def embedding_layer(self, module: nn.Module) -> EmbeddingLayer | None:
+        """Where the penultimate-layer embedding of `module` (what `export_module` returned)
+        is read: the export adds it, reduced by PCA, as an output named `EMBEDDING_OUTPUT`
+        (`tasks.drift_outputs`), which drift monitoring and label selection use. None: this
+        task's exports carry no embedding (the default)."""
+        return None
 
     @abstractmethod
     def export_comparison(self) -> ExportComparison:

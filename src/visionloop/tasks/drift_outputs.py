@@ -19,6 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+# The exported output holding each image's penultimate-layer embedding, reduced by PCA at
+# export (`Task.embedding_layer`, `export.embedding`): the prediction log records it and the
+# monitor's MMD test compares it with the reference's.
+EMBEDDING_OUTPUT = "embedding"
+
 # 100 probabilities are ~1 KB of JSON per logged request; more classes log summaries instead.
 MAX_PROBABILITY_COLUMNS = 100
 

@@ -18,6 +18,7 @@ from visionloop.tasks.base import (
     Answer,
     AnswerOptions,
     Arrays,
+    EmbeddingLayer,
     Evaluator,
     ExportComparison,
     ImageContext,
@@ -168,6 +169,16 @@ class ClassificationTask(Task):
         )
 
     # ------------------------------------------------------------------ export
+    def embedding_layer(self, module: nn.Module) -> EmbeddingLayer | None:
+        # The input of the classifier's last linear layer: the pooled features the head
+        # separates the classes with (native archs name it `fc`; torchvision's resnets `fc`,
+        # mobilenets and efficientnets `classifier[-1]`, ViT `heads.head`: the last Linear in
+        # registration order for each).
+        from torch import nn as tnn
+
+        linear = [m for m in module.modules() if isinstance(m, tnn.Linear)]
+        return EmbeddingLayer(linear[-1], "input") if linear else None
+
     def export_comparison(self) -> ExportComparison:
         from visionloop.tasks.classification.evaluate import ClassificationComparison
 

@@ -29,6 +29,7 @@ from visionloop.tasks.base import (
     AnswerOptions,
     Arrays,
     DatasetSummary,
+    EmbeddingLayer,
     Evaluator,
     ExportComparison,
     ImageContext,
@@ -331,6 +332,16 @@ class DetectionTask(Task):
         from visionloop.tasks.detection.export import export_module
 
         return export_module(model)
+
+    def embedding_layer(self, module: nn.Module) -> EmbeddingLayer | None:
+        # The native detector: its backbone's deepest features (stage 4, stride 32), averaged
+        # over the image. torchvision's detectors export their network inside an ONNX Loop over
+        # the images (`export.BatchLoop`), which a second output cannot leave: none for them.
+        from visionloop.tasks.detection.export import NativeExport
+
+        if isinstance(module, NativeExport):
+            return EmbeddingLayer(module.model.stage4, "output")
+        return None
 
     def export_comparison(self) -> ExportComparison:
         from visionloop.tasks.detection.evaluate import DetectionComparison
