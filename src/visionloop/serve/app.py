@@ -102,11 +102,13 @@ def create_app(
     on_ready: Callable[[Server], None] | None = None,
     on_stop: Callable[[Server], None] | None = None,
     keys: KeyRing | None = None,
+    collected: Path | None = None,
 ) -> ServeApp:
     """The server's ASGI app. Models load in its lifespan: the app answers once they are in.
     `on_ready` runs once they are; `on_stop` once it has drained and closed, on shutdown.
-    With `keys`, every request but the health checks needs an API key (see serve.auth)."""
-    server = Server(config, source, predictions)
+    With `keys`, every request but the health checks needs an API key (see serve.auth).
+    `collected`: where collected images go when `collect.enabled` and `collect.dir` is unset."""
+    server = Server(config, source, predictions, collected)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -387,7 +389,8 @@ async def _image(
             status=400,
         )
     req = InferRequest(None, {spec.name: x}, 1, [], decoded.stats)
-    result = await server.run(sv, req, shadow)
+    # The image file goes with the request only while the server collects (serve.collect).
+    result = await server.run(sv, req, shadow, decoded.data if server.collector is not None else None)
     image = ImageContext(
         width=size[0], height=size[1], input_height=int(x.shape[2]), input_width=int(x.shape[3])
     )

@@ -65,6 +65,7 @@ class Job:
     queue_s: float = 0.0
     failed: bool = False  # its outputs were not finite: answered with NonFiniteOutputError
     image: Mapping[str, float] | None = None  # an image request's statistics (prediction log)
+    data: bytes | None = None  # an image request's file, when the server collects (serve.collect)
 
 
 # Called in the event loop after each batch: (jobs, outputs of the whole batch, rows, seconds).
@@ -107,13 +108,13 @@ class Batcher:
         return self._queue.qsize()
 
     def submit(
-        self, feeds: Arrays, rows: int, image: Mapping[str, float] | None = None
+        self, feeds: Arrays, rows: int, image: Mapping[str, float] | None = None, data: bytes | None = None
     ) -> asyncio.Future[Result]:
         """Queue one request (all inputs batch-first, `rows` rows); never waits."""
         if self.closed:
             raise BatcherClosedError("this version is being unloaded")
         key = tuple(a.shape[1:] for a in feeds.values())
-        job = Job(feeds, rows, key, asyncio.get_running_loop().create_future(), image=image)
+        job = Job(feeds, rows, key, asyncio.get_running_loop().create_future(), image=image, data=data)
         try:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:

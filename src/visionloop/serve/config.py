@@ -8,10 +8,22 @@
     request_timeout_ms: 5000
     canary_percent: 10            # of bare-name requests answered by the challenger
     shadow_percent: 0             # of bare-name requests mirrored to the challenger, never returned
+    collect:                      # keep a sample of the images sent, for labelling (off by default)
+      enabled: true
+      sample_rate: 0.01           # share of image-endpoint requests kept at random
+      below_confidence: 0.5       # also keep every answer less confident than this
+      max_bytes: 1073741824       # the whole store; past it nothing new is kept (and it is counted)
+      retention_days: 30          # an image is deleted this long after it was last seen
+      # dir: /data/collected      # default: $VISIONLOOP_HOME/serve/collected
 
 `visionloop bench --latency-budget` writes one of these for the hardware it measured; every
 field but `model` has a default. Unknown fields are errors (a typo must not silently fall back
 to a default), and a bad value gets a message naming the field and a valid example.
+
+`collect` stores the image file of a request to the image endpoint (classify, detect) as it
+was sent, by content hash, beside its prediction record (`serve.collect`). It is off unless
+`enabled`: a team may not be allowed to keep images of people. KServe v2 tensor requests are
+never collected: there is no image file to keep.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionloop.core.errors import SpecError
 from visionloop.specs import format_validation_error, parse_yaml_mapping, read_spec_text
@@ -31,6 +43,48 @@ Precision = Literal["fp32", "fp16", "int8"]
 MINIMAL_SERVE_CONFIG = (
     "model: digits          # NAME (champion), NAME@ALIAS or NAME/VERSION\nprecision: int8\n"
 )
+
+
+class CollectConfig(BaseModel):
+    """The `collect:` section: which answered image requests the server keeps for labelling,
+    and for how long (see the module docstring; `serve.collect` does the keeping)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, examples=[True], description="off by default: images may show people")
+    sample_rate: float = Field(
+        0.0, ge=0.0, le=1.0, examples=[0.01], description="share of image requests kept at random"
+    )
+    below_confidence: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        examples=[0.5],
+        description="also keep every request whose answer's confidence (a detector's best score) is below it",
+    )
+    max_bytes: int = Field(
+        2**30, ge=1, examples=[1073741824], description="the whole store's size; past it nothing new is kept"
+    )
+    retention_days: float = Field(
+        30.0, gt=0.0, examples=[30], description="images not seen for this long are deleted"
+    )
+    dir: Path | None = Field(
+        None, examples=["/data/collected"], description="default: $VISIONLOOP_HOME/serve/collected"
+    )
+
+    @field_validator("dir")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser()
+
+    @model_validator(mode="after")
+    def _check(self) -> CollectConfig:
+        if self.enabled and self.sample_rate == 0.0 and self.below_confidence is None:
+            raise ValueError(
+                "collect.enabled is true but no rule keeps anything: set collect.sample_rate (e.g. 0.01) "
+                "and/or collect.below_confidence (e.g. 0.5), or set enabled: false"
+            )
+        return self
 
 
 class ServeConfig(BaseModel):
@@ -97,6 +151,11 @@ class ServeConfig(BaseModel):
         examples=[True],
         description="record what `visionloop monitor` compares in each prediction record: the task's drift "
         "outputs (a classifier's probabilities) and an image request's statistics (brightness, ...)",
+    )
+    collect: CollectConfig = Field(
+        default_factory=CollectConfig,
+        examples=[{"enabled": True, "sample_rate": 0.01}],
+        description="keep a sample of the images sent, for labelling (off by default)",
     )
 
     @model_validator(mode="after")

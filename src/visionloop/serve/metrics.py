@@ -83,6 +83,23 @@ class ServeMetrics:
             registry=r,
         )
 
+        # The `collect:` store (serve.collect): images kept for labelling, and those not kept.
+        self.collect_kept = Counter(
+            "visionloop_collect_kept",
+            "Image requests kept for labelling (a new image or a sighting)",
+            registry=r,
+        )
+        self.collect_dropped = Counter(
+            "visionloop_collect_dropped",
+            "Image requests a rule kept but the store did not (full: past collect.max_bytes; queue: "
+            "the writer was behind; error: the write failed)",
+            ["reason"],
+            registry=r,
+        )
+        self.collect_bytes = Gauge(
+            "visionloop_collect_bytes", "Size of the collected images' store", registry=r
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 from visionloop.registry.layout import parse_ref
 from visionloop.serve.batcher import Arrays, Batcher, Job
+from visionloop.serve.collect import Collector
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import PredictionLog
@@ -110,11 +111,13 @@ class Repository:
         metrics: ServeMetrics,
         predlog: PredictionLog | None = None,
         rng: random.Random | None = None,
+        collector: Collector | None = None,
     ) -> None:
         self.source = source
         self.config = config
         self.metrics = metrics
         self.predlog = predlog
+        self.collector = collector
         self.rng = rng or random.Random()
         self.models: dict[str, ServedModel] = {}
         self._failed: dict[tuple[str, int], float] = {}
@@ -235,7 +238,10 @@ class Repository:
             depth.set(sv.batcher.depth)
             for j in jobs:
                 queue.observe(j.queue_s)
-            if self.predlog is None:
+            # The collector reads the same record as the log, for the jobs that carry an image
+            # file (the server hands one over only while it collects).
+            collector = self.collector if any(j.data is not None for j in jobs) else None
+            if self.predlog is None and collector is None:
                 return
             if any(j.failed for j in jobs):
                 # A request answered with an error (NaN or infinity in its outputs) is not a
@@ -256,17 +262,20 @@ class Repository:
             for j in jobs:
                 latency_ms = round((j.queue_s + compute_s) * 1000.0, 3)
                 for r in range(row, row + j.rows):
-                    self.predlog.put(
-                        PredictionRecord(
-                            time=now,
-                            model=sv.name,
-                            version=sv.version,
-                            role="primary" if "primary" in sv.roles else "challenger",
-                            latency_ms=latency_ms,
-                            answer=fields[r],
-                            monitor=_monitor_fields(drift, r, j.image, embedding),
-                        )
+                    record = PredictionRecord(
+                        time=now,
+                        model=sv.name,
+                        version=sv.version,
+                        role="primary" if "primary" in sv.roles else "challenger",
+                        latency_ms=latency_ms,
+                        answer=fields[r],
+                        monitor=_monitor_fields(drift, r, j.image, embedding),
                     )
+                    if self.predlog is not None:
+                        self.predlog.put(record)
+                    # An image request (one row) whose caller got this answer, not a 504.
+                    if collector is not None and j.data is not None and not j.future.cancelled():
+                        collector.offer(j.data, record)
                 row += j.rows
 
         return observe

@@ -25,6 +25,7 @@ import uvicorn
 from visionloop.core.errors import ConfigError, VisionloopError
 from visionloop.core.settings import Settings
 from visionloop.serve.app import create_app
+from visionloop.serve.collect import collected_dir
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.keys import KeyRing
 from visionloop.serve.predlog import predictions_dir
@@ -117,7 +118,7 @@ def serve_forever(
     check_exposure(config.host, keys, insecure_no_auth)
     check_tls(tls)
     path = predictions_path(settings, config.host, config.port)
-    app = create_app(config, source, path, on_ready, on_stop, keys)
+    app = create_app(config, source, path, on_ready, on_stop, keys, collected_dir(settings.home))
     server = uvicorn.Server(_uvicorn_config(app, config, tls))
     server.run()
     error = app.state.server.startup_error
@@ -143,7 +144,10 @@ class BackgroundServer:
         keys: KeyRing | None = None,
         tls: Tls | None = None,
         insecure_no_auth: bool = False,
+        collected: Path | None = None,
     ) -> None:
+        """`collected`: where collected images go when the config enables `collect` without
+        a `dir` (`serve.collect.collected_dir(home)` is the home's)."""
         check_exposure(config.host, keys, insecure_no_auth)
         check_tls(tls)
         self.tls = tls
@@ -152,7 +156,7 @@ class BackgroundServer:
         self.sock.bind((config.host, config.port))
         self.port: int = self.sock.getsockname()[1]
         self.config = config.model_copy(update={"port": self.port})
-        self.app = create_app(self.config, source, predictions, keys=keys)
+        self.app = create_app(self.config, source, predictions, keys=keys, collected=collected)
         self.server = uvicorn.Server(_uvicorn_config(self.app, self.config, tls))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from visionloop.core.errors import ConfigError
 from visionloop.serve.batcher import (
     BatcherClosedError,
     InferenceError,
@@ -24,6 +25,7 @@ from visionloop.serve.batcher import (
     QueueFullError,
     Result,
 )
+from visionloop.serve.collect import Collector
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.images import DecodedImage, decode_image, image_bytes, needed_side
 from visionloop.serve.metrics import ServeMetrics
@@ -49,7 +51,15 @@ def _workers(configured: int) -> int:
 class Server:
     """The state one app serves from: config, models, metrics, prediction log."""
 
-    def __init__(self, config: ServeConfig, source: ModelSource, predictions: Path | None) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        source: ModelSource,
+        predictions: Path | None,
+        collected: Path | None = None,
+    ) -> None:
+        """`predictions`: the prediction log's file (None: no log); `collected`: the store of
+        collected images when the config's `collect.dir` names none (`serve.collect`)."""
         self.config = config
         self.metrics = ServeMetrics()
         self.predlog = (
@@ -62,7 +72,8 @@ class Server:
             if predictions is not None and config.prediction_log
             else None
         )
-        self.repo = Repository(source, config, self.metrics, self.predlog)
+        self.collector = _collector(config, collected, self.metrics)
+        self.repo = Repository(source, config, self.metrics, self.predlog, collector=self.collector)
         self.ready = False
         self.startup_error: BaseException | None = None
         self._shadows: set[asyncio.Task[None]] = set()
@@ -163,7 +174,7 @@ class Server:
         pool: the multipart form is split, the image decoded (reduced to what the card's
         resize needs) and preprocessed there, a bounded number at a time."""
         cfg = self.config
-        stats = self.predlog is not None and cfg.prediction_log_monitor
+        stats = (self.predlog is not None or self.collector is not None) and cfg.prediction_log_monitor
 
         def work() -> DecodedImage:
             data = image_bytes(body, content_type)
@@ -182,9 +193,13 @@ class Server:
 
     # ------------------------------------------------------------------ running requests
 
-    async def run(self, sv: ServedVersion, req: InferRequest, shadow: ServedVersion | None) -> Result:
+    async def run(
+        self, sv: ServedVersion, req: InferRequest, shadow: ServedVersion | None, data: bytes | None = None
+    ) -> Result:
+        """`req` answered by `sv` (and mirrored to `shadow`); `data`, an image request's file,
+        is offered to the collector with the answer's record."""
         try:
-            fut = sv.batcher.submit(req.feeds, req.rows, req.image)
+            fut = sv.batcher.submit(req.feeds, req.rows, req.image, data)
         except QueueFullError:
             self.metrics.rejected.labels(sv.name, str(sv.version), "queue_full").inc()
             raise ProtocolError(
@@ -294,3 +309,25 @@ class Server:
         self._parses.shutdown(wait=False, cancel_futures=True)
         if self.predlog is not None:
             await asyncio.to_thread(self.predlog.close)
+        if self.collector is not None:  # after the models: their last batches are offered
+            await asyncio.to_thread(self.collector.close)
+
+
+def _collector(config: ServeConfig, collected: Path | None, metrics: ServeMetrics) -> Collector | None:
+    """The collector of a config whose `collect.enabled` says so, else None."""
+    cfg = config.collect
+    if not cfg.enabled:
+        return None
+    directory = cfg.dir if cfg.dir is not None else collected
+    if directory is None:
+        raise ConfigError(
+            "collect.enabled is true but the server was given no folder to keep images in: set "
+            "collect.dir in the serving config (e.g. dir: /data/collected)"
+        )
+    try:
+        return Collector(cfg, directory, metrics=metrics)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot keep collected images in {directory}: {e}; set collect.dir to a folder the server "
+            "may write"
+        ) from e
