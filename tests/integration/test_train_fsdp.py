@@ -143,11 +143,11 @@ def test_fsdp_resume_after_sigterm_is_bitwise_exact_and_equal_to_ddp_without_cli
     # gradients, a different order of float additions than DDP's over whole tensors, and that
     # last-bit difference is amplified by training (seen: conv weights 20% apart after 44 steps).
     fsdp_noclip = write_spec(
-        tmp_path / "fsdp-noclip.yaml", _doc(digits_dataset, epochs=2, optimizer__grad_clip_norm=None)
+        tmp_path / "fsdp-noclip.yaml", _doc(digits_dataset, epochs=1, optimizer__grad_clip_norm=None)
     )
     ddp_noclip = write_spec(
         tmp_path / "ddp-noclip.yaml",
-        _doc(digits_dataset, epochs=2, distributed="ddp", optimizer__grad_clip_norm=None),
+        _doc(digits_dataset, epochs=1, distributed="ddp", optimizer__grad_clip_norm=None),
     )
     f_dir, ddp_dir = tmp_path / "fsdp-noclip", tmp_path / "ddp-noclip"
     _train(fsdp_noclip, f_dir, "--nproc-per-node", "2")
