@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from visionloop.data.shards import Record, ShardReader
     from visionloop.models import ModelCard
     from visionloop.specs import TrainSpec
-    from visionloop.tasks.drift_outputs import DriftOutputs
+    from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
 
 # (model outputs, targets) -> scalar loss. Outputs and targets are whatever the task's model
 # returns and its collate makes.
@@ -505,6 +505,12 @@ class Task(ABC):
         """Per image of a batch (calibrated outputs): what drift monitoring compares with the
         version's reference (`tasks.drift_outputs`). Default: nothing, so the monitor tests
         only the image statistics."""
+        return None
+
+    def uncertainty_inputs(self, outputs: Arrays, class_names: Sequence[str]) -> UncertaintyInputs | None:
+        """Per image of a batch (calibrated outputs): what label selection scores uncertainty
+        from (`tasks.drift_outputs.UncertaintyInputs`). Default: nothing, so only the
+        strategies that need no model uncertainty (random, k-center) apply."""
         return None
 
     @abstractmethod

@@ -45,3 +45,15 @@ class DriftOutputs:
 
     def __len__(self) -> int:
         return int(self.columns.shape[0])
+
+
+@dataclass(frozen=True)
+class UncertaintyInputs:
+    """Per image of a batch: what active-learning selection scores its uncertainty from
+    (`Task.uncertainty_inputs`, `visionloop.label.select`). A classifier gives its class
+    probabilities (calibrated softmax) and predicted classes; a detector each image's box
+    scores after NMS (`box_scores`, every box above a small floor) and no one class."""
+
+    probabilities: npt.NDArray[np.float64] | None = None  # (images, classes)
+    box_scores: tuple[npt.NDArray[np.float32], ...] | None = None  # one array per image
+    classes: npt.NDArray[np.int64] | None = None  # (images,)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from visionloop.tasks.drift_outputs import MAX_PROBABILITY_COLUMNS, DriftOutputs
+from visionloop.tasks.drift_outputs import MAX_PROBABILITY_COLUMNS, DriftOutputs, UncertaintyInputs
 
 
 def top1(scores: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
@@ -73,3 +73,11 @@ def drift_outputs(scores: npt.NDArray[Any], class_names: Sequence[str]) -> Drift
         names = ("confidence", "margin", "entropy")
         columns = np.stack([conf, conf - second, entropy], axis=1)
     return DriftOutputs(names, columns.astype(np.float32), top.astype(np.int64), conf.astype(np.float32))
+
+
+def uncertainty_inputs(scores: npt.NDArray[Any]) -> UncertaintyInputs:
+    """Per row: the softmax probabilities of the (already calibrated) logits, and the top class."""
+    flat = scores.reshape(scores.shape[0], -1).astype(np.float64)
+    probs = np.exp(flat - flat.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    return UncertaintyInputs(probabilities=probs, classes=probs.argmax(axis=1).astype(np.int64))

@@ -27,7 +27,7 @@ from visionloop.tasks.base import (
     Task,
 )
 from visionloop.tasks.classification import answer
-from visionloop.tasks.drift_outputs import DriftOutputs
+from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
 from visionloop.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -220,6 +220,9 @@ class ClassificationTask(Task):
 
     def drift_outputs(self, outputs: Arrays, class_names: Sequence[str]) -> DriftOutputs:
         return answer.drift_outputs(_logits(outputs), class_names)
+
+    def uncertainty_inputs(self, outputs: Arrays, class_names: Sequence[str]) -> UncertaintyInputs:
+        return answer.uncertainty_inputs(_logits(outputs))
 
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
         return answer.log_fields(_logits(outputs), class_names)

@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from visionloop.models.card import letterbox_scale
 from visionloop.tasks.base import Answer, AnswerOptions, Arrays, ImageContext
-from visionloop.tasks.drift_outputs import DriftOutputs
+from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
 
 DEFAULT_SCORE_THRESHOLD = 0.25
 NMS_IOU = 0.5
@@ -187,6 +187,21 @@ def drift_outputs(outputs: Arrays) -> DriftOutputs:
         row = scores[i][np.isfinite(scores[i])]
         columns[i] = (len(sc), float(row.max()) if row.size else 0.0, float(sc.mean()) if len(sc) else 0.0)
     return DriftOutputs(("detections", "max_score", "mean_score"), columns)
+
+
+# Boxes under this score are background noise for selection (the floor mAP evaluation keeps).
+SELECTION_SCORE_FLOOR = 0.05
+
+
+def uncertainty_inputs(outputs: Arrays) -> UncertaintyInputs:
+    """Per image: the scores of its boxes over `SELECTION_SCORE_FLOOR` after per-class NMS,
+    best first (what the image's uncertainty is scored from); no one class per image."""
+    boxes, scores, labels = _arrays(outputs)
+    per_image = tuple(
+        _kept(boxes[i], scores[i], labels[i], SELECTION_SCORE_FLOOR, None, MAX_DETECTIONS)[1]
+        for i in range(scores.shape[0])
+    )
+    return UncertaintyInputs(box_scores=per_image)
 
 
 def agreement(a: Arrays, b: Arrays) -> npt.NDArray[np.bool_]:

@@ -38,7 +38,7 @@ from visionloop.tasks.base import (
     SummaryTable,
     Task,
 )
-from visionloop.tasks.drift_outputs import DriftOutputs
+from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
 from visionloop.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -388,6 +388,11 @@ class DetectionTask(Task):
         from visionloop.tasks.detection import answer
 
         return answer.drift_outputs(outputs)
+
+    def uncertainty_inputs(self, outputs: Arrays, class_names: Sequence[str]) -> UncertaintyInputs:
+        from visionloop.tasks.detection import answer
+
+        return answer.uncertainty_inputs(outputs)
 
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:
         from visionloop.tasks.detection import answer
