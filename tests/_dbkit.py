@@ -19,9 +19,11 @@ import functools
 import os
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -91,5 +93,20 @@ def fresh_database(backend: str, tmp_path: Path) -> Iterator[str]:
     try:
         yield make_url(admin).set(database=name).render_as_string(hide_password=False)
     finally:
-        with psycopg.connect(_libpq_url(admin), autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        _drop(psycopg, sql, admin, name)
+
+
+def _drop(psycopg: Any, sql: Any, admin: str, name: str) -> None:
+    """DROP ... WITH (FORCE), retried: FORCE may not end a backend of another role (an
+    autovacuum worker on the new database, under load: "must be a member of the role whose
+    process is being terminated", seen in CI), which is gone a moment later."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with psycopg.connect(_libpq_url(admin), autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+            return
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ObjectInUse):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

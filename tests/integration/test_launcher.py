@@ -60,13 +60,19 @@ def test_a_signal_to_the_whole_group_stops_every_rank_cleanly(sig: signal.Signal
 
 
 def test_a_failing_rank_stops_the_others(tmp_path: Path) -> None:
-    marker = tmp_path / "rank1-stopped"
+    marker, ready = tmp_path / "rank1-stopped", tmp_path / "rank1-ready"
+    # Rank 0 fails only once rank 1 has installed its handler: under load, a stop that arrives
+    # while rank 1 is still importing kills it with Python's default SIGTERM (seen in CI).
     rank = f"""
 import os, sys, time
 from visionloop.train.signals import StopRequest
 stop = StopRequest().install()
 if os.environ["RANK"] == "0":
+    deadline = time.monotonic() + 50
+    while not os.path.exists({str(ready)!r}) and time.monotonic() < deadline:
+        time.sleep(0.01)
     sys.exit(3)
+open({str(ready)!r}, "w").write("ready")
 while not stop.requested:
     time.sleep(0.01)
 open({str(marker)!r}, "w").write("stopped")
