@@ -16,12 +16,14 @@ aiohttp clients (1 and 32), batch-1 requests, pre-encoded bodies:
   body is multipart/form-data, so its `binary` is the raw tensor bytes as a form file upload
   (what LitServe's docs do for images).
 
-Servers take turns, one at a time, each in its own process (group), `--rounds` times, and the
-order rotates each round; each figure is the median over the rounds. Before the load, every
-server answers the same four inputs and the top-1 classes are compared with in-process ONNX
-Runtime (printed; a mismatch stops the run).
+Servers take turns, one at a time, each in its own process group and session (the scheduler's
+autogroups share the CPU between sessions: a server in the client's session would share its
+part with the client), `--rounds` times, and the order rotates each round; each figure is the
+median over the rounds. Before the load, every server answers the same eight inputs as JSON,
+and its logits and top-1 classes are compared with in-process ONNX Runtime (printed; a
+difference stops the run, as does any error answer under load).
 
-    pip install -e '.[peer]'   # LitServe 0.2.19 (Apache-2.0), kept out of the main install
+    pip install -e '.[peer]'   # LitServe 0.2.19 and python-multipart (Apache-2.0), not in the main install
     python benchmarks/serve/peer.py [--arch resnet18 --size 224] [--rounds 3 --seconds 8]
                                     [--clients 1,32] [--formats json,binary] [--batch 8]
                                     [--pytriton-python PATH]
@@ -33,7 +35,8 @@ interpreter:
 
     python -m venv /tmp/pyt_venv && /tmp/pyt_venv/bin/pip install nvidia-pytriton 'numpy<2' onnxruntime
 
-Results: benchmarks/results/serve_peer[_ARCH].json.
+Results: benchmarks/results/serve_peer[_ARCH].json (`--name` for another); figures and
+findings in BENCHMARKS.md, "Inference server against a peer".
 """
 
 from __future__ import annotations
