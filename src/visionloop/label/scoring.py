@@ -218,7 +218,7 @@ def _labelled(scorer: _Scorer, progress: Progress | None) -> Labelled:
             out.ids.append(f"train/{pos}")
             if pos in embed_at:
                 batch.append(scorer.decode(data))
-        if batch and (len(batch) >= _BATCH or start + _BATCH >= len(positions)):
+        if len(batch) >= _BATCH:
             embeds.append(np.asarray(scorer.run(batch)[EMBEDDING_OUTPUT], dtype=np.float32))
             batch.clear()
         if progress is not None:

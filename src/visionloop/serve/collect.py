@@ -45,6 +45,7 @@ import orjson
 from visionloop.core.fsutil import atomic_write_bytes, ensure_private_dir
 from visionloop.serve.config import CollectConfig
 from visionloop.serve.metrics import ServeMetrics
+from visionloop.serve.predlog import flush_writer, stop_writer
 from visionloop.serve.record import PredictionRecord, ReadStats, RecordError
 
 log = logging.getLogger(__name__)
@@ -195,9 +196,7 @@ def read_collected(directory: Path, stats: ReadStats | None = None) -> Iterator[
             if not image.path.is_file():
                 raise SidecarError(f"its image {image.path.name} is missing")
         except (OSError, RecordError) as e:
-            stats.bad += 1
-            if stats.first_error is None:
-                stats.first_error = f"{path}: {e}"
+            stats.skip(f"{path}: {e}")
             continue
         stats.read += 1
         yield image
@@ -279,12 +278,7 @@ class Collector:
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until every image queued so far is stored (tests, shutdown)."""
-        done = threading.Event()
-        try:
-            self._queue.put(done, timeout=timeout)
-        except queue.Full:
-            return
-        done.wait(timeout)
+        flush_writer(self._queue, timeout)
 
     def sweep(self) -> None:
         """Ask the writer for a retention sweep now (it also runs one every hour)."""
@@ -292,12 +286,8 @@ class Collector:
 
     def close(self, timeout: float = 10.0) -> None:
         """Store what is queued, then stop the writer."""
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            log.warning("collect: writer stuck; %d queued images not kept", self._queue.qsize())
-            return
-        self._thread.join(timeout)
+        stuck = "collect: writer stuck; %d queued images not kept"
+        stop_writer(self._queue, self._thread, _STOP, timeout, stuck)
         if not self._thread.is_alive():
             self._lock_file.close()
 

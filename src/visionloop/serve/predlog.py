@@ -63,21 +63,12 @@ class PredictionLog:
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued, then stop the writer."""
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            log.warning("prediction log: writer stuck; %s records not written", self._queue.qsize())
-            return
-        self._thread.join(timeout)
+        stuck = "prediction log: writer stuck; %s records not written"
+        stop_writer(self._queue, self._thread, _STOP, timeout, stuck)
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until every record queued so far is written (tests, shutdown)."""
-        done = threading.Event()
-        try:
-            self._queue.put(done, timeout=timeout)
-        except queue.Full:
-            return
-        done.wait(timeout)
+        flush_writer(self._queue, timeout)
 
     def _rotate(self) -> None:
         if self.backups == 0:
@@ -128,3 +119,27 @@ class PredictionLog:
             log.error("prediction log %s: %s; no more predictions will be logged", self.path, e)
         finally:
             f.close()
+
+
+def flush_writer(q: queue.Queue[Any], timeout: float) -> None:
+    """Wait until a writer thread has handled everything queued on `q` so far: it sets each
+    `threading.Event` it takes off the queue (the prediction log's and the collector's)."""
+    done = threading.Event()
+    try:
+        q.put(done, timeout=timeout)
+    except queue.Full:
+        return
+    done.wait(timeout)
+
+
+def stop_writer(
+    q: queue.Queue[Any], thread: threading.Thread, stop: object, timeout: float, stuck: str
+) -> None:
+    """Queue `stop` behind what is queued and join the writer; `stuck` (a format with the
+    queue's size) is logged when the queue stays full for `timeout`."""
+    try:
+        q.put(stop, timeout=timeout)
+    except queue.Full:
+        log.warning(stuck, q.qsize())
+        return
+    thread.join(timeout)

@@ -188,6 +188,12 @@ class ReadStats:
     bad: int = 0
     first_error: str | None = None
 
+    def skip(self, where: str) -> None:
+        """Count one item skipped; keep the first one's place and reason (`where`)."""
+        self.bad += 1
+        if self.first_error is None:
+            self.first_error = where
+
 
 def read_records(path: Path, stats: ReadStats | None = None) -> Iterator[PredictionRecord]:
     """The records of one log file in order. Lines that are not records (torn by a crash,
@@ -203,9 +209,7 @@ def read_records(path: Path, stats: ReadStats | None = None) -> Iterator[Predict
                     raise RecordError(f"line of {len(line)} bytes (at most {MAX_LINE_BYTES})")
                 record = PredictionRecord.from_json(orjson.loads(line))
             except (RecordError, orjson.JSONDecodeError) as e:
-                stats.bad += 1
-                if stats.first_error is None:
-                    stats.first_error = f"{path}:{number}: {e}"
+                stats.skip(f"{path}:{number}: {e}")
                 continue
             stats.read += 1
             yield record
