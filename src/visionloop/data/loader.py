@@ -8,14 +8,10 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision.io import ImageReadMode, decode_image
 
+from visionloop.data.imageops import decode_rgb
 
-def decode_rgb(data: bytes) -> torch.Tensor:
-    """A shard record's encoded image (PNG/JPEG bytes, as ingest wrote it) → uint8 (3, H, W)."""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out: torch.Tensor = decode_image(buf, mode=ImageReadMode.RGB)
-    return out
+__all__ = ["decode_rgb", "make_loader"]
 
 
 def _worker_init(_: int) -> None:

@@ -155,6 +155,11 @@ def create_model(name: str, num_classes: int, *, pretrained: Path | None = None,
 
 
 def _entry(name: str) -> _Entry:
+    _ensure_native()
+    if name in _REGISTRY:
+        # A native model needs no torchvision: its import pulls in torch._dynamo, seconds of
+        # start-up for every process that trains, evaluates or exports a small_cnn.
+        return _REGISTRY[name]
     _ensure_loaded()
     try:
         return _REGISTRY[name]
@@ -168,14 +173,17 @@ def _entry(name: str) -> _Entry:
     )
 
 
+def _ensure_native() -> None:
+    import visionloop.models.native  # noqa: F401  (registers on import)
+
+
 def _ensure_loaded() -> None:
     global _loaded
     if _loaded:
         return
     _loaded = True
     # Native models first, so that a native name wins over a torchvision one.
-    import visionloop.models.native  # noqa: F401  (registers on import)
-
+    _ensure_native()
     _register_torchvision()
 
 

@@ -91,7 +91,7 @@ def train(
         if meta.get("status") == "succeeded" and rd.final_weights.is_file():
             return _already_finished(rd, meta)
 
-        configure_determinism(spec.deterministic, device)
+        configure_determinism(spec.deterministic, device, compiled=spec.model.compile)
         rng_state.seed_everything(spec.seed)
         c = build(spec, info, device, rd, spec_fingerprint(resolved))
         if info.rank:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -60,14 +61,21 @@ def resolve_precision(name: str, device: torch.device, deterministic: bool) -> P
     return Precision(name=name, dtype=dtype)
 
 
-def configure_determinism(deterministic: bool, device: torch.device) -> None:
+def configure_determinism(deterministic: bool, device: torch.device, *, compiled: bool = False) -> None:
     if deterministic:
         # cuBLAS needs this to be deterministic; must be set before the first cuBLAS call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # On CUDA several common backward kernels (adaptive average pooling, interpolate) have
         # no deterministic version and would raise; there torch warns instead. Bitwise
         # exactness is promised on CPU, the reference device.
-        torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
+        warn_only = device.type == "cuda"
+        if compiled or "torch._inductor.config" in sys.modules:
+            torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        else:
+            # torch.use_deterministic_algorithms imports torch._inductor (and torch._dynamo with
+            # it: ~2 s of CPU at every start) only to pass the flag on to inductor. A run that
+            # does not compile has no inductor to tell: set the flag the function sets.
+            torch._C._set_deterministic_algorithms(True, warn_only=warn_only)
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
     elif device.type == "cuda":

@@ -18,9 +18,9 @@ import random
 from dataclasses import dataclass
 
 import torch
-from torchvision.transforms.v2 import functional as F
 
-from visionloop.data.loader import decode_rgb
+from visionloop.data import imageops as F
+from visionloop.data.imageops import decode_rgb
 from visionloop.specs import AugmentSpec
 
 __all__ = ["EvalTransform", "TrainTransform", "decode_rgb", "random_resized_crop_params", "sample_seed"]
@@ -73,9 +73,9 @@ class TrainTransform:
         _, h, w = img.shape
         if a.random_resized_crop:
             top, left, ch, cw = random_resized_crop_params(rng, h, w, a.scale, a.ratio)
-            img = F.resized_crop(img, top, left, ch, cw, [self.size, self.size], antialias=True)
+            img = F.resized_crop(img, top, left, ch, cw, [self.size, self.size])
         else:
-            img = F.resize(img, [self.size, self.size], antialias=True)
+            img = F.resize(img, [self.size, self.size])
         if a.hflip and rng.random() < a.hflip:
             img = F.horizontal_flip(img)
         if a.color_jitter:
@@ -95,6 +95,6 @@ class EvalTransform:
 
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
         short = math.floor(self.size / self.crop_pct)
-        img = F.resize(img, short, antialias=True)
+        img = F.resize(img, short)
         out: torch.Tensor = F.center_crop(img, [self.size, self.size])
         return out
