@@ -6,6 +6,7 @@ Errors raised on purpose (`VisionloopError`) are printed as one message without 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -88,7 +89,39 @@ def _root(
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
+def _unwrap(text: str | None) -> str | None:
+    """A docstring with its source line breaks joined within each paragraph: Typer's Rich help
+    keeps them, which breaks sentences mid-line at whatever width the terminal has. Paragraphs
+    with indented lines or list items keep their lines (examples, formats)."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    kept = []
+    for para in paragraphs:
+        lines = para.split("\n")
+        if any(line.startswith((" ", "\t", "- ", "* ", "\b")) for line in lines):
+            kept.append(para)
+        else:
+            kept.append(" ".join(line.strip() for line in lines))
+    return "\n\n".join(kept)
+
+
+def _unwrap_help(group: typer.Typer) -> None:
+    """Unwrap every command's docstring (and each group's help) before Typer reads them."""
+    for command in group.registered_commands:
+        if command.callback is not None:
+            command.callback.__doc__ = _unwrap(command.callback.__doc__)
+        command.help = _unwrap(command.help) if isinstance(command.help, str) else command.help
+    for sub in group.registered_groups:
+        sub.help = _unwrap(sub.help) if isinstance(sub.help, str) else sub.help
+        if sub.typer_instance is not None:
+            info = sub.typer_instance.info
+            info.help = _unwrap(info.help) if isinstance(info.help, str) else info.help
+            _unwrap_help(sub.typer_instance)
+
+
 def main() -> None:
+    _unwrap_help(app)
     try:
         app()
     except VisionloopError as e:

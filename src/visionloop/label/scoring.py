@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,9 @@ from visionloop.label.phash import phash_bytes
 from visionloop.label.pool import Pool, SelectionError
 from visionloop.serve.protocol import ProtocolError
 from visionloop.tasks.drift_outputs import EMBEDDING_OUTPUT
+
+if TYPE_CHECKING:
+    from visionloop.serve.images import DecodedImage
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 MAX_POOL_IMAGES = 200_000
@@ -86,7 +89,7 @@ def list_images(source: Path, *, limit: int = MAX_POOL_IMAGES) -> list[Path]:
     return found
 
 
-class _Scorer:
+class Scorer:
     """The served export of one version, run the way the server runs it."""
 
     def __init__(self, ref: str, settings: Any, precision: str) -> None:
@@ -110,9 +113,13 @@ class _Scorer:
         self.has_embeddings = any(o.name == EMBEDDING_OUTPUT for o in self.model.outputs)
 
     def decode(self, data: bytes) -> npt.NDArray[Any]:
+        return self.decode_sized(data).input
+
+    def decode_sized(self, data: bytes) -> DecodedImage:
+        """The model's input and the image's upright size as sent (for answers in its pixels)."""
         from visionloop.serve.images import MAX_PIXELS, decode_image
 
-        return decode_image(data, self.transform, self.spec.dtype, self.need, MAX_PIXELS).input
+        return decode_image(data, self.transform, self.spec.dtype, self.need, MAX_PIXELS)
 
     def run(self, inputs: Sequence[npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
         outputs = self.model.run({self.spec.name: np.concatenate(list(inputs))})
@@ -134,7 +141,7 @@ def score_folder(
     from visionloop.core.settings import load_settings
 
     settings = settings or load_settings()
-    scorer = _Scorer(ref, settings, precision)
+    scorer = Scorer(ref, settings, precision)
     files = list_images(source)
     ids: list[str] = []
     hashes: list[int] = []
@@ -193,7 +200,7 @@ def score_folder(
     return Scored(pool, train, skipped, scorer.info.ref, precision, scorer.has_embeddings)
 
 
-def _labelled(scorer: _Scorer, progress: Progress | None) -> Labelled:
+def _labelled(scorer: Scorer, progress: Progress | None) -> Labelled:
     """The training split of the version's dataset: hashes, and embeddings of a spread sample."""
     from visionloop.eval.api import dataset_for, split_reader, spread_positions
 

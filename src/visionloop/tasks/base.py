@@ -43,6 +43,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from visionloop.core.errors import DataError
+from visionloop.tasks.labels import ImageLabels, LabelledImage
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -512,6 +515,29 @@ class Task(ABC):
         from (`tasks.drift_outputs.UncertaintyInputs`). Default: nothing, so only the
         strategies that need no model uncertainty (random, k-center) apply."""
         return None
+
+    # ------------------------------------------------------------------ labelling
+    def labelling_config(self, class_names: Sequence[str]) -> str:
+        """Label Studio's labelling config (XML) for this task's images and classes."""
+        raise DataError(f"the {self.name} task has no Label Studio labelling config")
+
+    def pre_annotation(
+        self, served: Mapping[str, Any], image: ImageContext
+    ) -> tuple[list[dict[str, Any]], float]:
+        """The served answer for one image (`served_answer`) as Label Studio result entries
+        for `labelling_config`, and one score for the whole prediction."""
+        raise DataError(f"the {self.name} task cannot pre-annotate for Label Studio")
+
+    def read_labels(
+        self, result: Sequence[Mapping[str, Any]], class_names: Sequence[str] | None
+    ) -> ImageLabels | None:
+        """A Label Studio annotation's result entries as this task's labels (None: the image
+        is not labelled); a DataError names what is wrong with them."""
+        raise DataError(f"the {self.name} task cannot read Label Studio annotations")
+
+    def write_labelled(self, items: Sequence[LabelledImage], out_dir: Path) -> Path:
+        """Labelled images as a source folder this task's ingest reads; returns it."""
+        raise DataError(f"the {self.name} task cannot write labelled images")
 
     @abstractmethod
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:

@@ -39,6 +39,7 @@ from visionloop.tasks.base import (
     Task,
 )
 from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
+from visionloop.tasks.labels import ImageLabels, LabelledImage
 from visionloop.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -403,6 +404,31 @@ class DetectionTask(Task):
         from visionloop.tasks.detection import answer
 
         return answer.agreement(a, b)
+
+    # ------------------------------------------------------------------ labelling
+    def labelling_config(self, class_names: Sequence[str]) -> str:
+        from visionloop.tasks.detection import labelling
+
+        return labelling.config(class_names)
+
+    def pre_annotation(
+        self, served: Mapping[str, Any], image: ImageContext
+    ) -> tuple[list[dict[str, Any]], float]:
+        from visionloop.tasks.detection import labelling
+
+        return labelling.pre_annotation(served, image)
+
+    def read_labels(
+        self, result: Sequence[Mapping[str, Any]], class_names: Sequence[str] | None
+    ) -> ImageLabels | None:
+        from visionloop.tasks.detection import labelling
+
+        return labelling.read_labels(result, class_names)
+
+    def write_labelled(self, items: Sequence[LabelledImage], out_dir: Path) -> Path:
+        from visionloop.tasks.detection import labelling
+
+        return labelling.write_labelled(items, out_dir)
 
 
 def _check_spec(task: Task, spec: TrainSpec, reader: ShardReader) -> None:
