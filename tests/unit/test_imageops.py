@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as TF
 
 from visionloop.data import imageops
+from visionloop.models.card import LETTERBOX_FILL, EvalPreprocess, letterbox_shape
 
 
 def _images(n: int, seed: int) -> list[torch.Tensor]:
@@ -107,16 +109,81 @@ def test_negative_or_non_finite_factors_are_refused() -> None:
 
 
 def test_the_classification_data_path_does_not_import_torchvision() -> None:
-    """The reason for the module: a classifier's trainer, evaluator and export read images
-    without torchvision (whose import pulls in torch._dynamo)."""
+    """The reason for the module: a classifier's trainer, evaluator, export, server and label
+    scoring read and preprocess images without torchvision (whose import pulls in
+    torch._dynamo)."""
     code = (
         "import sys\n"
         "import visionloop.train.api, visionloop.eval.run, visionloop.export.data\n"
         "import visionloop.tasks.classification.data\n"
         "from visionloop.models import create_model\n"
         "create_model('small_cnn', 10)\n"
+        "import torch, visionloop.eval.api, visionloop.serve.images, visionloop.label.scoring\n"
+        "from visionloop.models.card import EvalPreprocess\n"
+        "pre = EvalPreprocess(channels=3, resize_size=20, crop_size=(16, 16), interpolation='bicubic',\n"
+        "                     mean=(0.5,) * 3, std=(0.2,) * 3)\n"
+        "assert pre.to_transform()(torch.zeros(3, 30, 40, dtype=torch.uint8)).shape == (3, 16, 16)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _torchvision_eval_transform(pre: EvalPreprocess) -> Any:
+    """The card's transform as it was built from torchvision's v2 transforms (the reference)."""
+    from torchvision.transforms import v2
+
+    from visionloop.models.card import _IngestRGB
+
+    mode = v2.InterpolationMode(pre.interpolation)
+    colour = v2.RGB() if pre.channels == 3 else v2.Grayscale(num_output_channels=pre.channels)
+    size = pre.resize_size if isinstance(pre.resize_size, int) else list(pre.resize_size)
+    if pre.resize == "letterbox":
+
+        def letterbox(img: torch.Tensor) -> torch.Tensor:
+            h, w = int(img.shape[-2]), int(img.shape[-1])
+            nh, nw = letterbox_shape(h, w, pre.crop_size)
+            if (nh, nw) != (h, w):
+                img = TF.resize(img, [nh, nw], interpolation=mode, antialias=True)
+            out = torch.full((img.shape[0], *pre.crop_size), LETTERBOX_FILL, dtype=img.dtype)
+            out[:, :nh, :nw] = img
+            return out
+
+        geometry: list[Any] = [letterbox]
+    else:
+        geometry = [v2.Resize(size, interpolation=mode, antialias=True), v2.CenterCrop(list(pre.crop_size))]
+    return v2.Compose(
+        [
+            _IngestRGB(pre.alpha_background),
+            colour,
+            *geometry,
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(list(pre.mean), list(pre.std)),
+        ]
+    )
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "nearest"])
+@pytest.mark.parametrize(("channels", "resize"), [(3, "crop"), (1, "crop"), (3, "letterbox")])
+def test_the_model_cards_eval_transform_matches_torchvision(
+    interpolation: str, channels: int, resize: str
+) -> None:
+    rng = np.random.default_rng(6)
+    for k, img in enumerate(_images(10, seed=7)):
+        c, h, w = (channels, 24, 20) if k % 2 else (channels, 17, 17)
+        size: int | tuple[int, int] = int(rng.integers(17, 30)) if k % 3 else (int(h * 1.2), int(w * 1.3))
+        if resize == "letterbox":
+            size = max(h, w)
+        pre = EvalPreprocess(
+            channels=c, resize_size=size, crop_size=(h, w), interpolation=interpolation,  # type: ignore[arg-type]
+            mean=(0.4,) * c, std=(0.25,) * c, resize=resize,  # type: ignore[arg-type]
+        )  # fmt: skip
+        ours, theirs = pre.to_transform(), _torchvision_eval_transform(pre)
+        pil = Image.fromarray(img.permute(1, 2, 0).numpy())
+        rgba = pil.convert("RGBA")
+        rgba.putalpha(128)
+        for x in (img, pil, rgba, pil.convert("L")):
+            a, b = ours(x), theirs(x)
+            assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape == (c, h, w)
+            assert torch.equal(a, b), (interpolation, channels, resize, type(x), k)

@@ -3,7 +3,7 @@
 Why not torchvision's `io.decode_image` and `transforms.v2.functional`: importing any part of
 torchvision imports all of it, and `torchvision.ops` imports `torch._dynamo`, about 2.3 s of
 CPU in every training, evaluation and export process, which a classifier's data path never
-uses (detection keeps torchvision: its boxes and models need it). These functions make the
+uses (a task that needs torchvision imports it itself). These functions make the
 same torch calls in the same order as torchvision 0.29's kernels for uint8 (C, H, W) tensors,
 so the pixels are bitwise those torchvision gives; `tests/unit/test_imageops.py` holds them to
 it on random images and sizes.
@@ -57,8 +57,11 @@ def output_size(height: int, width: int, size: Sequence[int]) -> tuple[int, int]
     return int(size[0]), int(size[1])
 
 
-def resize(image: torch.Tensor, size: Sequence[int] | int) -> torch.Tensor:
-    """Bilinear resize with antialiasing of a (..., C, H, W) image, its dtype kept."""
+def resize(image: torch.Tensor, size: Sequence[int] | int, interpolation: str = "bilinear") -> torch.Tensor:
+    """Resize a (..., C, H, W) image, its dtype kept: bilinear and bicubic with antialiasing,
+    nearest without (torchvision's rules for each)."""
+    if interpolation not in ("bilinear", "bicubic", "nearest"):
+        raise ValueError(f"interpolation must be bilinear, bicubic or nearest, not {interpolation!r}")
     size = [size] if isinstance(size, int) else list(size)
     shape = image.shape
     numel = image.numel()
@@ -67,7 +70,14 @@ def resize(image: torch.Tensor, size: Sequence[int] | int) -> torch.Tensor:
     if (new_h, new_w) == (height, width) or numel == 0:
         return image
     dtype = image.dtype
-    native = dtype in (torch.float32, torch.float64) or (dtype == torch.uint8 and _native_uint8_resize(image))
+    native = dtype in (torch.float32, torch.float64) or (
+        dtype == torch.uint8
+        and (
+            interpolation == "nearest"
+            or (image.device.type == "cpu" and interpolation == "bicubic")
+            or (interpolation == "bilinear" and _native_uint8_resize(image))
+        )
+    )
     x = image.reshape(-1, channels, height, width)
     strides = x.stride()
     if x.is_contiguous(memory_format=torch.channels_last) and x.shape[0] == 1 and numel != strides[0]:
@@ -76,8 +86,13 @@ def resize(image: torch.Tensor, size: Sequence[int] | int) -> torch.Tensor:
         x = x.as_strided((1, channels, height, width), [numel, *strides[1:]])
     if not native:
         x = x.to(dtype=torch.float32)
-    x = interpolate(x, size=[new_h, new_w], mode="bilinear", align_corners=False, antialias=True)
+    if interpolation == "nearest":
+        x = interpolate(x, size=[new_h, new_w], mode="nearest")
+    else:
+        x = interpolate(x, size=[new_h, new_w], mode=interpolation, align_corners=False, antialias=True)
     if not native:
+        if interpolation == "bicubic" and dtype == torch.uint8:
+            x = x.clamp_(min=0, max=255)  # bicubic overshoots; torchvision clamps on this path
         if not dtype.is_floating_point:
             x = x.round_()
         x = x.to(dtype=dtype)
@@ -122,6 +137,26 @@ def center_crop(image: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
     top = round((height - crop_h) / 2.0)
     left = round((width - crop_w) / 2.0)
     return image[..., top : top + crop_h, left : left + crop_w]
+
+
+def rgb(image: torch.Tensor) -> torch.Tensor:
+    """A 1-channel image repeated to 3 channels; a 3-channel one as it is."""
+    if image.shape[-3] >= 3:
+        return image
+    reps = [1] * image.dim()
+    reps[-3] = 3
+    return image.repeat(reps)
+
+
+def grayscale(image: torch.Tensor, channels: int = 1) -> torch.Tensor:
+    """Luma (truncated to the image's dtype, as torchvision does), on `channels` channels."""
+    if channels not in (1, 3):
+        raise ValueError(f"a grayscale image has 1 or 3 channels, not {channels}")
+    if image.shape[-3] == 1:
+        return image.clone() if channels == 1 else rgb(image)
+    r, g, b = image.unbind(dim=-3)
+    gray = r.mul(_LUMA[0]).add_(g, alpha=_LUMA[1]).add_(b, alpha=_LUMA[2]).unsqueeze(dim=-3).to(image.dtype)
+    return gray.expand(image.shape) if channels == 3 else gray
 
 
 def horizontal_flip(image: torch.Tensor) -> torch.Tensor:

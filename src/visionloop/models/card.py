@@ -66,33 +66,43 @@ class EvalPreprocess(BaseModel):
     resize: Literal["crop", "letterbox"] = "crop"
 
     def to_transform(self) -> Callable[[Any], torch.Tensor]:
-        """A torchvision v2 transform: PIL image or uint8 tensor (C, H, W) → normalised float.
+        """PIL image or uint8 tensor (C, H, W) → normalised float: what the model was evaluated on.
 
         PIL images are first brought to RGB exactly as ingest stored them (EXIF orientation
         applied, transparency composited onto `alpha_background`), so a served image meets
-        the same pixels a training image did.
+        the same pixels a training image did. Plain torch (`data.imageops`), bitwise what
+        torchvision's v2 transforms give, without importing torchvision in the server,
+        eval, export and labelling processes.
         """
-        import torch
-        from torchvision.transforms import v2
+        return _EvalTransform(self)
 
-        mode = v2.InterpolationMode(self.interpolation)
-        colour = v2.RGB() if self.channels == 3 else v2.Grayscale(num_output_channels=self.channels)
-        size = self.resize_size if isinstance(self.resize_size, int) else list(self.resize_size)
-        geometry: list[Callable[[Any], Any]] = (
-            [Letterbox(self.crop_size, mode)]
-            if self.resize == "letterbox"
-            else [v2.Resize(size, interpolation=mode, antialias=True), v2.CenterCrop(list(self.crop_size))]
-        )
-        transform: Callable[[Any], torch.Tensor] = v2.Compose(
-            [
-                _IngestRGB(self.alpha_background),
-                colour,
-                *geometry,
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(list(self.mean), list(self.std)),
-            ]
-        )
-        return transform
+
+class _EvalTransform:
+    """`EvalPreprocess.to_transform`: colour, geometry, scale to [0, 1], normalise."""
+
+    def __init__(self, pre: EvalPreprocess) -> None:
+        self.pre = pre
+        self.ingest_rgb = _IngestRGB(pre.alpha_background)
+        self.letterbox = Letterbox(pre.crop_size, pre.interpolation) if pre.resize == "letterbox" else None
+
+    def __call__(self, img: Any) -> torch.Tensor:
+        import torch
+
+        from visionloop.data import imageops
+
+        x = self.ingest_rgb(img)
+        x = imageops.rgb(x) if self.pre.channels == 3 else imageops.grayscale(x, self.pre.channels)
+        if self.letterbox is not None:
+            x = self.letterbox(x)
+        else:
+            size = self.pre.resize_size
+            x = imageops.resize(x, [size] if isinstance(size, int) else list(size), self.pre.interpolation)
+            x = imageops.center_crop(x, list(self.pre.crop_size))
+        x = x.to(torch.float32).mul_(1.0 / 255) if not x.is_floating_point() else x.to(torch.float32)
+        mean = torch.as_tensor(self.pre.mean, dtype=torch.float32).view(-1, 1, 1)
+        std = torch.as_tensor(self.pre.std, dtype=torch.float32).view(-1, 1, 1)
+        out: torch.Tensor = x.sub(mean).div_(std)
+        return out
 
 
 def letterbox_scale(height: int, width: int, crop_size: tuple[int, int]) -> float:
@@ -117,12 +127,15 @@ class Letterbox:
 
     def __call__(self, img: Any) -> Any:
         import torch
-        from torchvision.transforms.v2 import functional as F
+
+        from visionloop.data import imageops
 
         h, w = int(img.shape[-2]), int(img.shape[-1])
         nh, nw = letterbox_shape(h, w, self.crop_size)
         if (nh, nw) != (h, w):
-            img = F.resize(img, [nh, nw], interpolation=self.interpolation, antialias=True)
+            # `interpolation` is a name ("bilinear") or torchvision's InterpolationMode (its value).
+            mode = str(getattr(self.interpolation, "value", self.interpolation))
+            img = imageops.resize(img, [nh, nw], mode)
         out = torch.full((img.shape[0], *self.crop_size), LETTERBOX_FILL, dtype=img.dtype)
         out[:, :nh, :nw] = img
         return out
