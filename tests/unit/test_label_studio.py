@@ -232,3 +232,14 @@ def test_contradictions_flag_only_a_confident_model_overruled() -> None:
     found = contradictions("y", det_pred, det_model, moved, "b")
     assert [(c.model_label, c.annotated) for c in found] == [("car", ("car",))]
     assert contradictions("y", det_pred, det_model, near, "b") == []  # the unsure dog is not flagged
+
+
+def test_a_task_without_labelling_support_says_so() -> None:
+    from types import SimpleNamespace
+
+    from visionloop.tasks.base import Task
+
+    stub = SimpleNamespace(labelling_module="", name="segmentation")
+    with pytest.raises(DataError, match="segmentation task has no Label Studio support"):
+        Task._labelling(stub)  # type: ignore[arg-type]
+    assert CLS.labelling_module.endswith("classification.labelling")

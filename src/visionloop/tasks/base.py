@@ -36,6 +36,7 @@ half of the contract without either training library.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -517,27 +518,40 @@ class Task(ABC):
         return None
 
     # ------------------------------------------------------------------ labelling
+    # The module that holds this task's Label Studio support (`config`, `pre_annotation`,
+    # `read_labels`, `write_labelled`), imported on first use; "" when the task has none.
+    labelling_module: ClassVar[str] = ""
+
+    def _labelling(self) -> Any:
+        if not self.labelling_module:
+            raise DataError(f"the {self.name} task has no Label Studio support (Task.labelling_module)")
+        return importlib.import_module(self.labelling_module)
+
     def labelling_config(self, class_names: Sequence[str]) -> str:
         """Label Studio's labelling config (XML) for this task's images and classes."""
-        raise DataError(f"the {self.name} task has no Label Studio labelling config")
+        config: str = self._labelling().config(class_names)
+        return config
 
     def pre_annotation(
         self, served: Mapping[str, Any], image: ImageContext
     ) -> tuple[list[dict[str, Any]], float]:
         """The served answer for one image (`served_answer`) as Label Studio result entries
         for `labelling_config`, and one score for the whole prediction."""
-        raise DataError(f"the {self.name} task cannot pre-annotate for Label Studio")
+        result: tuple[list[dict[str, Any]], float] = self._labelling().pre_annotation(served, image)
+        return result
 
     def read_labels(
         self, result: Sequence[Mapping[str, Any]], class_names: Sequence[str] | None
     ) -> ImageLabels | None:
         """A Label Studio annotation's result entries as this task's labels (None: the image
         is not labelled); a DataError names what is wrong with them."""
-        raise DataError(f"the {self.name} task cannot read Label Studio annotations")
+        labels: ImageLabels | None = self._labelling().read_labels(result, class_names)
+        return labels
 
     def write_labelled(self, items: Sequence[LabelledImage], out_dir: Path) -> Path:
         """Labelled images as a source folder this task's ingest reads; returns it."""
-        raise DataError(f"the {self.name} task cannot write labelled images")
+        folder: Path = self._labelling().write_labelled(items, out_dir)
+        return folder
 
     @abstractmethod
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:

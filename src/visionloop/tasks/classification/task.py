@@ -28,7 +28,6 @@ from visionloop.tasks.base import (
 )
 from visionloop.tasks.classification import answer
 from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
-from visionloop.tasks.labels import ImageLabels, LabelledImage
 from visionloop.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -51,6 +50,7 @@ class ClassificationTask(Task):
     primary_mode = "max"
     output_names = ("logits",)
     image_endpoint = "classify"
+    labelling_module = "visionloop.tasks.classification.labelling"
     metric_label = "top-1"
     example_arch = "small_cnn"
     example_image_size = 16
@@ -232,31 +232,6 @@ class ClassificationTask(Task):
         top_a, _ = answer.top1(_logits(a))
         top_b, _ = answer.top1(_logits(b))
         return np.asarray(top_a == top_b)
-
-    # ------------------------------------------------------------------ labelling
-    def labelling_config(self, class_names: Sequence[str]) -> str:
-        from visionloop.tasks.classification import labelling
-
-        return labelling.config(class_names)
-
-    def pre_annotation(
-        self, served: Mapping[str, Any], image: ImageContext
-    ) -> tuple[list[dict[str, Any]], float]:
-        from visionloop.tasks.classification import labelling
-
-        return labelling.pre_annotation(served, image)
-
-    def read_labels(
-        self, result: Sequence[Mapping[str, Any]], class_names: Sequence[str] | None
-    ) -> ImageLabels | None:
-        from visionloop.tasks.classification import labelling
-
-        return labelling.read_labels(result, class_names)
-
-    def write_labelled(self, items: Sequence[LabelledImage], out_dir: Path) -> Path:
-        from visionloop.tasks.classification import labelling
-
-        return labelling.write_labelled(items, out_dir)
 
 
 def _logits(outputs: Arrays) -> npt.NDArray[Any]:

@@ -39,7 +39,6 @@ from visionloop.tasks.base import (
     Task,
 )
 from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
-from visionloop.tasks.labels import ImageLabels, LabelledImage
 from visionloop.tasks.registry import register_task
 
 if TYPE_CHECKING:
@@ -111,6 +110,7 @@ class DetectionTask(Task):
     record_fields = ("boxes",)
     # The annotation formats `annotations` reads, with the spellings it also takes.
     source_formats = ("coco", "yolo", "voc", "label_studio", "labelstudio", "label-studio", "pascal_voc")
+    labelling_module = "visionloop.tasks.detection.labelling"
 
     # ------------------------------------------------------------------ ingest
     def claims_source(self, path: Path) -> bool:
@@ -404,31 +404,6 @@ class DetectionTask(Task):
         from visionloop.tasks.detection import answer
 
         return answer.agreement(a, b)
-
-    # ------------------------------------------------------------------ labelling
-    def labelling_config(self, class_names: Sequence[str]) -> str:
-        from visionloop.tasks.detection import labelling
-
-        return labelling.config(class_names)
-
-    def pre_annotation(
-        self, served: Mapping[str, Any], image: ImageContext
-    ) -> tuple[list[dict[str, Any]], float]:
-        from visionloop.tasks.detection import labelling
-
-        return labelling.pre_annotation(served, image)
-
-    def read_labels(
-        self, result: Sequence[Mapping[str, Any]], class_names: Sequence[str] | None
-    ) -> ImageLabels | None:
-        from visionloop.tasks.detection import labelling
-
-        return labelling.read_labels(result, class_names)
-
-    def write_labelled(self, items: Sequence[LabelledImage], out_dir: Path) -> Path:
-        from visionloop.tasks.detection import labelling
-
-        return labelling.write_labelled(items, out_dir)
 
 
 def _check_spec(task: Task, spec: TrainSpec, reader: ShardReader) -> None:
