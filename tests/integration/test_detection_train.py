@@ -169,6 +169,9 @@ def test_a_detector_trains_logs_val_map_and_keeps_the_best_by_it(
     eval_dir = tmp_path / "run" / "eval" / "step-000000008"
     written = {p.name for p in eval_dir.iterdir()} if eval_dir.is_dir() else set()
     assert {"report.json", "pr_curves.png", "confusion_matrix.png", "predictions.png"} <= written, written
+    # Earlier evaluations keep their numbers; the plots are drawn for the final one only.
+    earlier = [d for d in (tmp_path / "run" / "eval").iterdir() if d != eval_dir]
+    assert earlier and all({p.name for p in d.iterdir()} == {"report.json"} for d in earlier), earlier
     card = ModelCard.load(tmp_path / "run" / "model_card.json")
     assert (card.task, card.arch, card.input_size, card.resize) == (
         "detection",

@@ -473,7 +473,12 @@ class Loop:
             atomic_write_json(
                 out_dir / "report.json", {"step": pos.step, "epoch": pos.epoch, **result.report}
             )
-            evaluator.write_artifacts(result, out_dir)
+            if pos.step >= self.c.total_steps:
+                # The plots of the final evaluation only: they are what the run's artifacts
+                # and its model card show, and drawing them (matplotlib) at every evaluation
+                # cost more CPU than a small model's whole evaluation. report.json above has
+                # every evaluation's numbers.
+                evaluator.write_artifacts(result, out_dir)
             self.c.last_eval_dir = out_dir
             epochs_done = pos.epoch + pos.batch / self.sampler.steps_per_epoch
             self.reporter.eval_end(epochs_done, pos.step, result.metrics, result.summary)
