@@ -116,12 +116,14 @@ def control_plane(db_url: str, config: ClusterConfig, *, run_scheduler: bool = T
         plane.store.close()
 
 
-def train_doc(dataset: Path, **kw: Any) -> dict[str, Any]:
-    """A small digits train spec (see _trainkit.spec_doc) tracked in its own experiment."""
+def train_doc(dataset: Path, *, tracked: bool = False, **kw: Any) -> dict[str, Any]:
+    """A small digits train spec (see _trainkit.spec_doc) for a queue job: not recorded in
+    MLflow unless `tracked` (then in its own experiment). Most queue tests check the job, not
+    its MLflow run, and each tracked trainer pays ~3 CPU-s to import and open MLflow."""
     from _trainkit import spec_doc
 
     doc = spec_doc(dataset, **kw)
-    doc["tracking"] = {"experiment": "queue-tests"}
+    doc["tracking"] = {"experiment": "queue-tests"} if tracked else {"enabled": False}
     return doc
 
 

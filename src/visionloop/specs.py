@@ -135,6 +135,10 @@ MAX_TRACKING_TAG_VALUE = 1000
 
 
 class TrackingSpec(_Spec):
+    # false: the run is recorded in its run directory only (run.json, train.log, eval/), not
+    # in MLflow, as with `visionloop train --no-track`; for a job or a study's trials. A
+    # resumed run may switch it: it changes what is recorded, not what is computed.
+    enabled: bool = Field(True, examples=[True])
     experiment: str | None = Field(None, examples=["digits"])
     run_name: str | None = Field(None, examples=["digits-small-cnn"])
     log_every_steps: int = Field(1, ge=1, examples=[1])

@@ -178,7 +178,10 @@ def test_jobs_cancel_a_queued_and_a_running_job_but_not_another_teams(
 ) -> None:
     vision = _token(home, "--team", "vision")
     research = _token(home, "--team", "research")
-    spec = write_spec(tmp_path / "long.yaml", {"train": spec_doc(digits_dataset, epochs=None, steps=1000)})
+    spec = write_spec(
+        tmp_path / "long.yaml",
+        {"train": spec_doc(digits_dataset, epochs=None, steps=1000, tracking__enabled=False)},
+    )
     running = int(home.ok("submit", str(spec), token=vision).stdout.strip())
     home.wait(running, lambda j: j["state"] == "running")
     # The only GPU is taken: the next one waits in the queue.

@@ -83,7 +83,7 @@ def up(vl_home: Path) -> Iterator[str]:
 def test_submit_follow_spot_interrupt_and_cost_from_the_cli(
     up: str, tmp_path: Path, digits_dataset: Path
 ) -> None:
-    doc = spec_doc(digits_dataset, epochs=None, steps=300)
+    doc = spec_doc(digits_dataset, epochs=None, steps=300, tracking__enabled=False)
     spec = write_spec(
         tmp_path / "job.yaml", {"train": doc, "team": "vision", "spot": "preferred", "name": "digits"}
     )
@@ -148,7 +148,9 @@ def first_hours(attempt: dict[str, Any]) -> float:
 def test_control_plane_sigkilled_mid_job_readopts_it(
     up: str, vl_home: Path, tmp_path: Path, digits_dataset: Path
 ) -> None:
-    spec = write_spec(tmp_path / "train.yaml", spec_doc(digits_dataset, epochs=None, steps=150))
+    spec = write_spec(
+        tmp_path / "train.yaml", spec_doc(digits_dataset, epochs=None, steps=150, tracking__enabled=False)
+    )
     job_id = int(_ok("submit", str(spec), "--team", "vision", "--spot", "never").strip())
     _wait(job_id, lambda j: j["state"] == "running")
     state = json.loads((vl_home / "control-plane.json").read_text())

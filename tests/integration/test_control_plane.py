@@ -239,7 +239,7 @@ def test_failures_are_retried_with_backoff_then_fail_with_the_log(
 
 def test_cancel_a_queued_and_a_running_job(sqlite_cp: CP, digits_dataset: Path) -> None:
     cp = sqlite_cp
-    spec = _train(digits_dataset, epochs=None, steps=1000)
+    spec = _train(digits_dataset, epochs=None, steps=1000, tracked=True)
     with cp.client() as c:
         running = c.post("/v1/jobs", json={"spec": spec, "team": "vision"}).json()
         # Once it has checkpointed, the trainer is past start-up and handles SIGTERM itself.
@@ -275,7 +275,11 @@ def test_a_sigkilled_trainer_has_its_run_closed_when_the_job_fails(
     cp = sqlite_cp
 
     with cp.client() as c:
-        spec = {"train": _train(digits_dataset, epochs=None, steps=5000), "team": "vision", "max_restarts": 0}
+        spec = {
+            "train": _train(digits_dataset, epochs=None, steps=5000, tracked=True),
+            "team": "vision",
+            "max_restarts": 0,
+        }
         r = c.post("/v1/jobs", json={"spec": spec})
         assert r.status_code == 201, r.text
         job = int(r.json()["id"])

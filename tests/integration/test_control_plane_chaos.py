@@ -76,7 +76,7 @@ def test_sigkill_at_random_moments_loses_and_duplicates_nothing(vl_home: Path, d
         headers = {"Authorization": f"Bearer {token}"}
         ids = []
         for i in range(5):
-            spec = spec_doc(digits_dataset, epochs=None, steps=24 + 8 * i)
+            spec = spec_doc(digits_dataset, epochs=None, steps=24 + 8 * i, tracking__enabled=False)
             body = {"spec": spec, "team": "vision", "gpus": 1, "idempotency_key": f"chaos-{i}"}
             r = httpx.post(f"{url}/v1/jobs", json=body, headers=headers, timeout=30)
             assert r.status_code == 201, r.text

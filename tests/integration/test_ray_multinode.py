@@ -48,7 +48,9 @@ RUN_S = 300.0  # a bound for one run on a loaded 2-core machine; a hang fails wi
 def reference(tmp_path_factory: pytest.TempPathFactory, digits_dataset: Path) -> tuple[Path, Path]:
     """The spec, and the weights of the same world size on one node (`--nproc-per-node 2`)."""
     root = tmp_path_factory.mktemp("multinode")
-    doc = spec_doc(digits_dataset, epochs=None, steps=STEPS, data__workers=0, device="cpu")
+    doc = spec_doc(
+        digits_dataset, epochs=None, steps=STEPS, data__workers=0, device="cpu", tracking__enabled=False
+    )
     spec = write_spec(root / "spec.yaml", doc)
     run_dir = root / "one-node"
     cmd = [sys.executable, "-m", "visionloop", "train", str(spec), "--run-dir", str(run_dir)]

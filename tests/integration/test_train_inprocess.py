@@ -206,6 +206,23 @@ def test_pretrained_weights_from_a_local_file_are_loaded(tmp_path: Path, digits_
     assert card["mean"] == [0.485, 0.456, 0.406]  # normalize: auto → ImageNet stats with pretrained weights
 
 
+def test_tracking_disabled_in_the_spec_leaves_mlflow_untouched(
+    tmp_path: Path, vl_home: Path, digits_dataset: Path
+) -> None:
+    """`tracking.enabled: false` (a queue job's or a study's --no-track): the run is recorded
+    in its run directory only; the tracking store is not even created."""
+    doc = spec_doc(digits_dataset, epochs=None, steps=3, data__workers=0, tracking__enabled=False)
+    result = train(validate_train_spec(doc), tmp_path / "run")
+    assert result.exit_code == 0 and result.run_id is None
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["status"] == "succeeded" and meta.get("mlflow_run_id") is None, meta
+    assert not (vl_home / "mlflow.db").exists()
+    # Switching it on for a resumption is allowed: it changes what is recorded, not the run.
+    doc["tracking"]["enabled"] = True
+    again = train(validate_train_spec(doc), tmp_path / "run")
+    assert again.exit_code == 0 and again.step == 3
+
+
 def test_tracked_run_records_spec_params_metrics_and_artifacts(tmp_path: Path, digits_dataset: Path) -> None:
     from mlflow.tracking import MlflowClient
 

@@ -8,6 +8,7 @@ control plane with it) is test_tune_chaos.py's, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from _dbkit import fresh_database
 from visionloop.api.client import Client
 from visionloop.tune.spec import TuneSpec, validate_tune_spec
 from visionloop.tune.study import create_or_load, load
+from visionloop.tune.tracking import PARENT_RUN_ATTR
 from visionloop.tune.tuner import JOB_ATTR, STOPPED_ATTR, Tuner, idempotency_key
 
 TWO_GPUS = [{"node": "local", "type": "fake", "count": 2, "price_class": "owned"}]
@@ -130,6 +132,11 @@ def test_trials_pause_at_the_rung_the_best_goes_on_and_the_other_is_pruned(
     }
     log = (Path(good_job["job"]["run_dir"]) / "train.log").read_text()
     assert re.search(r"resumed from \S+ at step [1-9]", log), log[-2000:]
+    # The trials are untracked (tracking.enabled: false in the base train spec): the study has
+    # no parent MLflow run, and the trial's run none of its own.
+    assert PARENT_RUN_ATTR not in load(spec.name, url).user_attrs
+    meta = json.loads((Path(good_job["job"]["run_dir"]) / "run.json").read_text())
+    assert meta["status"] == "succeeded" and meta.get("mlflow_run_id") is None, meta
     # The bad trial ended at its rung: job pruned, its one attempt's outcome pruned.
     bad_job = _show(cp, bad.user_attrs[JOB_ATTR])
     assert bad_job["job"]["state"] == "pruned"

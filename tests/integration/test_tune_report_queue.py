@@ -41,7 +41,7 @@ def cp_url(tmp_path: Path) -> Iterator[tuple[CP, str]]:
 def tune_spec(dataset: Path, name: str, epochs: int) -> TuneSpec:
     doc: dict[str, Any] = {
         "name": name,
-        "train": _train(dataset, epochs=epochs),
+        "train": _train(dataset, epochs=epochs, tracked=True),
         "space": {"optimizer.lr": {"loguniform": [1e-3, 1e-2]}},
         "sampler": {"name": "random", "seed": 0},
         "pruner": {"name": "none"},

@@ -101,7 +101,7 @@ def train(
         loop.until_epoch = until_epoch
         resumed_from = _resume(loop, info, reporter)
 
-        if info.is_main and track:
+        if info.is_main and track and spec.tracking.enabled:
             tracker = _open_tracker(
                 settings, spec, c, rd, meta, precision.name, resolved, lambda: loop.pos.step
             )

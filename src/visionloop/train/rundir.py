@@ -45,6 +45,7 @@ RESUMABLE_CHANGES = {
     "checkpoint.keep_best",
     "checkpoint.best_metric",
     "checkpoint.best_mode",
+    "tracking.enabled",
     "tracking.log_every_steps",
     "tracking.system_metrics_every_s",
 }

@@ -139,8 +139,9 @@ class Tuner:
         self.metric = spec.objective.metric.removeprefix("val/")
         self.maximize = spec.objective.direction == "max"
         self._train_doc = spec.train_doc()
-        # Every trial's MLflow run is nested under the study's own parent run.
-        self.parent_run_id = study_parent_run(study, load_settings())
+        # Every trial's MLflow run is nested under the study's own parent run (none when the
+        # trials are not tracked: `tracking.enabled: false` in the base train spec).
+        self.parent_run_id = study_parent_run(study, load_settings()) if spec.train.tracking.enabled else None
 
     # ------------------------------------------------------------------ the loop
 
@@ -388,7 +389,11 @@ class Tuner:
         as stored) applied to the base train spec, nested under the study's MLflow run,
         heading for the first rung. SpecError if that train spec is invalid."""
         params = suggest(trial, self.spec.space)
-        doc = nest(self._train_doc, self.parent_run_id, self.study.study_name, trial.number)
+        doc = (
+            nest(self._train_doc, self.parent_run_id, self.study.study_name, trial.number)
+            if self.parent_run_id is not None
+            else self._train_doc
+        )
         marks = TrialFields(
             study=self.study.study_name, number=trial.number, until_epoch=self.spec.next_rung(None)
         )
