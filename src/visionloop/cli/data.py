@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,7 @@ from visionloop.cli.console import err, out
 
 if TYPE_CHECKING:
     from visionloop.data.ingest import IngestOptions, IngestReport
+    from visionloop.data.ingest_options import ProgressFn
     from visionloop.data.manifest import DatasetManifest
     from visionloop.tasks.base import DatasetSummary, SummaryTable
 
@@ -176,14 +179,12 @@ def ingest_command(
     ingest_with_progress(source, out_dir, options)
 
 
-def ingest_with_progress(source: Path, out_dir: Path, options: IngestOptions) -> IngestReport:
-    """`ingest` with a Rich progress bar on stderr and the summary on stdout; for commands
-    (`data ingest`, `demo`) that build a dataset in front of a user."""
+@contextmanager
+def progress_bar(labels: dict[str, str]) -> Iterator[ProgressFn]:
+    """A Rich progress bar on stderr, one row per stage a `ProgressFn` reports (named by
+    `labels`), for the commands that build a dataset in front of a user."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
-    from visionloop.data.ingest import ingest
-
-    labels = {"hash": "hashing files", "decode": "decoding images"}
     with Progress(
         TextColumn("{task.description:>16}"),
         BarColumn(),
@@ -199,6 +200,15 @@ def ingest_with_progress(source: Path, out_dir: Path, options: IngestOptions) ->
                 tasks[stage] = bar.add_task(labels.get(stage, stage), total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
+        yield progress
+
+
+def ingest_with_progress(source: Path, out_dir: Path, options: IngestOptions) -> IngestReport:
+    """`ingest` with a Rich progress bar on stderr and the summary on stdout; for commands
+    (`data ingest`, `demo`) that build a dataset in front of a user."""
+    from visionloop.data.ingest import ingest
+
+    with progress_bar({"hash": "hashing files", "decode": "decoding images"}) as progress:
         report = ingest(source, out_dir, options, progress=progress)
     _print_summary(report)
     return report
@@ -374,6 +384,11 @@ def info_command(
 
     if m.metadata_columns:
         out.print(_metadata_table(dataset, m))
+    from visionloop.cli.data_add import lineage_table
+
+    lineage = lineage_table(m)
+    if lineage is not None:
+        out.print(lineage)
 
     rejected = _read_jsonl(dataset / REJECTED_NAME)
     if m.rejected:

@@ -18,6 +18,7 @@ from visionloop.cli import alerts as alerts_cli
 from visionloop.cli import archs as archs_cli
 from visionloop.cli import bench as bench_cli
 from visionloop.cli import data as data_cli
+from visionloop.cli import data_add as _data_add  # noqa: F401  (registers `data add` on data_cli.app)
 from visionloop.cli import demo as demo_cli
 from visionloop.cli import evaluate as eval_cli
 from visionloop.cli import export as export_cli

@@ -156,6 +156,12 @@ def show_cmd(
     out.print(f"  metrics        {metrics or '-'}")
     out.print(f"  run            {lineage.get('run_dir', '-')} (MLflow {info.run_id or '-'})")
     out.print(f"  dataset        {lineage.get('dataset_path', '-')} (version {card.dataset_version or '-'})")
+    if card.dataset_lineage:
+        chain = " ← ".join(v[:12] for v in card.dataset_lineage)
+        out.print(
+            f"  data lineage   {(card.dataset_version or '-')[:12]} ← {chain} "
+            "(`visionloop data info` shows each step)"
+        )
     out.print(f"  weights        sha256 {info.tags.get('visionloop.weights_sha256', '-')}")
     out.print(
         f"  registered     {lineage.get('registered_at', info.created_at)} "

@@ -112,6 +112,27 @@ class SizeStats(_Strict):
     max: tuple[int, int]
 
 
+class LineageStep(_Strict):
+    """One step of a dataset's history (`visionloop data add`): the version it started from,
+    and what the step added and relabelled, from which folder, picked by which selection."""
+
+    parent: str = Field(description="the version this step started from")
+    parent_path: str = Field(description="where that version was when this one was made")
+    added: dict[SplitName, int] = Field(description="new images per split")
+    relabelled: int = Field(ge=0, description="images of the parent stored with new labels")
+    source: str = Field(description="the labelled folder the new images and labels came from")
+    # The `visionloop label select --out` file that picked the images, when one was given.
+    selection: str | None = None
+    # What the labels cost (`--cost-per-image` times the images labelled), in the ledger's
+    # currency; None when no price was given.
+    labelling_cost: float | None = Field(None, ge=0.0)
+    created_at: str
+
+
+# A history longer than this is not a dataset's: each step is ~300 bytes of the manifest.
+MAX_LINEAGE = 1000
+
+
 class DatasetManifest(_Strict):
     format_version: int = FORMAT_VERSION
     version: str = Field(description="content hash over images, labels and splits: the dataset's version")
@@ -138,6 +159,11 @@ class DatasetManifest(_Strict):
     # Left out of the JSON when None, as task_stats: a dataset without metadata keeps the
     # manifest and the version it had before metadata existed.
     metadata_columns: list[str] | None = None
+    # How this version came from earlier ones (`visionloop data add`), nearest step first: the
+    # first entry's parent is this version's parent, the last entry's parent the first
+    # version, ingested from a source. None (left out of the JSON, as task_stats) for a
+    # version ingested directly.
+    lineage: list[LineageStep] | None = Field(None, max_length=MAX_LINEAGE)
 
     @field_validator("metadata_columns")
     @classmethod
@@ -169,7 +195,7 @@ class DatasetManifest(_Strict):
     def _drop_absent_optional_fields(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
         if isinstance(data, dict):
-            for key in ("task_stats", "metadata_columns"):
+            for key in ("task_stats", "metadata_columns", "lineage"):
                 if key in data and data[key] is None:
                     del data[key]
         return data
@@ -177,6 +203,12 @@ class DatasetManifest(_Strict):
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+    @property
+    def ancestry(self) -> list[str]:
+        """The versions this one came from, its parent first, back to the first version
+        (empty for a version ingested directly)."""
+        return [step.parent for step in self.lineage or ()]
 
 
 # The split every stage evaluates on: validation when the dataset has one, else test. Train's

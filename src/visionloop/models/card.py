@@ -216,6 +216,9 @@ class ModelCard(BaseModel):
         description="crop: resize and centre-crop (classification); letterbox: fit and pad (detection)",
     )
     dataset_version: str | None = None
+    # The versions the dataset came from (`visionloop data add`), its parent first, back to the
+    # first version; None for a dataset ingested directly.
+    dataset_lineage: list[str] | None = None
     created_at: str = Field(default_factory=_now)
     visionloop_version: str = __version__
     # None stands for a non-finite value (a diverged run's NaN loss): JSON has no NaN.
@@ -290,6 +293,7 @@ class ModelCard(BaseModel):
             interpolation=interpolation or d.interpolation,
             alpha_background=manifest.image_policy.alpha_background,
             dataset_version=manifest.version,
+            dataset_lineage=manifest.ancestry or None,
             metrics=metrics,
             run_uid=run_uid,
         )

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
-    from visionloop.data.manifest import DatasetManifest
+    from visionloop.data.manifest import DatasetManifest, SplitName
     from visionloop.data.shards import Record, ShardReader
     from visionloop.models import ModelCard
     from visionloop.specs import TrainSpec
@@ -317,6 +317,34 @@ class Task(ABC):
 
     def dataset_summary(self, manifest: DatasetManifest) -> DatasetSummary | None:
         """What the CLI shows of the dataset beyond image counts (None: nothing more)."""
+        return None
+
+    # ------------------------------------------------------------------ dataset versions
+    # `visionloop data add` merges a parent version's records with a new source's without
+    # decoding the images; these say what a record's labels are. The defaults read the one
+    # class in `label` (a single-label task); a task whose labels live elsewhere overrides them.
+    def record_classes(self, record: Record) -> tuple[int, ...]:
+        """The class indices a stored record is labelled with (what `per_class` counts)."""
+        return (int(record["label"]),)
+
+    def remap_classes(self, record: Record, mapping: Sequence[int]) -> Record:
+        """`record` with each class index i replaced by mapping[i]: a new version keeps its
+        parent's class list, while its source numbered the classes it has by itself."""
+        from visionloop.data.shards import extra_fields_of, make_record, record_field
+
+        extra = {name: record_field(record, name) for name in extra_fields_of(record)}
+        return make_record(record["image"], mapping[int(record["label"])], record["index"], **extra)
+
+    def version_stats(
+        self,
+        classes: Sequence[str],
+        records: Sequence[tuple[SplitName, Record]],
+        parent: DatasetManifest,
+        incoming: DatasetManifest,
+    ) -> dict[str, Any] | None:
+        """The new version's `task_stats` (as JSON) over its `records` (split, record), from
+        what the parent's and the incoming source's manifests say of what records do not hold
+        (boxes dropped at ingest, ...). None: the task keeps none."""
         return None
 
     # ------------------------------------------------------------------ data

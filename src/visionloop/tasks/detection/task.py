@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn
-    from visionloop.data.manifest import DatasetManifest
+    from visionloop.data.manifest import DatasetManifest, SplitName
     from visionloop.data.shards import Record, ShardReader
     from visionloop.models import ModelCard
     from visionloop.specs import TrainSpec
@@ -124,6 +124,27 @@ class DetectionTask(Task):
         from visionloop.tasks.detection.ingest import ingest_detection
 
         return ingest_detection(source, out, options, progress)
+
+    def record_classes(self, record: Record) -> tuple[int, ...]:
+        from visionloop.tasks.detection import versions
+
+        return versions.record_classes(record)
+
+    def remap_classes(self, record: Record, mapping: Sequence[int]) -> Record:
+        from visionloop.tasks.detection import versions
+
+        return versions.remap_classes(record, mapping)
+
+    def version_stats(
+        self,
+        classes: Sequence[str],
+        records: Sequence[tuple[SplitName, Record]],
+        parent: DatasetManifest,
+        incoming: DatasetManifest,
+    ) -> dict[str, Any] | None:
+        from visionloop.tasks.detection import versions
+
+        return versions.version_stats(classes, records, parent, incoming)
 
     def dataset_stats(self, manifest: DatasetManifest) -> DetectionStats | None:
         from visionloop.core.errors import DataError
