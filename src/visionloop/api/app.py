@@ -71,6 +71,16 @@ class TokenBody(BaseModel):
     label: str = Field("", max_length=200)
 
 
+class LabellingBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dataset_version: str = Field(pattern=r"^[0-9a-f]{64}$", description="the version the labels produced")
+    dataset_path: str = Field(min_length=1, max_length=4096)
+    parent_version: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    images: int = Field(ge=0, le=1_000_000_000, description="images labelled")
+    cost: float = Field(ge=0, le=1e9, allow_inf_nan=False, description="in the price catalog's currency")
+    team: str | None = Field(None, min_length=1, max_length=64, description="who paid (admin tokens only)")
+
+
 class SpotBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target: str = Field(min_length=1, max_length=200, description="a GPU id or a node name")
@@ -362,6 +372,41 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
             team = who.team
         report = cost_report(plane.store, plane.catalog, team=team, since=since, now=plane.clock())
         return jsonable_encoder(report)  # type: ignore[no-any-return]
+
+    @app.post("/v1/cost/labelling")
+    def record_labelling(body: LabellingBody, who: Who, response: Response) -> dict[str, Any]:
+        """What labelling one dataset version's images cost, into the ledger against a team
+        (a team token's own; an admin names one). Idempotent per version: the same figures
+        again answer 200 with the stored entry; other figures are a 409."""
+        from visionloop.sched.records import LabellingCost
+        from visionloop.sched.store.ledger import AlreadyBilledError
+
+        if who.admin:
+            if body.team is None:
+                raise HTTPException(422, "an admin token records labelling for a team: give `team`.")
+            team = body.team
+        else:
+            if body.team is not None and body.team != who.team:
+                raise HTTPException(403, f"your token belongs to team {who.team!r}.")
+            team = str(who.team)
+        if plane.store.get_team(team) is None:
+            raise HTTPException(404, f"no team {team!r}; `visionloop admin teams` lists them.")
+        entry = LabellingCost(
+            team=team,
+            dataset_version=body.dataset_version,
+            dataset_path=body.dataset_path,
+            parent_version=body.parent_version,
+            images=body.images,
+            cost=body.cost,
+            recorded_at=plane.clock(),
+            recorded_by="admin" if who.admin else f"team {team}",
+        )
+        try:
+            stored, created = plane.store.record_labelling(entry)
+        except AlreadyBilledError as e:
+            raise HTTPException(409, str(e)) from e
+        response.status_code = 201 if created else 200
+        return jsonable_encoder(stored)  # type: ignore[no-any-return]
 
     @app.put("/v1/admin/teams/{name}")
     def set_team(name: str, body: TeamBody, _: Admin) -> dict[str, Any]:

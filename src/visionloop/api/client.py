@@ -203,6 +203,28 @@ class Client:
     def cluster(self) -> dict[str, Any]:
         return dict(self.json("GET", "/v1/cluster"))
 
+    def record_labelling(
+        self,
+        dataset_version: str,
+        dataset_path: str,
+        images: int,
+        cost: float,
+        *,
+        parent_version: str | None = None,
+        team: str | None = None,
+    ) -> dict[str, Any]:
+        """Put what labelling a dataset version cost into the ledger (idempotent per version)."""
+        body: dict[str, Any] = {
+            "dataset_version": dataset_version,
+            "dataset_path": dataset_path,
+            "images": images,
+            "cost": cost,
+            "parent_version": parent_version,
+        }
+        if team is not None:
+            body["team"] = team
+        return dict(self.json("POST", "/v1/cost/labelling", json=body))
+
     def cost(self, team: str | None = None, since: float | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {}
         if team:

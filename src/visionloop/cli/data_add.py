@@ -4,7 +4,7 @@ images, and the lineage table `data info` shows. Thin over `visionloop.data.deri
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
@@ -55,6 +55,12 @@ def add_command(
         None, "--workers", "-j", help="Decode processes for the new images. Default: the CPUs available."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing dataset at --out."),
+    team: str | None = typer.Option(
+        None,
+        "--team",
+        "-t",
+        help="The team the labelling is billed to (admin tokens only; a team token bills its own).",
+    ),
 ) -> None:
     """Make a new version of PARENT with SOURCE's labelled images.
 
@@ -65,6 +71,10 @@ def add_command(
     unchanged shard files are hard-linked). The new version records its parent, what was added
     and relabelled, from where and by which selection: `visionloop data info DIR` shows the
     chain back to the first version, and a model trained on it carries that chain in its card.
+
+    With --cost-per-image, the cost goes into the control plane's ledger against the new
+    version (`visionloop cost report` lists it); if the control plane does not answer, the
+    version is kept and `visionloop cost labelling DIR` records it later.
 
     PARENT is only read; DIR appears only once complete.
     """
@@ -85,6 +95,54 @@ def add_command(
             progress=bar,
         )
     _print_report(report)
+    if cost_per_image is not None:
+        _bill(report.out, team)
+
+
+def _bill(dataset: Path, team: str | None) -> None:
+    """Record the new version's labelling cost in the ledger; a control plane that is not
+    there (or refuses) leaves the version as it is and says how to record it later."""
+    from visionloop.api.client import Client
+    from visionloop.core.errors import VisionloopError
+    from visionloop.core.settings import load_settings
+
+    try:
+        with Client.from_settings(load_settings()) as client:
+            record_labelling(client, dataset, team)
+    except (VisionloopError, OSError) as e:
+        err.print(
+            f"[yellow]warning:[/] the labelling cost is in {escape(str(dataset))}/dataset.json but not in "
+            f"the cost ledger ({escape(str(e))}); once the control plane answers, run "
+            f"`visionloop cost labelling {escape(str(dataset))}`.",
+            soft_wrap=True,
+        )
+
+
+def record_labelling(client: Any, dataset: Path, team: str | None) -> None:
+    """Post DATASET's last lineage step's labelling cost to the ledger and say what it holds."""
+    from visionloop.core.errors import DataError
+    from visionloop.data.manifest import read_manifest
+
+    m = read_manifest(dataset)
+    step = m.lineage[0] if m.lineage else None
+    if step is None or step.labelling_cost is None:
+        raise DataError(
+            f"{dataset} records no labelling cost: it was not made by `visionloop data add "
+            "--cost-per-image`. Make the version with a price per image."
+        )
+    images = sum(step.added.values()) + step.relabelled
+    stored = client.record_labelling(
+        m.version,
+        str(Path(dataset).resolve()),
+        images,
+        step.labelling_cost,
+        parent_version=step.parent,
+        team=team,
+    )
+    _line(
+        f"labelling of {m.version[:12]} in the cost ledger: {stored['images']:,} images, "
+        f"{stored['cost']:,.2f} (team {stored['team']})"
+    )
 
 
 def _line(text: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from visionloop.cli.console import err, print_wide
@@ -450,3 +451,35 @@ def cost_report(
         f"total {_money(tot['cost'], cur)} for {tot['gpu_hours']:.3f} GPU-h; "
         f"spot saved {_money(tot['spot_saved'], cur)}"
     )
+    if data.get("labelling"):
+        t = Table(title="labelling, by the dataset version it produced")
+        for col in ("version", "parent", "team", "images", "cost", "recorded", "dataset"):
+            t.add_column(col, justify="right" if col in ("images", "cost") else "left")
+        for e in data["labelling"]:
+            t.add_row(
+                e["dataset_version"][:12],
+                (e["parent_version"] or "-")[:12],
+                e["team"],
+                f"{e['images']:,}",
+                _money(e["cost"], cur),
+                _when(e["recorded_at"]),
+                escape(e["dataset_path"]),
+            )
+        print_wide(t)
+        print_wide(f"labelling total {_money(data['labelling_total'], cur)}")
+
+
+@cost_app.command("labelling")
+def cost_labelling(
+    dataset: Path = typer.Argument(
+        ..., help="A dataset version `visionloop data add --cost-per-image` made.", show_default=False
+    ),
+    team: str | None = typer.Option(None, "--team", "-t", help="The team that paid (admin tokens only)."),
+) -> None:
+    """Put what labelling DATASET's new images cost into the control plane's ledger, against
+    its version (`data add` does this itself when the control plane answers). Recording a
+    version twice is harmless: it is billed once."""
+    from visionloop.cli.data_add import record_labelling
+
+    with _client() as c:
+        record_labelling(c, dataset, team)

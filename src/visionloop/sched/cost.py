@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from visionloop.core.errors import ConfigError
 from visionloop.sched.prices import PriceCatalog
+from visionloop.sched.records import LabellingCost
 
 CURRENCY = "USD"  # the catalog's prices are USD per GPU-hour
 
@@ -63,6 +64,11 @@ class CostReport:
     # GPU types the catalog has no price for: their hours count, at no cost, and the report
     # says so instead of failing (`jobs show` must work before the catalog is complete).
     unpriced: list[str] = field(default_factory=list)
+    # What labelling cost, per dataset version it produced (`visionloop data add
+    # --cost-per-image`), oldest first; with its total per team, apart from the GPU lines.
+    labelling: list[LabellingCost] = field(default_factory=list)
+    labelling_by_team: dict[str, float] = field(default_factory=dict)
+    labelling_total: float = 0.0
 
 
 def _price(catalog: PriceCatalog, gpu_type: str, price_class: str, unpriced: set[str]) -> float:
@@ -135,4 +141,10 @@ def cost_report(
     rows = store.allocations(team=team, since=since, job_id=job_id)
     jobs = {r.job_id for r in rows}
     checkpoints = {j: [c.at for c in store.checkpoints(j)] for j in jobs}
-    return summarise(rows, catalog, time.time() if now is None else now, checkpoints, since)
+    report = summarise(rows, catalog, time.time() if now is None else now, checkpoints, since)
+    if job_id is None:  # a job's own cost is its GPU time
+        report.labelling = store.labelling_costs(team=team, since=since)
+        for entry in report.labelling:
+            report.labelling_by_team[entry.team] = report.labelling_by_team.get(entry.team, 0.0) + entry.cost
+        report.labelling_total = sum(report.labelling_by_team.values())
+    return report

@@ -269,6 +269,29 @@ class AllocationRow(Base):
     ended_at: Mapped[float | None]
 
 
+class LabellingCostRow(Base):
+    """What labelling the images of one dataset version cost (`visionloop data add
+    --cost-per-image`), against the team that paid: the ledger's other kind of spending."""
+
+    __tablename__ = "labelling_costs"
+    __table_args__ = (
+        # A version is labelled once: recording it again is the same entry, not a second bill.
+        UniqueConstraint("dataset_version"),
+        Index(None, "team", "recorded_at"),
+        CheckConstraint("images >= 0 AND cost >= 0", name="nonnegative"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    team: Mapped[str] = mapped_column(String(64), ForeignKey("teams.name"))  # a bill outlives no team
+    dataset_version: Mapped[str] = mapped_column(String(64))
+    dataset_path: Mapped[str] = mapped_column(Text)
+    parent_version: Mapped[str | None] = mapped_column(String(64))
+    images: Mapped[int]
+    cost: Mapped[float]
+    recorded_at: Mapped[float]
+    recorded_by: Mapped[str] = mapped_column(String(128))
+
+
 class GpuRow(Base):
     """The inventory. Up/down is durable so that a spot interruption survives a restart."""
 

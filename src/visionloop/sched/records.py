@@ -200,6 +200,20 @@ class LedgerRow:
 
 
 @dataclass(frozen=True, slots=True)
+class LabellingCost:
+    """What labelling one dataset version's images cost, against the team that paid."""
+
+    team: str
+    dataset_version: str
+    dataset_path: str
+    parent_version: str | None
+    images: int
+    cost: float
+    recorded_at: float
+    recorded_by: str
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     job_id: int
     attempt: int | None

@@ -1,14 +1,16 @@
 """The job store's cost ledger: the GPU allocations, with their job's team and their
-attempt's outcome, that `cost report` prices."""
+attempt's outcome, that `cost report` prices; and what labelling each dataset version cost."""
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 from sqlalchemy import or_, select
 
-from visionloop.sched.db import AllocationRow, AttemptRow, JobRow
-from visionloop.sched.records import LedgerRow, Outcome
+from visionloop.core.errors import StoreError
+from visionloop.sched.db import AllocationRow, AttemptRow, JobRow, LabellingCostRow
+from visionloop.sched.records import LabellingCost, LedgerRow, Outcome
 from visionloop.sched.store.base import StoreBase
 from visionloop.sched.view import PriceClass
 
@@ -60,3 +62,64 @@ class LedgerMixin(StoreBase):
                 )
                 for r in s.execute(q)
             ]
+
+    def record_labelling(self, entry: LabellingCost) -> tuple[LabellingCost, bool]:
+        """Record what labelling `entry.dataset_version` cost; (the entry stored, True if this
+        call stored it). A version is billed once: recording the same figures again returns
+        the stored entry; different figures (another team, images or cost) are a StoreError."""
+        if entry.images < 0 or not (math.isfinite(entry.cost) and entry.cost >= 0):
+            raise StoreError(f"a labelling cost needs images >= 0 and a finite cost >= 0, got {entry}")
+        with self._session(write=True) as s:
+            row = s.scalar(
+                select(LabellingCostRow).where(LabellingCostRow.dataset_version == entry.dataset_version)
+            )
+            if row is not None:
+                stored = _labelling(row)
+                same = (stored.team, stored.images, stored.cost) == (entry.team, entry.images, entry.cost)
+                if not same:
+                    raise AlreadyBilledError(
+                        f"dataset version {entry.dataset_version[:12]} is already in the ledger with "
+                        f"{stored.images} images for {stored.cost:g} (team {stored.team}); a version is "
+                        "billed once."
+                    )
+                return stored, False
+            s.add(
+                LabellingCostRow(
+                    team=entry.team,
+                    dataset_version=entry.dataset_version,
+                    dataset_path=entry.dataset_path,
+                    parent_version=entry.parent_version,
+                    images=entry.images,
+                    cost=entry.cost,
+                    recorded_at=entry.recorded_at,
+                    recorded_by=entry.recorded_by,
+                )
+            )
+        return entry, True
+
+    def labelling_costs(self, team: str | None = None, since: float | None = None) -> list[LabellingCost]:
+        """The labelling ledger, oldest first; `since` keeps the entries recorded at or after it."""
+        q = select(LabellingCostRow).order_by(LabellingCostRow.recorded_at, LabellingCostRow.id)
+        if team is not None:
+            q = q.where(LabellingCostRow.team == team)
+        if since is not None:
+            q = q.where(LabellingCostRow.recorded_at >= since)
+        with self._session(write=False) as s:
+            return [_labelling(r) for r in s.scalars(q)]
+
+
+class AlreadyBilledError(StoreError):
+    """The dataset version is in the labelling ledger with other figures."""
+
+
+def _labelling(row: LabellingCostRow) -> LabellingCost:
+    return LabellingCost(
+        team=row.team,
+        dataset_version=row.dataset_version,
+        dataset_path=row.dataset_path,
+        parent_version=row.parent_version,
+        images=row.images,
+        cost=row.cost,
+        recorded_at=row.recorded_at,
+        recorded_by=row.recorded_by,
+    )
