@@ -80,8 +80,7 @@ def evaluate(
 
     The report (eval.json and PNG plots) goes to the version's folder under evals/; `visionloop models show` lists it.
     """  # noqa: E501 (one line per paragraph: Rich keeps the line breaks of a help text)
-    from visionloop.eval.api import EvalOptions, evaluate_model
-    from visionloop.eval.corruptions import CORRUPTIONS, SEVERITIES
+    from visionloop.eval.options import CORRUPTIONS, SEVERITIES, EvalOptions, check_options
 
     sev: tuple[int, ...] = SEVERITIES
     if severities is not None:
@@ -106,6 +105,9 @@ def evaluate(
         slices=_csv(slices) or (),
         slice_resamples=slice_resamples,
     )
+    check_options(options)  # before torch and MLflow load: a typo is answered at once
+    from visionloop.eval.api import evaluate_model
+
     report = evaluate_model(model, options)
     if as_json:
         out.print_json(json.dumps(report.to_dict()))

@@ -10,7 +10,6 @@ where the server reads it, so that served confidences are calibrated.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from visionloop.data.metadata import Scalar, load_metadata, value_key
 from visionloop.data.shards import ShardReader
 from visionloop.eval import calibration as cal
 from visionloop.eval import slices as sl
-from visionloop.eval.corruptions import CORRUPTIONS, SEVERITIES, corrupt, image_seed
+from visionloop.eval.corruptions import corrupt, image_seed
+from visionloop.eval.options import EvalOptions, check_options
 from visionloop.eval.report import EvalReport, StressCell, summarize_stress
 from visionloop.eval.run import Corrupter, PassResult, score
 from visionloop.eval.tracking import log_eval_run
@@ -36,27 +36,6 @@ from visionloop.tasks import LossFn, Task, get_task
 
 # Fewer held-out images than this make a fitted temperature and its measured ECE noise.
 MIN_CALIBRATION_IMAGES = 50
-SPLITS = ("train", "val", "test")
-
-
-@dataclass(frozen=True)
-class EvalOptions:
-    dataset: Path | None = None  # default: the dataset the version was trained on
-    split: str | None = None  # default: val, else test
-    stress: bool = False
-    corruptions: tuple[str, ...] = CORRUPTIONS
-    severities: tuple[int, ...] = SEVERITIES
-    seed: int = 0
-    max_images: int | None = None
-    batch_size: int = 64
-    device: str = "auto"  # auto (cuda when available), cpu, cuda
-    calibrate: bool = True  # fit and store a temperature (own validation split only)
-    track: bool = True  # record the evaluation as an MLflow run linked to the version
-    # Metadata columns to report the primary metric per value of (worst first, with a 95%
-    # bootstrap interval from `slice_resamples` resamples); the clean pass then runs one image
-    # per batch.
-    slices: tuple[str, ...] = ()
-    slice_resamples: int = sl.DEFAULT_RESAMPLES
 
 
 def evaluate_model(
@@ -65,7 +44,7 @@ def evaluate_model(
     """Evaluate `ref`; write the report under its version folder and return it."""
     options = options or EvalOptions()
     settings = settings or load_settings()
-    _check_options(options)
+    check_options(options)
     info = ref if isinstance(ref, ModelVersionInfo) else get_version(ref, settings)
     card = info.card()
     task = get_task(card.task)
@@ -170,31 +149,6 @@ def evaluate_model(
 
 
 # --------------------------------------------------------------------------- the pieces
-
-
-def _check_options(o: EvalOptions) -> None:
-    unknown = [c for c in o.corruptions if c not in CORRUPTIONS]
-    if unknown:
-        raise SpecError(f"unknown corruption {unknown[0]!r}; use some of: {', '.join(CORRUPTIONS)}.")
-    bad = [s for s in o.severities if s not in SEVERITIES]
-    if bad:
-        raise SpecError(f"severity {bad[0]} is out of range; severities are 1 to 5.")
-    if o.stress and (not o.corruptions or not o.severities):
-        raise SpecError("--stress needs at least one corruption and one severity.")
-    if o.split is not None and o.split not in SPLITS:
-        raise SpecError(f"unknown split {o.split!r}; use one of {', '.join(SPLITS)}.")
-    if o.max_images is not None and o.max_images < 1:
-        raise SpecError(f"--max-images must be at least 1, got {o.max_images}.")
-    if o.batch_size < 1:
-        raise SpecError(f"--batch-size must be at least 1, got {o.batch_size}.")
-    if o.device not in ("auto", "cpu", "cuda"):
-        raise SpecError(f"unknown device {o.device!r}; use auto, cpu or cuda.")
-    if any(not c.strip() for c in o.slices):
-        raise SpecError("--slices names metadata columns (e.g. --slices camera,time_of_day), not ''.")
-    if len(set(o.slices)) != len(o.slices):
-        raise SpecError(f"--slices names a column twice: {', '.join(o.slices)}.")
-    if not 10 <= o.slice_resamples <= 10_000:
-        raise SpecError(f"--slice-resamples must be between 10 and 10000, got {o.slice_resamples}.")
 
 
 def dataset_for(info: ModelVersionInfo, given: Path | None) -> tuple[Path, DatasetManifest]:

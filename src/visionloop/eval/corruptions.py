@@ -44,19 +44,11 @@ from PIL import Image
 from scipy import ndimage, signal, special  # type: ignore[import-untyped]
 
 from visionloop.core.errors import DataError, SpecError
+from visionloop.eval.options import CORRUPTIONS as CORRUPTIONS
+from visionloop.eval.options import SEVERITIES as SEVERITIES
 
-CORRUPTIONS: tuple[str, ...] = (
-    "night",
-    "glare",
-    "motion_blur",
-    "defocus_blur",
-    "fog",
-    "gaussian_noise",
-    "jpeg",
-    "pixelate",
-    "occlusion",
-)
-SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
+# The names and severities live with the options (`visionloop eval` checks them before
+# importing this module's scipy): re-exported here, where the corruptions are.
 
 REFERENCE_SIDE: Final = 224
 """Lengths in the parameter tables are pixels of an image whose short side is this long."""

@@ -31,13 +31,14 @@ from typing import Any, Literal
 import numpy as np
 
 from visionloop.data.metadata import MISSING_LABEL, Scalar, value_key
+from visionloop.eval.options import DEFAULT_RESAMPLES as DEFAULT_RESAMPLES
 from visionloop.eval.run import ImageResult
 from visionloop.tasks import Task
 
 MIN_INTERVAL_IMAGES = 5
 MAX_BOOTSTRAP_IMAGES = 1000
 MAX_SLICE_VALUES = 50
-DEFAULT_RESAMPLES = 200
+
 CONFIDENCE = 0.95
 BATCH = 256  # kept image results scored per evaluator update
 
