@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from visionloop.cli.console import err, out, print_wide
+from visionloop.cli.label_issues import issues_command
 from visionloop.cli.label_studio import export_command, import_command
 
 app = typer.Typer(
@@ -19,12 +20,14 @@ app = typer.Typer(
         "collected sample) by what the model would learn from them and picks a budget of them; "
         "`label export` sends the picks to Label Studio with the model's predictions as "
         "pre-annotations; `label import` brings the finished annotations back as a labelled "
-        "folder, with agreement and contradictions for review."
+        "folder, with agreement and contradictions for review; `label issues` finds likely label "
+        "errors in a dataset by confident learning."
     ),
     no_args_is_help=True,
 )
 app.command("export")(export_command)
 app.command("import")(import_command)
+app.command("issues")(issues_command)
 
 _STRATEGY_HELP = (
     "hybrid (default: the most uncertain, spread by k-center on the embeddings), entropy, "
