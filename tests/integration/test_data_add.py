@@ -251,6 +251,12 @@ def test_the_cli_prints_what_it_made(versions: dict[str, object], tmp_path: Path
     assert "1 of the parent's chunk files linked, 1 rewritten" in r.stdout and "labelling   2.30" in r.stdout
     doc = json.loads(cli("data", "info", str(tmp_path / "v2"), "--json").stdout)
     assert doc["lineage"][0]["relabelled"] == 3 and doc["lineage"][0]["labelling_cost"] == pytest.approx(2.3)
+    # Without --cost-per-image: the settings' price for the dataset's task.
+    (tmp_path / "visionloop.toml").write_text("[visionloop.labelling_cost_per_image]\nclassification = 0.5\n")
+    r = cli("data", "add", str(v1), str(src), "--out", str(tmp_path / "v2b"), "-j", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(cli("data", "info", str(tmp_path / "v2b"), "--json").stdout)
+    assert doc["lineage"][0]["labelling_cost"] == pytest.approx(0.5 * 23)
 
 
 def _boxes(dataset: Path) -> dict[str, tuple[list[str], list[list[float]]]]:

@@ -34,12 +34,31 @@ def test_local_file_points_at_a_home_whose_own_file_fills_the_rest(
     assert load_settings(cwd=work).tracking_uri == "http://env:3"
 
 
+def test_labelling_prices_per_task(vl_home: Path, tmp_path: Path) -> None:
+    (tmp_path / "visionloop.toml").write_text(
+        '[visionloop]\nexperiment = "e"\n'
+        "[visionloop.labelling_cost_per_image]\nclassification = 0.1\ndetection = 1\n"
+    )
+    s = load_settings(cwd=tmp_path)
+    assert (
+        s.labelling_cost_per_image("classification") == 0.1 and s.labelling_cost_per_image("detection") == 1.0
+    )
+    assert s.labelling_cost_per_image("segmentation") is None and hash(s)  # still hashable
+    assert load_settings(cwd=vl_home).labelling_cost_per_image("classification") is None
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
         ("[visionloop]\nhome = 5\n", "must be non-empty strings"),
         ("[visionloop]\nhom = '/x'\n", "unknown setting"),
         ("[visionloop\n", "not valid TOML"),
+        ("[visionloop]\nlabelling_cost_per_image = 0.1\n", "must be a table of task = price"),
+        ("[visionloop.labelling_cost_per_image]\ndetection = -1\n", "detection must be a price per image"),
+        (
+            "[visionloop.labelling_cost_per_image]\ndetection = 'cheap'\n",
+            "detection must be a price per image",
+        ),
     ],
 )
 def test_bad_settings_files_are_explained(tmp_path: Path, text: str, expected: str) -> None:

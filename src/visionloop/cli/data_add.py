@@ -48,7 +48,8 @@ def add_command(
         None,
         "--cost-per-image",
         help="What labelling one image cost (e.g. 0.15): the step's labelling cost, recorded in the lineage "
-        "and shown by `data info`.",
+        "and the cost ledger. Default: the settings' price for the dataset's task "
+        "([visionloop.labelling_cost_per_image] in visionloop.toml), else none.",
         show_default=False,
     ),
     workers: int | None = typer.Option(
@@ -79,7 +80,12 @@ def add_command(
     PARENT is only read; DIR appears only once complete.
     """
     from visionloop.cli.data import progress_bar
+    from visionloop.core.settings import load_settings
     from visionloop.data.derive import add_images
+    from visionloop.data.manifest import read_manifest
+
+    if cost_per_image is None:  # the settings' price for the dataset's task, if any
+        cost_per_image = load_settings().labelling_cost_per_image(read_manifest(parent).task)
 
     with progress_bar(
         {"hash": "hashing files", "decode": "decoding images", "parent": "reading parent"}

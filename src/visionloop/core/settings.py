@@ -19,6 +19,11 @@ from visionloop.core.fsutil import ensure_private_dir
 
 DEFAULT_HOME = Path("~/.visionloop")
 _KNOWN_KEYS = {"home", "tracking_uri", "experiment"}
+# What labelling one image costs, per task: a table of task name = price, e.g.
+# [visionloop.labelling_cost_per_image]  classification = 0.10  detection = 0.30
+# (`data add` bills a new version's labelled images at it unless --cost-per-image says otherwise).
+_PRICES_KEY = "labelling_cost_per_image"
+MAX_PRICE_PER_IMAGE = 1000.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,12 @@ class Settings:
     home: Path
     tracking_uri: str
     experiment: str = "default"
+    # (task, price of labelling one image) pairs: a tuple, so that Settings stays hashable.
+    labelling_prices: tuple[tuple[str, float], ...] = ()
+
+    def labelling_cost_per_image(self, task: str) -> float | None:
+        """What labelling one image of `task` costs, when the settings say."""
+        return dict(self.labelling_prices).get(task)
 
     @property
     def runs_dir(self) -> Path:
@@ -79,15 +90,37 @@ def _read_toml(path: Path) -> dict[str, Any]:
     section = data.get("visionloop", data)
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: expected a [visionloop] table, e.g.\n[visionloop]\nhome = '/data/vl'")
+    section = dict(section)
+    prices = section.pop(_PRICES_KEY, None)
     unknown = set(section) - _KNOWN_KEYS
     if unknown:
         raise ConfigError(
-            f"{path}: unknown setting(s) {sorted(unknown)}; known settings are {sorted(_KNOWN_KEYS)}."
+            f"{path}: unknown setting(s) {sorted(unknown)}; known settings are "
+            f"{sorted(_KNOWN_KEYS | {_PRICES_KEY})}."
         )
     not_text = sorted(k for k, v in section.items() if not isinstance(v, str) or not v)
     if not_text:
         raise ConfigError(f'{path}: {", ".join(not_text)} must be non-empty strings, e.g. home = "/data/vl".')
-    return dict(section)
+    if prices is not None:
+        section[_PRICES_KEY] = _prices(path, prices)
+    return section
+
+
+def _prices(path: Path, table: Any) -> dict[str, float]:
+    example = f"[visionloop.{_PRICES_KEY}]\nclassification = 0.10\ndetection = 0.30"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: {_PRICES_KEY} must be a table of task = price per image, e.g.\n{example}")
+    bad = sorted(
+        str(k)
+        for k, v in table.items()
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_PRICE_PER_IMAGE
+    )
+    if bad:
+        raise ConfigError(
+            f"{path}: {_PRICES_KEY} for {', '.join(bad)} must be a price per image from 0 to "
+            f"{MAX_PRICE_PER_IMAGE:g}, e.g.\n{example}"
+        )
+    return {str(k): float(v) for k, v in table.items()}
 
 
 def load_settings(cwd: Path | None = None) -> Settings:
@@ -107,4 +140,7 @@ def load_settings(cwd: Path | None = None) -> Settings:
         or f"sqlite:///{home / 'mlflow.db'}"
     )
     experiment = os.environ.get("VISIONLOOP_EXPERIMENT") or file_values.get("experiment") or "default"
-    return Settings(home=home, tracking_uri=str(tracking_uri), experiment=str(experiment))
+    prices = tuple(sorted((file_values.get(_PRICES_KEY) or {}).items()))
+    return Settings(
+        home=home, tracking_uri=str(tracking_uri), experiment=str(experiment), labelling_prices=prices
+    )
