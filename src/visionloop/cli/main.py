@@ -23,6 +23,7 @@ from visionloop.cli import demo as demo_cli
 from visionloop.cli import evaluate as eval_cli
 from visionloop.cli import export as export_cli
 from visionloop.cli import label as label_cli
+from visionloop.cli import loop as loop_cli
 from visionloop.cli import models as models_cli
 from visionloop.cli import monitor as monitor_cli
 from visionloop.cli import queue as queue_cli
@@ -61,6 +62,7 @@ app.add_typer(queue_cli.cost_app, name="cost")
 app.add_typer(models_cli.app, name="models")
 app.add_typer(alerts_cli.app, name="alerts")
 app.add_typer(label_cli.app, name="label")
+app.add_typer(loop_cli.app, name="loop")
 app.add_typer(tune_cli.app, name="tune")
 app.add_typer(size_cli.app, name="size")
 app.command("export", context_settings={"help_option_names": ["-h", "--help"]})(export_cli.export)

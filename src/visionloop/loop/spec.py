@@ -1,0 +1,134 @@
+"""`LOOP.yaml`: what a retraining loop watches, what it trains, and how a new model must prove
+itself before it becomes the champion.
+
+    name: digits-loop
+    model: digits                 # the registered model; the loop improves its champion
+    dataset: /data/digits         # the version the loop starts from; each round makes the next
+    labels: /data/incoming        # `label import --out /data/incoming/round-3` drops labelled folders here
+    trigger:                      # any one opens a round
+      new_labels: 200             # labelled images waiting in `labels`
+      drift_windows: 2            # consecutive drifting windows of `visionloop monitor`
+      every_hours: 168            # a retrain on a schedule, with whatever labels are waiting
+    train: train.yaml             # the train spec (a path, or inline); data.dataset is the round's
+                                  # version and the champion's weights warm-start it
+    job: {team: vision, priority: normal}   # what `visionloop submit` takes: resources, spot, ...
+    gate: {max_drop: 1.0}         # `models promote`'s gate, on evaluations on the round's own data
+    labelling_cost_per_image: 0.15
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from visionloop.core.errors import SpecError
+from visionloop.specs import JobFields, TrainSpec, resolve_paths, validate_train_spec
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+MAX_SPEC_BYTES = 1024 * 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TriggerSpec(_Strict):
+    new_labels: int | None = Field(None, ge=1, description="labelled images waiting in `labels`")
+    drift_windows: int | None = Field(None, ge=1, description="consecutive drifting monitor windows")
+    every_hours: float | None = Field(None, gt=0, description="hours since the last round opened")
+
+    @model_validator(mode="after")
+    def _one(self) -> TriggerSpec:
+        if self.new_labels is None and self.drift_windows is None and self.every_hours is None:
+            raise ValueError("give at least one of new_labels, drift_windows, every_hours")
+        return self
+
+
+class GateSpec(_Strict):
+    """The promotion gate (`visionloop models promote`), on evaluations of the candidate and
+    the champion on the round's own evaluation split: how much worse the candidate may be."""
+
+    max_drop: float = Field(1.0, ge=0, le=100, description="points of the clean primary metric")
+    max_stress_drop: float = Field(2.0, ge=0, le=100, description="points of the stress mean")
+    max_ece_rise: float = Field(0.02, ge=0, le=1, description="expected calibration error")
+    stress: bool = Field(False, description="also evaluate under the corruptions (slower)")
+    max_images: int | None = Field(None, ge=1, description="evaluate on at most this many images")
+
+
+class LoopSpec(_Strict):
+    name: str
+    model: str
+    dataset: Path
+    labels: Path
+    trigger: TriggerSpec
+    train: TrainSpec
+    job: JobFields = Field(default_factory=JobFields)
+    gate: GateSpec = Field(default_factory=GateSpec)
+    labelling_cost_per_image: float | None = Field(None, ge=0, le=1000)
+    # Where each round's dataset version goes (a folder the team's jobs may read). Default:
+    # <home>/datasets/<name>/.
+    datasets_dir: Path | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(
+                "must be lowercase letters, digits, - and _ (up to 64), starting with a letter or digit"
+            )
+        return v
+
+
+def load_loop_spec(path: Path) -> LoopSpec:
+    """Read and check LOOP.yaml; relative paths are taken from the file's folder (the train
+    spec's own, from that spec's folder)."""
+    path = Path(path).expanduser()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"cannot read the loop spec {path}: {e.strerror or e}") from e
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(f"{path} is over {MAX_SPEC_BYTES // 1024} KiB; a loop spec is a few lines")
+    try:
+        doc = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(doc, dict):
+        raise SpecError(f"{path} must hold a mapping (name:, model:, dataset:, labels:, trigger:, train:)")
+    return validate_loop_spec(doc, path.parent.resolve(), str(path))
+
+
+def validate_loop_spec(doc: dict[str, Any], base: Path, where: str = "the loop spec") -> LoopSpec:
+    doc = dict(doc)
+    train = doc.get("train")
+    if isinstance(train, str):
+        train_path = (base / train).expanduser()
+        try:
+            train_doc = yaml.safe_load(train_path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as e:
+            raise SpecError(f"{where}: cannot read the train spec {train_path}: {e}") from e
+        train_base = train_path.parent
+    else:
+        train_doc, train_base = train, base
+    if not isinstance(train_doc, dict):
+        raise SpecError(f"{where}: train must be a train spec (a path to one, or the spec itself)")
+    # The dataset is the loop's (each round's version): a placeholder keeps the train spec valid.
+    train_doc = {
+        **train_doc,
+        "data": {**(train_doc.get("data") or {}), "dataset": str(doc.get("dataset", "."))},
+    }
+    train_spec = resolve_paths(validate_train_spec(train_doc, f"{where} (train)"), train_base)
+    doc["train"] = train_spec.model_dump(mode="json")
+    for key in ("dataset", "labels", "datasets_dir"):
+        if isinstance(doc.get(key), str):
+            doc[key] = str((base / doc[key]).expanduser().resolve())
+    try:
+        return LoopSpec.model_validate(doc)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise SpecError(f"{where}: {problems}") from e

@@ -1,0 +1,237 @@
+"""`visionloop loop`: labelled folders arrive, a round opens, the next dataset version is made,
+a queue job trains on it from the champion's weights, the run is registered, evaluated with
+the champion on the round's data and promoted through the gate (or rejected by it); a loop
+that crashes after every step acted, before its record was saved, ends with the
+same single dataset version, job, registered version and promotion; and `loop status` says
+where it stands. A real control plane (SQLite) and real training."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from _cpkit import CP, TEAMS, cluster_config, control_plane
+from _dbkit import fresh_database
+from _modelkit import ModelKit, registered_model  # noqa: F401  (the session's champion)
+from _trainkit import cli, spec_doc
+from visionloop.api.client import Client
+from visionloop.core.settings import load_settings
+from visionloop.data.manifest import read_manifest
+from visionloop.data.shards import ShardReader
+from visionloop.loop import runner, state
+from visionloop.loop.runner import REPORT_SUFFIX, advance
+from visionloop.loop.spec import LoopSpec, validate_loop_spec
+from visionloop.registry import CHAMPION, aliases, list_versions
+
+ONE_GPU = [{"node": "local", "type": "fake", "count": 1, "price_class": "owned"}]
+
+
+class Crash(BaseException):
+    """A process killed between a step's act and its record (not an Exception: nothing catches it)."""
+
+
+def _labelled_folder(dataset: Path, out: Path, n: int, seed: int) -> None:
+    """`n` new labelled images (noisy copies of val images, under their true class) as `label
+    import` leaves them: a folder and its report beside it."""
+    m = read_manifest(dataset)
+    reader = ShardReader(dataset / "shards" / "val")
+    rng = np.random.default_rng(seed)
+    import io
+
+    for k in range(n):
+        r = reader[k * 3 % len(reader)]
+        pixels = np.asarray(Image.open(io.BytesIO(r["image"])).convert("RGB"), dtype=np.int64)
+        noisy = np.clip(pixels + rng.integers(-25, 25, pixels.shape), 0, 255).astype(np.uint8)
+        folder = out / m.classes[int(r["label"])]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(noisy).save(folder / f"{seed}-{k}.png")
+    out.with_name(out.name + REPORT_SUFFIX).write_text(json.dumps({"images": n}))
+
+
+@pytest.fixture
+def world(
+    registered_model: ModelKit,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[ModelKit, CP, Path]]:
+    kit = registered_model.copy_home(tmp_path / "home")
+    monkeypatch.setenv("VISIONLOOP_HOME", str(kit.home))
+    monkeypatch.setenv("VISIONLOOP_TRACKING_URI", kit.settings.tracking_uri)
+    dataset = tmp_path / "digits"
+    shutil.copytree(kit.dataset, dataset)  # under the jobs' allowed root (tmp_path)
+    with (
+        fresh_database("sqlite", tmp_path) as url,
+        control_plane(url, cluster_config(inventory=ONE_GPU, teams=TEAMS)) as cp,
+    ):
+        yield kit, cp, dataset
+
+
+def _spec(tmp_path: Path, dataset: Path, **gate: Any) -> LoopSpec:
+    train = spec_doc(dataset, epochs=1, data__workers=0, tracking__enabled=False)
+    doc = {
+        "name": "digits-loop",
+        "model": "digits",
+        "dataset": str(dataset),
+        "labels": str(tmp_path / "incoming"),
+        "trigger": {"new_labels": 20},
+        "train": train,
+        "job": {"team": "vision"},
+        "gate": {"max_images": 150, **gate},
+        "labelling_cost_per_image": 0.2,
+    }
+    return validate_loop_spec(doc, tmp_path)
+
+
+def _drive(spec: LoopSpec, cp: CP, deadline_s: float = 300) -> runner.Pass:
+    settings = load_settings()
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        result = advance(spec, settings, lambda: Client(cp.url, cp.admin_token))
+        if result.stopped != "waiting":
+            return result
+        time.sleep(0.3)
+    raise AssertionError(f"the round did not end within {deadline_s} s: {result.reason}")
+
+
+def test_a_round_makes_the_version_trains_registers_and_promotes(
+    world: tuple[ModelKit, CP, Path], tmp_path: Path
+) -> None:
+    kit, cp, dataset = world
+    spec = _spec(tmp_path, dataset, max_drop=100.0)
+    settings = load_settings()
+    (tmp_path / "incoming").mkdir()
+    _labelled_folder(dataset, tmp_path / "incoming" / "round-a", 12, seed=1)
+    assert advance(spec, settings, lambda: Client(cp.url, cp.admin_token)).stopped == "idle"  # 12 < 20
+    _labelled_folder(dataset, tmp_path / "incoming" / "round-b", 12, seed=2)
+    (tmp_path / "incoming" / "half-copied").mkdir()  # no report beside it: not finished, not taken
+
+    result = _drive(spec, cp)
+    assert result.stopped == "closed" and "promoted" in result.reason, result.reason
+    rnd = result.state.rounds[-1]
+    assert rnd.number == 1 and rnd.outcome == "promoted" and "24 labelled images waiting" in rnd.trigger
+    assert [rnd.steps[s].status for s in state.STEPS] == ["done"] * 5
+    # The dataset: two versions, one per folder, the second the round's, its lineage back to v1.
+    made = Path(rnd.steps["dataset"].outputs["dataset"])
+    m = read_manifest(made)
+    assert (
+        made.parent == settings.datasets_dir / "digits-loop"
+        and m.ancestry[-1] == read_manifest(dataset).version
+    )
+    assert len(m.ancestry) == 2 and sum(m.lineage[0].added.values()) == 12  # type: ignore[index]
+    assert result.state.dataset == str(made) and len(result.state.consumed) == 2
+    # The job: the round's version, warm-started from the champion's weights, its normalisation kept.
+    job_id = rnd.steps["train"].outputs["job"]
+    with cp.client() as c:
+        job = c.get(f"/v1/jobs/{job_id}").json()["job"]
+    train = job["train_doc"]
+    assert train["data"]["dataset"] == str(made) and train["data"]["normalize"] == "dataset"
+    assert (
+        Path(train["model"]["pretrained"]).read_bytes()
+        == (kit.home / "models" / "digits" / "v1" / "final.safetensors").read_bytes()
+    )
+    # Registered once, promoted through the gate (evaluations of both on the round's data).
+    versions = list_versions("digits", settings)
+    assert [v.version for v in versions] == [1, 2] and aliases("digits", settings)[CHAMPION] == 2
+    evaluated = rnd.steps["evaluate"].outputs
+    assert evaluated["candidate"]["version"] == 2 and evaluated["champion"]["version"] == 1
+    # The labelling was billed to the team, per version.
+    with cp.client() as c:
+        ledger = c.get("/v1/cost").json()["labelling"]
+    assert sorted(e["images"] for e in ledger) == [12, 12] and {e["team"] for e in ledger} == {"vision"}
+    # Nothing waits now: the next pass is idle; `loop status` tells the story.
+    assert advance(spec, settings, lambda: Client(cp.url, cp.admin_token)).stopped == "idle"
+    spec_file = tmp_path / "loop.yaml"
+    spec_file.write_text(
+        json.dumps({**json.loads(spec.model_dump_json()), "train": json.loads(spec.train.model_dump_json())})
+    )
+    r = cli("loop", "status", str(spec_file), env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert (
+        "round 1: promoted" in r.stdout
+        and "digits/2 is the champion" in r.stdout
+        and "half-copied" not in r.stdout
+    )
+
+
+def test_a_worse_candidate_is_rejected_by_the_gate(world: tuple[ModelKit, CP, Path], tmp_path: Path) -> None:
+    _, cp, dataset = world
+    spec = _spec(tmp_path, dataset, max_drop=0.0)
+    # A round that trains almost nothing: its model is worse than the champion.
+    train = spec.train.model_copy(
+        update={"epochs": None, "steps": 2, "optimizer": spec.train.optimizer.model_copy(update={"lr": 1e-6})}
+    )
+    spec = spec.model_copy(update={"train": train})
+    (tmp_path / "incoming").mkdir()
+    _labelled_folder(dataset, tmp_path / "incoming" / "round-a", 24, seed=3)
+    result = _drive(spec, cp)
+    rnd = result.state.rounds[-1]
+    assert rnd.outcome == "rejected" and "may not become digits@champion" in rnd.reason, rnd.reason
+    assert aliases("digits", load_settings())[CHAMPION] == 1  # unchanged
+    assert rnd.steps["promote"].outputs == {"promoted": False, "version": 2}
+    # The labels are in the loop's dataset all the same: the next round builds on them.
+    assert result.state.dataset == rnd.steps["dataset"].outputs["dataset"]
+
+
+def test_crashes_between_acting_and_recording_repeat_nothing(
+    world: tuple[ModelKit, CP, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, cp, dataset = world
+    spec = _spec(tmp_path, dataset, max_drop=100.0)
+    (tmp_path / "incoming").mkdir()
+    _labelled_folder(dataset, tmp_path / "incoming" / "round-a", 24, seed=4)
+    # Every record the loop is about to write for the first time is lost once: the process
+    # "dies" after the step acted and before the record of it reached the disk, at every step.
+    real_save = state.save_state
+    crashed: list[str] = []
+
+    def flaky_save(home: Path, st: state.LoopState) -> None:
+        rnd = st.rounds[-1] if st.rounds else None
+        steps = [] if rnd is None else [(n, r.status, sorted(r.outputs)) for n, r in rnd.steps.items()]
+        signature = json.dumps([None if rnd is None else rnd.outcome, steps])
+        if signature not in crashed:
+            crashed.append(signature)
+            raise Crash()
+        real_save(home, st)
+
+    monkeypatch.setattr(runner, "save_state", flaky_save)
+    settings = load_settings()
+    deadline = time.monotonic() + 400
+    closed = None
+    while closed is None:
+        assert time.monotonic() < deadline, "the round did not end"
+        try:
+            result = advance(spec, settings, lambda: Client(cp.url, cp.admin_token))
+        except Crash:
+            continue
+        if result.stopped == "closed":
+            closed = result
+        else:
+            time.sleep(0.3)
+    print(f"{len(crashed)} crashes")
+    # At least: the state made; each step running, (train waiting,) done; the round closed.
+    assert len(crashed) >= 12, crashed
+    final = state.load_state(settings.home, spec.name)
+    assert final is not None
+    rounds = [r for r in final.rounds if r.outcome is not None]
+    assert [r.outcome for r in rounds] == ["promoted"], [(r.outcome, r.reason) for r in final.rounds]
+    # One dataset version for the folder, one job, one registered version, one promotion.
+    made = sorted(
+        p.name for p in (settings.datasets_dir / "digits-loop").iterdir() if not p.name.startswith(".")
+    )
+    assert made == ["round-1-1"], made
+    with cp.client() as c:
+        jobs = c.get("/v1/jobs").json()
+    assert len(jobs["jobs"] if isinstance(jobs, dict) else jobs) == 1, jobs
+    assert [v.version for v in list_versions("digits", settings)] == [1, 2]
+    assert aliases("digits", settings)[CHAMPION] == 2
+    with cp.client() as c:
+        ledger = c.get("/v1/cost").json()["labelling"]
+    assert [e["images"] for e in ledger] == [24], ledger
