@@ -435,6 +435,7 @@ def test_a_preempted_trial_resumes_as_the_same_trial_and_reports_each_epoch_once
     # checkpoint, pauses at the rung, waits for the bad one, and is promoted to the end.
     train = _train(digits_dataset, epochs=2)
     train["data"]["batch_size"] = 16
+    train["checkpoint"]["every_steps"] = 12  # the preemption waits for the first one (~90 steps a rung)
     doc = _tune_doc(
         digits_dataset,
         "preempted-lr",

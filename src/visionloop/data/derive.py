@@ -65,14 +65,7 @@ from visionloop.data.manifest import (
 from visionloop.data.metadata import canonical_line, load_metadata, metadata_version
 from visionloop.data.publish import building, publish
 from visionloop.data.shardcheck import INDEX_NAME, check_dataset, check_shard_index
-from visionloop.data.shards import (
-    Record,
-    ShardReader,
-    ShardWriter,
-    extra_fields_of,
-    make_record,
-    record_field,
-)
+from visionloop.data.shards import Record, ShardReader, ShardWriter, extra_fields, make_record
 from visionloop.tasks import Task, get_task
 
 # A labelling price above this per image is a typo (a cent amount given in euros x 100?).
@@ -111,7 +104,7 @@ def _label_bytes(record: Record) -> bytes:
     """The record's labels as bytes: its label, then each extra field (compared to find a
     relabel, hashed into the version)."""
     parts = [str(int(record["label"])).encode()]
-    parts += [record_field(record, name) for name in extra_fields_of(record)]
+    parts += list(extra_fields(record).values())
     return b"\0".join(hashlib.sha256(p).digest() for p in parts)
 
 
@@ -132,7 +125,7 @@ def _entry(task: Task, record: Record, where: str) -> _Entry:
         b"",
         int(record["label"]),
         int(record["index"]),
-        **{n: record_field(record, n) for n in extra_fields_of(record)},
+        **extra_fields(record),
     )
     return _Entry(
         sha256=hashlib.sha256(record["image"]).hexdigest(),
@@ -469,7 +462,7 @@ class _Merge:
                     record["image"],
                     int(record["label"]),
                     self.next_index,
-                    **{n: record_field(record, n) for n in extra_fields_of(record)},
+                    **extra_fields(record),
                 )
                 self.next_index += 1
                 writer.add(record)
@@ -535,7 +528,7 @@ class _Merge:
                     record = reader[pos]
                     new = relabels.get(pos)
                     if new is not None:
-                        fields = {n: record_field(new, n) for n in extra_fields_of(new)}
+                        fields = extra_fields(new)
                         record = make_record(
                             record["image"], int(new["label"]), int(record["index"]), **fields
                         )

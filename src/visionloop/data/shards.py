@@ -51,6 +51,12 @@ def extra_fields_of(record: Record) -> tuple[str, ...]:
     return tuple(k for k in record if k not in BASE_FIELDS)
 
 
+def extra_fields(record: Record) -> dict[str, bytes]:
+    """The record's extra fields by name, in order (to copy a record with another label or
+    index: `make_record(image, label, index, **extra_fields(record))`)."""
+    return {name: record_field(record, name) for name in extra_fields_of(record)}
+
+
 def record_field(record: Record, name: str) -> bytes:
     """The record's extra field `name`; DataError naming the record when it has none."""
     value = cast(Mapping[str, object], record).get(name)

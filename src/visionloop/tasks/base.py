@@ -330,10 +330,11 @@ class Task(ABC):
     def remap_classes(self, record: Record, mapping: Sequence[int]) -> Record:
         """`record` with each class index i replaced by mapping[i]: a new version keeps its
         parent's class list, while its source numbered the classes it has by itself."""
-        from visionloop.data.shards import extra_fields_of, make_record, record_field
+        from visionloop.data.shards import extra_fields, make_record
 
-        extra = {name: record_field(record, name) for name in extra_fields_of(record)}
-        return make_record(record["image"], mapping[int(record["label"])], record["index"], **extra)
+        return make_record(
+            record["image"], mapping[int(record["label"])], record["index"], **extra_fields(record)
+        )
 
     def version_stats(
         self,
