@@ -6,8 +6,10 @@ the new content survives a power cut (the directory entry is synced too).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -84,3 +86,14 @@ def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link `src` at `dst` (no second copy on disk); copy it where links cannot be made
+    (another file system, one without them, a link count at its limit)."""
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        shutil.copy2(src, dst)

@@ -23,12 +23,10 @@ parent is only ever read.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
 import math
-import os
 import shutil
 import statistics
 import time
@@ -44,6 +42,7 @@ from PIL import Image
 
 from visionloop import __version__
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import link_or_copy
 from visionloop.data.ingest_options import IngestOptions, IngestReport, ProgressFn, default_workers
 from visionloop.data.ingest_stats import SPLIT_NAMES
 from visionloop.data.manifest import (
@@ -149,17 +148,6 @@ def _index_doc(shard_dir: Path) -> dict[str, Any]:
     return doc
 
 
-def _link(src: Path, dst: Path) -> None:
-    """Hard-link `src` at `dst`; copy where links cannot be made (another filesystem, a
-    filesystem without them)."""
-    try:
-        os.link(src, dst)
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise
-        shutil.copy2(src, dst)
-
-
 class _SplitWriter:
     """Assembles one split's shard folder from whole chunk files: the parent's, linked, and
     the ones written for relabels and additions, renamed in order as chunk-0-N.bin."""
@@ -175,7 +163,7 @@ class _SplitWriter:
 
     def link(self, folder: Path, chunk: dict[str, Any], config: dict[str, Any]) -> None:
         name = self._name()
-        _link(folder / chunk["filename"], self.out_dir / name)
+        link_or_copy(folder / chunk["filename"], self.out_dir / name)
         self.chunks.append({**chunk, "filename": name})
         self.config = self.config or config
 

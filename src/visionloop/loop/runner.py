@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import DataError, VisionloopError
+from visionloop.core.fsutil import link_or_copy
 from visionloop.core.settings import Settings
 from visionloop.loop.spec import LoopSpec
 from visionloop.loop.state import STEPS, LoopState, Round, StepRecord, load_state, record_event, save_state
@@ -299,7 +300,7 @@ class _Steps:
             weights = self.settings.weights_dir / f"{self.spec.name}-round-{self.rnd.number}.safetensors"
             weights.parent.mkdir(parents=True, exist_ok=True)
             if not weights.exists():
-                _link(info.weights, weights)
+                link_or_copy(info.weights, weights)
             doc["model"]["pretrained"] = str(weights)
             if doc["data"].get("normalize", "auto") == "auto":
                 # Keep the champion's normalisation: "auto" would switch to ImageNet's with weights.
@@ -309,28 +310,20 @@ class _Steps:
 
     # ------------------------------------------------------------------ register
     def register(self, rec: StepRecord) -> str:
+        from visionloop.core.errors import NotFoundError
         from visionloop.registry import list_versions, register
 
         run_dir = str(Path(self.rnd.steps["train"].outputs["run_dir"]).resolve())
-        for v in list_versions(self.spec.model, self.settings) if self._model_exists() else []:
-            if v.lineage().get("run_dir") == run_dir:  # registered by an attempt that crashed after it
-                info = v
-                break
-        else:
-            info = register(run_dir, name=self.spec.model, settings=self.settings)
+        try:
+            versions = list_versions(self.spec.model, self.settings)
+        except NotFoundError:  # the model's first version
+            versions = []
+        # Registered by an attempt that crashed before recording it: found by its run.
+        found = [v for v in versions if v.lineage().get("run_dir") == run_dir]
+        info = found[0] if found else register(run_dir, name=self.spec.model, settings=self.settings)
         rec.outputs = {"version": info.version}
         rec.reason = f"{info.ref}"
         return "done"
-
-    def _model_exists(self) -> bool:
-        from visionloop.core.errors import NotFoundError
-        from visionloop.registry import list_versions
-
-        try:
-            list_versions(self.spec.model, self.settings)
-        except NotFoundError:
-            return False
-        return True
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(self, rec: StepRecord) -> str:
@@ -407,12 +400,3 @@ def _imagenet_stats(mean: tuple[float, ...]) -> bool:
     return len(mean) == 3 and all(
         math.isclose(a, b, abs_tol=1e-3) for a, b in zip(mean, IMAGENET_MEAN, strict=True)
     )
-
-
-def _link(src: Path, dst: Path) -> None:
-    import shutil
-
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
