@@ -31,6 +31,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
+# Seconds per test file (setup, call and teardown of its tests), printed at the end: the suite
+# runs a file's tests on one xdist worker, so a long file is what stretches the run's wall time.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _FILE_SECONDS:
+        return
+    top = sorted(_FILE_SECONDS.items(), key=lambda kv: kv[1], reverse=True)[:20]
+    terminalreporter.write_sep("=", f"slowest {len(top)} test files (of {len(_FILE_SECONDS)})")
+    for path, seconds in top:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}s in all")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     """pytest-xdist, in the controller: tell each worker whether COLUMNS was set here."""
