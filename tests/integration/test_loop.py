@@ -14,46 +14,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _dbkit import fresh_database
+from _loopkit import Crash, drive, labelled_folder
 from _modelkit import ModelKit, registered_model  # noqa: F401  (the session's champion)
 from _trainkit import cli, spec_doc
 from visionloop.api.client import Client
 from visionloop.core.settings import load_settings
 from visionloop.data.manifest import read_manifest
-from visionloop.data.shards import ShardReader
 from visionloop.loop import runner, state
-from visionloop.loop.runner import REPORT_SUFFIX, advance
+from visionloop.loop.runner import advance
 from visionloop.loop.spec import LoopSpec, validate_loop_spec
-from visionloop.registry import CHAMPION, aliases, list_versions
+from visionloop.registry import CHAMPION, alias_history, aliases, list_versions
 
 ONE_GPU = [{"node": "local", "type": "fake", "count": 1, "price_class": "owned"}]
-
-
-class Crash(BaseException):
-    """A process killed between a step's act and its record (not an Exception: nothing catches it)."""
-
-
-def _labelled_folder(dataset: Path, out: Path, n: int, seed: int) -> None:
-    """`n` new labelled images (noisy copies of val images, under their true class) as `label
-    import` leaves them: a folder and its report beside it."""
-    m = read_manifest(dataset)
-    reader = ShardReader(dataset / "shards" / "val")
-    rng = np.random.default_rng(seed)
-    import io
-
-    for k in range(n):
-        r = reader[k * 3 % len(reader)]
-        pixels = np.asarray(Image.open(io.BytesIO(r["image"])).convert("RGB"), dtype=np.int64)
-        noisy = np.clip(pixels + rng.integers(-25, 25, pixels.shape), 0, 255).astype(np.uint8)
-        folder = out / m.classes[int(r["label"])]
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(noisy).save(folder / f"{seed}-{k}.png")
-    out.with_name(out.name + REPORT_SUFFIX).write_text(json.dumps({"images": n}))
 
 
 @pytest.fixture
@@ -90,17 +66,6 @@ def _spec(tmp_path: Path, dataset: Path, **gate: Any) -> LoopSpec:
     return validate_loop_spec(doc, tmp_path)
 
 
-def _drive(spec: LoopSpec, cp: CP, deadline_s: float = 300) -> runner.Pass:
-    settings = load_settings()
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        result = advance(spec, settings, lambda: Client(cp.url, cp.admin_token))
-        if result.stopped != "waiting":
-            return result
-        time.sleep(0.3)
-    raise AssertionError(f"the round did not end within {deadline_s} s: {result.reason}")
-
-
 def test_a_round_makes_the_version_trains_registers_and_promotes(
     world: tuple[ModelKit, CP, Path], tmp_path: Path
 ) -> None:
@@ -108,16 +73,25 @@ def test_a_round_makes_the_version_trains_registers_and_promotes(
     spec = _spec(tmp_path, dataset, max_drop=100.0)
     settings = load_settings()
     (tmp_path / "incoming").mkdir()
-    _labelled_folder(dataset, tmp_path / "incoming" / "round-a", 12, seed=1)
+    labelled_folder(dataset, tmp_path / "incoming" / "round-a", 12, seed=1)
     assert advance(spec, settings, lambda: Client(cp.url, cp.admin_token)).stopped == "idle"  # 12 < 20
-    _labelled_folder(dataset, tmp_path / "incoming" / "round-b", 12, seed=2)
+    labelled_folder(dataset, tmp_path / "incoming" / "round-b", 12, seed=2)
     (tmp_path / "incoming" / "half-copied").mkdir()  # no report beside it: not finished, not taken
 
-    result = _drive(spec, cp)
+    result = drive(spec, cp)
     assert result.stopped == "closed" and "promoted" in result.reason, result.reason
     rnd = result.state.rounds[-1]
     assert rnd.number == 1 and rnd.outcome == "promoted" and "24 labelled images waiting" in rnd.trigger
-    assert [rnd.steps[s].status for s in state.STEPS] == ["done"] * 5
+    assert [rnd.steps[s].status for s in state.STEPS] == [
+        "done",
+        "done",
+        "done",
+        "done",
+        "done",
+        "skipped",
+        "skipped",
+        "done",
+    ]  # no rollout in the spec: no export, no canary
     # The dataset: two versions, one per folder, the second the round's, its lineage back to v1.
     made = Path(rnd.steps["dataset"].outputs["dataset"])
     m = read_manifest(made)
@@ -170,12 +144,20 @@ def test_a_worse_candidate_is_rejected_by_the_gate(world: tuple[ModelKit, CP, Pa
     )
     spec = spec.model_copy(update={"train": train})
     (tmp_path / "incoming").mkdir()
-    _labelled_folder(dataset, tmp_path / "incoming" / "round-a", 24, seed=3)
-    result = _drive(spec, cp)
+    labelled_folder(dataset, tmp_path / "incoming" / "round-a", 24, seed=3)
+    result = drive(spec, cp)
     rnd = result.state.rounds[-1]
     assert rnd.outcome == "rejected" and "may not become digits@champion" in rnd.reason, rnd.reason
+    assert rnd.reason.startswith("gate: ")
     assert aliases("digits", load_settings())[CHAMPION] == 1  # unchanged
-    assert rnd.steps["promote"].outputs == {"promoted": False, "version": 2}
+    # The gate step said no; nothing after it ran.
+    assert rnd.steps["gate"].outputs == {"champion": 1, "outcome": "refused", "rejected": True}
+    assert [rnd.steps[s].status for s in ("gate", "export", "canary", "promote")] == [
+        "done",
+        "skipped",
+        "skipped",
+        "skipped",
+    ]
     # The labels are in the loop's dataset all the same: the next round builds on them.
     assert result.state.dataset == rnd.steps["dataset"].outputs["dataset"]
 
@@ -186,7 +168,7 @@ def test_crashes_between_acting_and_recording_repeat_nothing(
     _, cp, dataset = world
     spec = _spec(tmp_path, dataset, max_drop=100.0)
     (tmp_path / "incoming").mkdir()
-    _labelled_folder(dataset, tmp_path / "incoming" / "round-a", 24, seed=4)
+    labelled_folder(dataset, tmp_path / "incoming" / "round-a", 24, seed=4)
     # Every record the loop is about to write for the first time is lost once: the process
     # "dies" after the step acted and before the record of it reached the disk, at every step.
     real_save = state.save_state
@@ -232,6 +214,13 @@ def test_crashes_between_acting_and_recording_repeat_nothing(
     assert len(jobs["jobs"] if isinstance(jobs, dict) else jobs) == 1, jobs
     assert [v.version for v in list_versions("digits", settings)] == [1, 2]
     assert aliases("digits", settings)[CHAMPION] == 2
+    # Promoted once: a promotion whose record was lost is read back, not made again.
+    moves = [
+        (e.action, e.alias, e.version)
+        for e in alias_history("digits", settings)
+        if e.actor.startswith("loop")
+    ]
+    assert moves == [("set", "champion", 2)], moves
     with cp.client() as c:
         ledger = c.get("/v1/cost").json()["labelling"]
     assert [e["images"] for e in ledger] == [24], ledger

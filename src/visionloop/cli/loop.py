@@ -16,8 +16,9 @@ app = typer.Typer(
     help=(
         "The retraining loop: new labels, drift or a schedule open a round; the round makes the next "
         "dataset version, trains on the queue from the champion's weights, registers, evaluates "
-        "against the champion and promotes through the gate. `loop run` drives it, `loop status` "
-        "shows where it stands and why."
+        "against the champion, passes the gate and (with a rollout) the export gate and a canary "
+        "on the server, then promotes or rolls back. `loop run` drives it, `loop status` shows "
+        "where it stands and why."
     ),
     no_args_is_help=True,
 )

@@ -7,11 +7,17 @@ open round's steps as far as they go without waiting.
     register  the finished run as a new version of the model (found again by its run if a
               crash came after registering)
     evaluate  the candidate and the champion on the round's evaluation split
-    promote   `models promote`'s gate: promoted, or rejected with the gate's reason
+    gate      `models promote`'s gate on those evaluations: a worse candidate ends the round
+    export    (with a rollout) the export the server serves, through the export gate
+    canary    (with a rollout) the candidate as the server's challenger with its canary and
+              shadow shares, watched (`loop.canary`); a failed watch rolls it back
+    promote   the candidate becomes the champion (the gate checked again against whoever is
+              champion now), and the challenger alias and the canary share are cleared
 
-A step that waits (the job is queued or running) ends the pass; the next pass goes on from it.
-A step that fails closes the round as failed, with the step's reason; the labels it took in
-stay consumed only once its dataset step finished (a failed dataset step leaves them waiting).
+A step that waits (the job is queued or running, the canary is watched) ends the pass; the
+next pass goes on from it. A step that rejects the candidate (gate, export gate, canary) closes
+the round as rejected with its reason; one that fails closes it as failed. The labels a round
+took in stay consumed only once its dataset step finished (a failed one leaves them waiting).
 """
 
 from __future__ import annotations
@@ -137,6 +143,8 @@ def advance(
     for name in STEPS:
         rec = rnd.steps[name]
         if rec.status in ("done", "skipped"):
+            if rec.outputs.get("rejected"):  # an attempt that died before it closed the round
+                return _close(spec, settings, state, rnd, "rejected", f"{name}: {rec.reason}")
             continue
         if rec.status != "waiting":
             rec.status, rec.started_at = "running", time.time()
@@ -148,6 +156,9 @@ def advance(
         except Exception as e:  # a bug or a broken dependency: the round says so, the loop lives
             log.exception("loop %s round %d: step %s", spec.name, rnd.number, name)
             return _close(spec, settings, state, rnd, "failed", f"{name}: {type(e).__name__}: {e}", rec)
+        if status == "rejected":
+            rec.outputs["rejected"] = True
+            status = "done"
         rec.status = status
         if status == "waiting":
             save_state(home, state)
@@ -155,16 +166,10 @@ def advance(
         rec.ended_at = time.time()
         save_state(home, state)
         record_event(home, spec.name, rnd.number, f"{name} {status}", rec.reason)
+        if rec.outputs.get("rejected"):
+            return _close(spec, settings, state, rnd, "rejected", f"{name}: {rec.reason}")
     # Every step done (now, or by an attempt that died before it could close the round).
-    promoted = rnd.steps["promote"]
-    return _close(
-        spec,
-        settings,
-        state,
-        rnd,
-        "promoted" if promoted.outputs.get("promoted") else "rejected",
-        promoted.reason,
-    )
+    return _close(spec, settings, state, rnd, "promoted", rnd.steps["promote"].reason)
 
 
 def _close(
@@ -178,6 +183,9 @@ def _close(
 ) -> Pass:
     if outcome == "failed" and rec is not None:
         rec.status, rec.ended_at, rec.reason = "failed", time.time(), reason
+    for later in rnd.steps.values():  # what the round will not do now
+        if later.status == "pending":
+            later.status = "skipped"
     rnd.outcome, rnd.closed_at, rnd.reason = outcome, time.time(), reason  # type: ignore[assignment]
     save_state(settings.home, state)
     record_event(settings.home, spec.name, rnd.number, outcome, reason)
@@ -352,36 +360,132 @@ class _Steps:
         )
         return "done"
 
-    # ------------------------------------------------------------------ promote
-    def promote(self, rec: StepRecord) -> str:
-        from visionloop.eval.gate import GateMargins, PromotionGateError, promote
+    # ------------------------------------------------------------------ gate
+    def gate(self, rec: StepRecord) -> str:
+        from visionloop.eval.gate import compare, refusal_message
+        from visionloop.registry import CHAMPION, aliases, get_version
+        from visionloop.registry.evals import list_evals
+        from visionloop.registry.layout import version_dir
+
+        version = self._candidate
+        champion = aliases(self.spec.model, self.settings).get(CHAMPION)
+        if champion is None or champion == version:
+            rec.reason = f"no champion to compare with: {self.spec.model}/{version} goes on"
+            return "done"
+        candidate_dir = get_version(f"{self.spec.model}/{version}", self.settings).dir
+        decision = compare(
+            list_evals(candidate_dir),
+            list_evals(version_dir(self.settings.home, self.spec.model, champion)),
+            self._margins(),
+        )
+        rec.outputs = {"champion": champion, "outcome": decision.outcome}
+        if decision.outcome == "refused":
+            rec.reason = refusal_message(self.spec.model, version, champion, decision, CHAMPION)
+            return "rejected"
+        rec.reason = f"v{version} against the champion v{champion}: {decision.outcome}"
+        return "done"
+
+    def _margins(self) -> Any:
+        from visionloop.eval.gate import GateMargins
 
         g = self.spec.gate
-        version = int(self.rnd.steps["register"].outputs["version"])
-        margins = GateMargins(
+        return GateMargins(
             max_drop=g.max_drop, max_stress_drop=g.max_stress_drop, max_ece_rise=g.max_ece_rise
         )
+
+    @property
+    def _candidate(self) -> int:
+        return int(self.rnd.steps["register"].outputs["version"])
+
+    # ------------------------------------------------------------------ export
+    def export(self, rec: StepRecord) -> str:
+        from visionloop.export.api import export_model
+        from visionloop.export.report import ExportGateError
+        from visionloop.registry import get_version
+
+        rollout = self.spec.rollout
+        if rollout is None:
+            rec.reason = "no rollout in the loop spec: promoted without a canary"
+            return "skipped"
+        info = get_version(f"{self.spec.model}/{self._candidate}", self.settings)
+        if info.export_path("onnx", rollout.precision) is not None:  # an earlier attempt made it
+            rec.reason = f"{info.ref} has a passing onnx {rollout.precision} export"
+            return "done"
+        try:
+            report = export_model(info, precision=rollout.precision, settings=self.settings)
+        except ExportGateError as e:
+            rec.reason = f"the export gate refused {info.ref}: {e}"
+            return "rejected"
+        rec.outputs = {"precision": rollout.precision, "size_bytes": report.size_bytes}
+        rec.reason = f"{info.ref} onnx {rollout.precision} passed its export gate"
+        return "done"
+
+    # ------------------------------------------------------------------ canary
+    def canary(self, rec: StepRecord) -> str:
+        from visionloop.loop.rollout import Canary
+
+        if self.spec.rollout is None:
+            rec.reason = "no rollout in the loop spec"
+            return "skipped"
+
+        def save() -> None:
+            save_state(self.settings.home, self.state)
+
+        return Canary(self.spec, self.spec.rollout, self.settings, self.state, self.rnd, rec, save).step()
+
+    # ------------------------------------------------------------------ promote
+    def promote(self, rec: StepRecord) -> str:
+        from visionloop.eval.gate import PromotionGateError, promote
+        from visionloop.registry import CHAMPION, alias_history, aliases
+
+        version = self._candidate
+        if aliases(self.spec.model, self.settings).get(CHAMPION) == version:
+            # Promoted by an attempt that died before recording it: read the move back rather
+            # than make (and record) it a second time.
+            moves = [
+                e
+                for e in alias_history(self.spec.model, self.settings)
+                if e.alias == CHAMPION and e.action == "set" and e.version == version
+            ]
+            last = moves[-1] if moves else None
+            rec.outputs = {
+                "promoted": True,
+                "version": version,
+                "gate": None if last is None or last.gate is None else last.gate.get("outcome"),
+                "previous": None if last is None else last.previous,
+            }
+            rec.reason = f"{self.spec.model}/{version} is the champion"
+            self._clear_canary()
+            return "done"
         try:
             result = promote(
                 self.spec.model,
                 version,
-                margins=margins,
+                margins=self._margins(),
                 reason=f"loop {self.spec.name} round {self.rnd.number}: {self.rnd.trigger}",
                 actor=f"loop {self.spec.name}",
                 settings=self.settings,
             )
-        except PromotionGateError as e:
+        except PromotionGateError as e:  # the champion moved since the gate step, to a better one
             rec.outputs = {"promoted": False, "version": version}
             rec.reason = str(e)
-            return "done"
+            self._clear_canary()
+            return "rejected"
         rec.outputs = {
             "promoted": True,
             "version": version,
             "gate": result.outcome,
             "previous": result.previous,
         }
-        rec.reason = f"{self.spec.model}/{version} is the champion ({result.outcome})"
+        rec.reason = f"{self.spec.model}/{version} is the champion (gate: {result.outcome})"
+        self._clear_canary()
         return "done"
+
+    def _clear_canary(self) -> None:
+        if self.spec.rollout is not None and self.rnd.steps["canary"].status == "done":
+            from visionloop.loop.rollout import clear
+
+            clear(self.spec, self.spec.rollout, self.settings, self._candidate, self.rnd.number)
 
 
 def _made_from(dataset: Path, folder: str) -> bool:

@@ -14,13 +14,27 @@ itself before it becomes the champion.
     job: {team: vision, priority: normal}   # what `visionloop submit` takes: resources, spot, ...
     gate: {max_drop: 1.0}         # `models promote`'s gate, on evaluations on the round's own data
     labelling_cost_per_image: 0.15
+    rollout:                      # optional: a canary on the server before the champion moves
+      server: http://10.0.0.5:8000  # a `visionloop serve` following this model's aliases
+      key_env: VISIONLOOP_SERVE_KEY # the env var holding a key made with --routing (if keys are on)
+      canary_percent: 10          # of bare-name requests the candidate answers
+      shadow_percent: 50          # of requests mirrored to it, to measure agreement
+      watch_minutes: 30
+      min_requests: 200           # candidate answers needed to judge it
+      max_error_rate_rise: 0.005  # failed answers (timeouts, full queue, NaN), over the champion's
+      max_latency_ratio: 1.5      # candidate's p95 latency / the champion's
+      min_agreement: 0.9          # top-1 agreement with the champion on mirrored requests
+
+Without `rollout`, a candidate that passes the gate becomes the champion at once. With it, the
+candidate is exported (the export gate), set as the challenger, given its canary share on the
+server and watched; then it is promoted, or the challenger is removed and the round says why.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -59,6 +73,50 @@ class GateSpec(_Strict):
     max_images: int | None = Field(None, ge=1, description="evaluate on at most this many images")
 
 
+class RolloutSpec(_Strict):
+    """The canary: how much traffic the candidate gets, for how long, and what it must show."""
+
+    server: str = Field(description="the base URL of a `visionloop serve` following the model's aliases")
+    key_env: str | None = Field(
+        "VISIONLOOP_SERVE_KEY", description="the environment variable holding a --routing key (or unset)"
+    )
+    served_as: str | None = Field(None, description="the model's name on the server (default: model)")
+    challenger_alias: str = Field("challenger", description="the server's challenger_alias")
+    precision: Literal["fp32", "fp16", "int8"] = Field("fp32", description="the export the server serves")
+    canary_percent: float = Field(10.0, ge=0, lt=100)
+    shadow_percent: float = Field(0.0, ge=0, le=100)
+    watch_minutes: float = Field(30.0, gt=0, le=7 * 24 * 60)
+    # Past watch_minutes without min_requests answers, the watch goes on up to this long.
+    max_watch_minutes: float | None = Field(None, gt=0, le=30 * 24 * 60)
+    min_requests: int = Field(100, ge=1)
+    max_error_rate_rise: float = Field(0.005, ge=0, le=1)
+    max_latency_ratio: float | None = Field(1.5, gt=0)
+    min_agreement: float | None = Field(None, ge=0, le=1)
+    # The server must load the challenger within this long (it polls the registry).
+    load_timeout_s: float = Field(300.0, gt=0, le=24 * 3600)
+
+    @field_validator("server")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+/?$", v):
+            raise ValueError("must be the server's base URL, like http://10.0.0.5:8000")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _measurable(self) -> RolloutSpec:
+        if self.canary_percent == 0 and self.shadow_percent == 0:
+            raise ValueError("give canary_percent or shadow_percent: with neither, nothing is watched")
+        if self.min_agreement is not None and self.shadow_percent == 0:
+            raise ValueError("min_agreement is measured on mirrored requests: set shadow_percent too")
+        if self.max_watch_minutes is not None and self.max_watch_minutes < self.watch_minutes:
+            raise ValueError("max_watch_minutes must be at least watch_minutes")
+        return self
+
+    @property
+    def longest_watch_s(self) -> float:
+        return 60.0 * (self.max_watch_minutes or 4 * self.watch_minutes)
+
+
 class LoopSpec(_Strict):
     name: str
     model: str
@@ -72,6 +130,7 @@ class LoopSpec(_Strict):
     # Where each round's dataset version goes (a folder the team's jobs may read). Default:
     # <home>/datasets/<name>/.
     datasets_dir: Path | None = None
+    rollout: RolloutSpec | None = None
 
     @field_validator("name")
     @classmethod

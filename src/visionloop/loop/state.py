@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from visionloop.core.errors import SpecError
 from visionloop.core.fsutil import atomic_write_bytes
 
-STEPS = ("dataset", "train", "register", "evaluate", "promote")
-StepName = Literal["dataset", "train", "register", "evaluate", "promote"]
+STEPS = ("dataset", "train", "register", "evaluate", "gate", "export", "canary", "promote")
+StepName = Literal["dataset", "train", "register", "evaluate", "gate", "export", "canary", "promote"]
 StepStatus = Literal["pending", "running", "waiting", "done", "skipped", "failed"]
 Outcome = Literal["promoted", "rejected", "failed"]
 MAX_STATE_BYTES = 16 * 2**20
@@ -53,6 +53,18 @@ class Round(_Model):
     @property
     def open(self) -> bool:
         return self.outcome is None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _every_step(cls, doc: Any) -> Any:
+        """A round recorded before a step existed (gate, export and canary came later) gets it:
+        pending in an open round, skipped in a closed one."""
+        if isinstance(doc, dict) and isinstance(doc.get("steps"), dict):
+            missing = [s for s in STEPS if s not in doc["steps"]]
+            if missing:
+                status = "pending" if doc.get("outcome") is None else "skipped"
+                doc = {**doc, "steps": {**doc["steps"], **{s: {"status": status} for s in missing}}}
+        return doc
 
 
 class LoopState(_Model):

@@ -15,6 +15,7 @@ from visionloop.registry.api import (
     register,
     rollback,
     set_alias,
+    unset_alias,
 )
 from visionloop.registry.layout import ModelRef, ModelRefError, parse_ref
 from visionloop.registry.runsource import UnfinishedRunError
@@ -37,4 +38,5 @@ __all__ = [
     "register",
     "rollback",
     "set_alias",
+    "unset_alias",
 ]

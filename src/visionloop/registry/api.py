@@ -452,6 +452,42 @@ def set_alias(
     return get_version(ModelRef(target.name, version=version), settings)
 
 
+def unset_alias(
+    name: str,
+    alias: str,
+    *,
+    actor: str | None = None,
+    settings: Settings | None = None,
+    reason: str | None = None,
+    expected: int | None = None,
+) -> int | None:
+    """Remove `alias` from `name` (a challenger whose canary ended, say) and record it; returns
+    the version it pointed to (None: it was not set, and nothing is recorded). With `expected`,
+    the alias is removed only while it still points to that version: a challenger someone
+    else has moved on to another version since is left alone."""
+    settings = settings or load_settings()
+    check_alias(alias)
+    if alias == CHAMPION:
+        raise RegistryError(
+            f"{name}@{CHAMPION} is what servers answer with; move it (`visionloop models promote`, "
+            "`models rollback`) rather than remove it."
+        )
+    root = model_dir(settings.home, check_name(name))
+    with files.model_lock(root):
+        c = rstore.client(settings)
+        try:
+            current = _alias_map(c, name, settings).get(alias)
+            if current is None or (expected is not None and current != expected):
+                return None
+            c.delete_registered_model_alias(name, alias)
+        except VisionloopError:
+            raise
+        except Exception as e:
+            raise rstore.wrap(f"remove alias {alias!r} of {name!r}", settings, e) from e
+        _record_alias(root, "unset", alias, current, current, actor, reason=reason)
+    return current
+
+
 def rollback(
     name: str, *, alias: str = CHAMPION, actor: str | None = None, settings: Settings | None = None
 ) -> ModelVersionInfo:

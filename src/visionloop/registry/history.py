@@ -25,7 +25,7 @@ class AliasEvent(BaseModel):
 
     at: str
     actor: str
-    action: str  # "set" or "rollback"
+    action: str  # "set", "rollback" or "unset" (the alias removed; `version` is the one it left)
     alias: str
     version: int
     previous: int | None = None
@@ -85,7 +85,7 @@ def champion_stack(events: list[AliasEvent], alias: str, current: int | None) ->
     """
     stack: list[int] = []
     for e in events:
-        if e.alias != alias:
+        if e.alias != alias or e.action == "unset":
             continue
         if e.action == "rollback" and stack:
             stack.pop()
