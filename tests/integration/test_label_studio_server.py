@@ -12,24 +12,15 @@ config and pre-annotations (no detection model is trained for this test)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-from _cpkit import free_port
-from _dbkit import in_ci
+from _lskit import Server, annotate, choice, label_studio, project_tasks, user
 from _modelkit import ModelKit, onnx_model
 from _trainkit import cli
 from visionloop.data.ingest import IngestOptions, ingest
@@ -41,96 +32,7 @@ from visionloop.label.studio_client import LabelStudio
 from visionloop.tasks import get_task
 from visionloop.tasks.base import ImageContext
 
-__all__ = ["onnx_model"]
-
-TOKEN = "0123456789abcdef0123456789abcdef01234567"  # a legacy token: 40 hex digits
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    token: str
-
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Token {self.token}"}, timeout=60)
-
-
-def _install() -> str:
-    """Label Studio from .ci/label_studio.sh (its own environment, reused once made); fail in
-    CI, skip elsewhere, when it cannot be installed (no network to PyPI)."""
-    script = Path(__file__).parents[2] / ".ci" / "label_studio.sh"
-    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1200, check=False)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines:
-        return lines[-1]
-    why = f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-    if in_ci():
-        pytest.fail(why, pytrace=False)
-    pytest.skip(why)
-
-
-@pytest.fixture(scope="module")
-def label_studio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    exe = os.environ.get("VISIONLOOP_TEST_LABEL_STUDIO", "").strip() or _install()
-    data = tmp_path_factory.mktemp("label-studio")
-    # .ci/label_studio.sh leaves an already migrated data folder beside the executable: copying
-    # it saves the ~50 CPU-s migration of a first start. Without it the server migrates itself.
-    template = Path(exe).resolve().parents[1] / "data-template"
-    if (template / "label_studio.sqlite3").is_file():
-        shutil.copytree(template, data, dirs_exist_ok=True)
-    port = free_port()
-    log = open(data / "server.log", "wb")  # noqa: SIM115 - the server holds it
-    proc = subprocess.Popen(
-        [exe, "start", "--no-browser", "--host", "127.0.0.1", "--port", str(port),
-         "--username", "admin@example.com", "--password", "Passw0rd!", "--user-token", TOKEN,
-         "--enable-legacy-api-token"],
-        env={**os.environ, "LABEL_STUDIO_BASE_DATA_DIR": str(data)},
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # the first start migrates its database
-        while True:
-            assert proc.poll() is None, (data / "server.log").read_text(errors="replace")[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).json().get("status") == "UP":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline, "Label Studio did not start within 300 s"
-            time.sleep(0.5)
-        yield Server(url, TOKEN)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
-def _user(http: httpx.Client, email: str) -> int:
-    r = http.post(
-        "/api/users/", json={"email": email, "username": email.split("@")[0], "password": "Passw0rd!x"}
-    )
-    assert r.status_code == 201, r.text
-    return int(r.json()["id"])
-
-
-def _annotate(http: httpx.Client, task_id: int, result: list[dict[str, Any]], user: int, **kw: Any) -> None:
-    r = http.post(f"/api/tasks/{task_id}/annotations/", json={"result": result, "completed_by": user, **kw})
-    assert r.status_code == 201, r.text
-
-
-def _tasks(http: httpx.Client, project: int) -> list[dict[str, Any]]:
-    r = http.get("/api/tasks/", params={"project": project, "page_size": 1000})
-    assert r.status_code == 200, r.text
-    return list(r.json()["tasks"])
-
-
-def _choice(name: str) -> list[dict[str, Any]]:
-    return [{"from_name": "label", "to_name": "image", "type": "choices", "value": {"choices": [name]}}]
+__all__ = ["label_studio", "onnx_model"]
 
 
 def test_classification_round_trip_from_the_cli(
@@ -163,7 +65,7 @@ def test_classification_round_trip_from_the_cli(
     with label_studio.http() as http:
         config = http.get(f"/api/projects/{project}/").json()["label_config"]
         assert all(f'<Choice value="{c}"/>' in config for c in manifest.classes)
-        tasks = _tasks(http, project)
+        tasks = project_tasks(http, project)
         assert sorted(t["data"][ID_KEY] for t in tasks) == sorted(chosen)
         # Every task carries the model's top class as its pre-annotation, with its probability.
         preds = {}
@@ -172,7 +74,7 @@ def test_classification_round_trip_from_the_cli(
             (pred,) = full["predictions"]
             assert pred["model_version"] == kit.ref and 0 < pred["score"] <= 1
             preds[t["data"][ID_KEY]] = (pred["result"][0]["value"]["choices"][0], pred["score"])
-        first, second = _user(http, "ann1@example.com"), _user(http, "ann2@example.com")
+        first, second = user(http, "ann1@example.com"), user(http, "ann2@example.com")
         by_id = {t["data"][ID_KEY]: t["id"] for t in tasks}
         # A confident prediction the first annotator overrules (wrongly): a contradiction.
         confident = sorted((i for i in chosen if preds[i][1] >= 0.9), key=lambda i: -preds[i][1])
@@ -183,15 +85,15 @@ def test_classification_round_trip_from_the_cli(
         }
         for image_id in chosen[:-1]:  # the last task stays unlabelled
             label = other[truth[image_id]] if image_id == wrong else truth[image_id]
-            _annotate(http, by_id[image_id], _choice(label), first)
+            annotate(http, by_id[image_id], choice(label), first)
         # The second annotator labels 4 images again: agrees on 3; on the 4th says another class
         # and is marked ground truth, so theirs is the label that counts.
         double = [i for i in chosen[:-1] if i != wrong][:4]
         for image_id in double[:3]:
-            _annotate(http, by_id[image_id], _choice(truth[image_id]), second)
-        _annotate(http, by_id[double[3]], _choice(other[truth[double[3]]]), second, ground_truth=True)
+            annotate(http, by_id[image_id], choice(truth[image_id]), second)
+        annotate(http, by_id[double[3]], choice(other[truth[double[3]]]), second, ground_truth=True)
         # A cancelled (skipped) annotation is not a label.
-        _annotate(http, by_id[chosen[-1]], [], second, was_cancelled=True)
+        annotate(http, by_id[chosen[-1]], [], second, was_cancelled=True)
 
     out = tmp_path / "labelled"
     r = cli(
@@ -276,9 +178,9 @@ def test_detection_round_trip_through_the_server(label_studio: Server, tmp_path:
         )
     with LabelStudio(label_studio.url, label_studio.token) as ls:
         project = ls.create_project("frames round 1", det.labelling_config(classes))
-        assert ls.import_tasks(project, tasks) == 5
+        assert ls.importtasks(project, tasks) == 5
         with label_studio.http() as http:
-            for t in _tasks(http, project):
+            for t in project_tasks(http, project):
                 name = t["data"][ID_KEY]
                 full = http.get(f"/api/tasks/{t['id']}/").json()
                 boxes = [dict(r) for r in full["predictions"][0]["result"]]
@@ -288,7 +190,7 @@ def test_detection_round_trip_through_the_server(label_studio: Server, tmp_path:
                     boxes[0]["value"] = {**boxes[0]["value"], "x": 60.0}  # the confident car moved away
                 for b in boxes:
                     b.pop("score", None)
-                _annotate(http, t["id"], boxes, 1)
+                annotate(http, t["id"], boxes, 1)
         doc = ls.export(project)
     result = import_annotations(
         doc, f"project {project}", task=det, classes=classes, images=src, out_dir=tmp_path / "labelled"
