@@ -37,22 +37,45 @@ HEAD_RESOURCES = {"spot": 1, "gpu_type:L4": 1}
 WORKER_LABELS = "visionloop.io/gpu-type=A100-80GB,visionloop.io/price-class=on_demand"
 
 
+# Every port handed to a Ray process by this module: two picks never collide.
+_HANDED: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for port 0 binds (where `_free_port` picks)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED:
+            _HANDED.add(port)
+            return port
 
 
 def _free_range(size: int) -> int:
-    """The first port of `size` consecutive free ports (Ray's worker ports per node)."""
+    """The first port of `size` consecutive free ports (Ray's worker ports per node), below
+    the kernel's ephemeral range: a port `_free_port` picks later (it binds port 0) could
+    otherwise land inside it, and Ray refuses to start on the overlap."""
+    low, _ = _ephemeral_range()
     for _ in range(200):
-        base = random.randrange(30000, 60000 - size)
+        base = random.randrange(20000, max(20001, low - size))
+        if any(p in _HANDED for p in range(base, base + size)):
+            continue
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + size):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", port))
+            _HANDED.update(range(base, base + size))
             return base
         except OSError:
             continue

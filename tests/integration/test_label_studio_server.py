@@ -178,7 +178,7 @@ def test_detection_round_trip_through_the_server(label_studio: Server, tmp_path:
         )
     with LabelStudio(label_studio.url, label_studio.token) as ls:
         project = ls.create_project("frames round 1", det.labelling_config(classes))
-        assert ls.importtasks(project, tasks) == 5
+        assert ls.import_tasks(project, tasks) == 5
         with label_studio.http() as http:
             for t in project_tasks(http, project):
                 name = t["data"][ID_KEY]

@@ -203,3 +203,43 @@ def test_a_worse_candidate_is_rejected_by_the_gate(world: tuple[ModelKit, CP, Pa
     ]
     # The labels are in the loop's dataset all the same: the next round builds on them.
     assert result.state.dataset == rnd.steps["dataset"].outputs["dataset"]
+
+
+def test_the_cli_as_a_user_runs_it_and_bad_specs_are_named(digits_dataset: Path, tmp_path: Path) -> None:
+    base = {
+        "name": "digits-loop",
+        "model": "digits",
+        "dataset": str(digits_dataset),
+        "labels": str(tmp_path / "incoming"),
+        "trigger": {"new_labels": 20},
+        "train": {"model": {"arch": "small_cnn"}, "epochs": 1},
+    }
+    good = tmp_path / "loop.yaml"
+    good.write_text(json.dumps(base))
+    r = cli("loop", "status", str(good))
+    assert r.returncode == 0 and "has not run yet" in r.stdout and f"loop run {good}" in r.stdout, r.stdout
+    r = cli("loop", "run", str(good), "--once")
+    assert r.returncode == 0 and "no trigger fired" in r.stdout, (r.stdout, r.stderr)
+    r = cli("loop", "status", str(good), env={"COLUMNS": "200"})
+    assert r.returncode == 0 and "when a trigger fires" in r.stdout and "0 labelled images" in r.stdout
+
+    cases: list[tuple[str, str]] = [
+        ("missing.yaml", "cannot read the loop spec"),
+        ("bad.yaml", "is not valid YAML"),
+        ("list.yaml", "must hold a mapping"),
+        ("big.yaml", "a loop spec is a few lines"),
+        ("rollout.yaml", "give canary_percent or shadow_percent"),
+        ("trigger.yaml", "give at least one of new_labels"),
+    ]
+    (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "big.yaml").write_text("#" * (1024 * 1024 + 10))
+    (tmp_path / "rollout.yaml").write_text(
+        json.dumps({**base, "rollout": {"server": "http://127.0.0.1:1", "canary_percent": 0}})
+    )
+    (tmp_path / "trigger.yaml").write_text(json.dumps({**base, "trigger": {}}))
+    for name, says in cases:
+        r = cli("loop", "run", str(tmp_path / name), "--once")
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, (name, r.stderr)
+    # Nothing was made for them: only the good loop has a state.
+    assert sorted(p.name for p in (load_settings().home / "loops").iterdir()) == ["digits-loop"]

@@ -337,16 +337,19 @@ def test_a_writer_that_is_behind_drops_and_counts_never_blocks(tmp_path: Path) -
 def test_two_servers_sharing_a_store_lose_no_sighting(tmp_path: Path) -> None:
     cfg = CollectConfig(enabled=True, sample_rate=1.0)
     a, b = Collector(cfg, tmp_path / "store"), Collector(cfg, tmp_path / "store")
+    # Sightings of now: ones from long ago would be past the retention, and the start-up sweep
+    # of the second writer would rightly delete them while the first is still writing.
+    t0 = time.time()
     try:
         for i in range(20):
-            (a if i % 2 else b).offer(_png(9), _record(t=1e9 + i))
+            (a if i % 2 else b).offer(_png(9), _record(t=t0 + i))
         a.flush()
         b.flush()
     finally:
         a.close()
         b.close()
     (img,) = read_collected(tmp_path / "store")
-    assert img.seen == 20 and sorted(s.time for s in img.sightings) == [1e9 + i for i in range(20)]
+    assert img.seen == 20 and sorted(s.time for s in img.sightings) == [t0 + i for i in range(20)]
 
 
 # --------------------------------------------------------------------------- retention

@@ -130,21 +130,13 @@ def record_labelling(client: Any, dataset: Path, team: str | None) -> None:
     from visionloop.data.manifest import read_manifest
 
     m = read_manifest(dataset)
-    step = m.lineage[0] if m.lineage else None
-    if step is None or step.labelling_cost is None:
+    bill = m.lineage[0].bill(m.version, Path(dataset).resolve()) if m.lineage else None
+    if bill is None:
         raise DataError(
             f"{dataset} records no labelling cost: it was not made by `visionloop data add "
             "--cost-per-image`. Make the version with a price per image."
         )
-    images = sum(step.added.values()) + step.relabelled
-    stored = client.record_labelling(
-        m.version,
-        str(Path(dataset).resolve()),
-        images,
-        step.labelling_cost,
-        parent_version=step.parent,
-        team=team,
-    )
+    stored = client.record_labelling(**bill, team=team)
     _line(
         f"labelling of {m.version[:12]} in the cost ledger: {stored['images']:,} images, "
         f"{stored['cost']:,.2f} (team {stored['team']})"

@@ -128,6 +128,24 @@ class LineageStep(_Strict):
     labelling_cost: float | None = Field(None, ge=0.0)
     created_at: str
 
+    @property
+    def labelled(self) -> int:
+        """The images a person labelled for this step: the new ones and the relabelled."""
+        return sum(self.added.values()) + self.relabelled
+
+    def bill(self, version: str, path: Path) -> dict[str, Any] | None:
+        """The cost ledger's entry for this step (`Client.record_labelling`'s arguments), or
+        None when no price was given."""
+        if self.labelling_cost is None:
+            return None
+        return {
+            "dataset_version": version,
+            "dataset_path": str(path),
+            "images": self.labelled,
+            "cost": self.labelling_cost,
+            "parent_version": self.parent,
+        }
+
 
 # A history longer than this is not a dataset's: each step is ~300 bytes of the manifest.
 MAX_LINEAGE = 1000

@@ -230,8 +230,7 @@ class _Steps:
                     raise
                 m = report.manifest
             self._bill(out)  # idempotent per version: billed once, however often this runs
-            step = m.lineage[0] if m.lineage else None
-            labelled += 0 if step is None else sum(step.added.values()) + step.relabelled
+            labelled += m.lineage[0].labelled if m.lineage else 0
             current = out
             made.append(f"{Path(folder).name} → {m.version[:12]}")
         version = read_manifest(current).version
@@ -254,19 +253,12 @@ class _Steps:
         from visionloop.data.manifest import read_manifest
 
         m = read_manifest(dataset)
-        step = m.lineage[0] if m.lineage else None
-        if step is None or step.labelling_cost is None:
+        bill = m.lineage[0].bill(m.version, dataset) if m.lineage else None
+        if bill is None:
             return
         try:
             with self.client_factory() as client:
-                client.record_labelling(
-                    m.version,
-                    str(dataset),
-                    sum(step.added.values()) + step.relabelled,
-                    step.labelling_cost,
-                    parent_version=step.parent,
-                    team=self.spec.job.team,
-                )
+                client.record_labelling(**bill, team=self.spec.job.team)
         except VisionloopError as e:
             record_event(self.settings.home, self.spec.name, self.rnd.number, "labelling not billed", str(e))
 
