@@ -52,7 +52,7 @@ def world(
 
 
 def _spec(tmp_path: Path, dataset: Path, **gate: Any) -> LoopSpec:
-    train = spec_doc(dataset, epochs=1, data__workers=0, tracking__enabled=False)
+    train = spec_doc(dataset, epochs=None, steps=4, data__workers=0, tracking__enabled=False)
     doc = {
         "name": "digits-loop",
         "model": "digits",

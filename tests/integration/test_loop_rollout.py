@@ -123,7 +123,7 @@ def _spec(tmp_path: Path, w: World, **rollout: Any) -> LoopSpec:
         "dataset": str(w.dataset),
         "labels": str(tmp_path / "incoming"),
         "trigger": {"new_labels": 20},
-        "train": spec_doc(w.dataset, epochs=1, data__workers=0, tracking__enabled=False),
+        "train": spec_doc(w.dataset, epochs=None, steps=6, data__workers=0, tracking__enabled=False),
         "job": {"team": "vision"},
         "gate": {"max_images": 150, "max_drop": 100.0},
         "rollout": {
