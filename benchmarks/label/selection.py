@@ -44,6 +44,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import write_result
+from label._curves import print_table, summarise
 from visionloop.label.select import Pool, select
 
 TEST_FRACTION = 0.3
@@ -142,64 +143,6 @@ def run_strategy(
     return counts, accs, select_s
 
 
-def labels_needed(counts: list[int], accs: list[float], target: float) -> int | None:
-    return next((n for n, a in zip(counts, accs, strict=True) if a >= target), None)
-
-
-def at(curve: dict[str, Any], labels: int) -> float:
-    acc: float = curve["accuracy"][curve["labels"].index(labels)]
-    return acc
-
-
-def summarise(
-    per_seed: list[dict[str, Any]], strategies: list[str], budget: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Labels needed to reach random's accuracy at `budget` labels, per strategy and seed."""
-    censored = args.final + args.step  # "never reached within --final"
-    out: dict[str, Any] = {}
-    for strategy in strategies:
-        needed: list[int | None] = []
-        ratios: list[float] = []
-        for s in per_seed:
-            curves = s["curves"]
-            target = at(curves["random"], budget)
-            rnd = labels_needed(curves["random"]["labels"], curves["random"]["accuracy"], target)
-            got = labels_needed(curves[strategy]["labels"], curves[strategy]["accuracy"], target)
-            assert rnd is not None
-            needed.append(got)
-            ratios.append((got if got is not None else censored) / rnd)
-        counted = [n if n is not None else censored for n in needed]
-        sd = statistics.stdev if len(per_seed) > 1 else (lambda _: 0.0)
-        out[strategy] = {
-            "labels_needed": needed,
-            "labels_needed_mean": statistics.mean(counted),
-            "labels_needed_std": sd(counted),
-            "ratio_to_random": ratios,
-            "ratio_mean": statistics.mean(ratios),
-            "ratio_std": sd(ratios),
-            "saving_vs_budget_mean": 1 - statistics.mean(counted) / budget,
-            "accuracy_at_budget_mean": statistics.mean(at(s["curves"][strategy], budget) for s in per_seed),
-            "never_reached": sum(n is None for n in needed),
-        }
-    return out
-
-
-def print_table(summary: dict[str, Any], budget: int, args: argparse.Namespace) -> None:
-    print(
-        f"\nto reach random's accuracy at {budget} labels (mean ± std over seeds; per seed in brackets)\n"
-        f"{'strategy':<12} {'labels needed':>24} {'ratio to random':>16} {'saving':>7} {'acc':>9}"
-    )
-    for strategy, m in summary.items():
-        per = ",".join(str(n) if n is not None else f">{args.final}" for n in m["labels_needed"])
-        mean, std = m["labels_needed_mean"], m["labels_needed_std"]
-        print(
-            f"{strategy:<12} {mean:>6.1f} ± {std:<5.1f} [{per}]".ljust(38)
-            + f" {m['ratio_mean']:.3f} ± {m['ratio_std']:.3f} {m['saving_vs_budget_mean']:>7.1%}"
-            + f" {m['accuracy_at_budget_mean']:>9.4f}"
-            + (f"  (not reached in {m['never_reached']} seeds)" if m["never_reached"] else "")
-        )
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2")
@@ -258,9 +201,11 @@ def main() -> None:
             )
         per_seed.append({"seed": seed, "pool": len(pool_idx), "test": n_test, "curves": curves})
 
-    summaries = {b: summarise(per_seed, strategies, b, args) for b in budgets}
+    summaries = {
+        b: summarise(per_seed, strategies, b, "accuracy", final=args.final, step=args.step) for b in budgets
+    }
     for b in budgets:
-        print_table(summaries[b], b, args)
+        print_table(summaries[b], b, "accuracy", args.final)
     head = summaries[args.final]
     best = min((s for s in strategies if s != "random"), key=lambda s: head[s]["ratio_mean"])
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0

@@ -64,6 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import write_result
+from label._curves import Column, print_table, summarise
 from visionloop.label.select import STRATEGIES, Pool, SelectOptions, select
 from visionloop.tasks.detection.archs import build_detector
 from visionloop.tasks.detection.metrics import DetectionEvaluator
@@ -197,69 +198,11 @@ def run_strategy(
     return counts, maps, select_s, empties
 
 
-def labels_needed(counts: list[int], values: list[float], target: float) -> int | None:
-    return next((n for n, v in zip(counts, values, strict=True) if v >= target), None)
+def _empty_labelled(curve: dict[str, Any], budget: int) -> float:
+    return float(curve["empty_labelled"][curve["labels"].index(budget)])
 
 
-def at(curve: dict[str, Any], labels: int, metric: str) -> float:
-    value: float = curve[metric][curve["labels"].index(labels)]
-    return value
-
-
-def summarise(
-    per_seed: list[dict[str, Any]], strategies: list[str], budget: int, metric: str, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Labels needed to reach random's `metric` at `budget` labels, per strategy and seed."""
-    censored = args.final + args.step  # "never reached within --final"
-    out: dict[str, Any] = {}
-    for strategy in strategies:
-        needed: list[int | None] = []
-        ratios: list[float] = []
-        for s in per_seed:
-            curves = s["curves"]
-            target = at(curves["random"], budget, metric)
-            rnd = labels_needed(curves["random"]["labels"], curves["random"][metric], target)
-            got = labels_needed(curves[strategy]["labels"], curves[strategy][metric], target)
-            assert rnd is not None
-            needed.append(got)
-            ratios.append((got if got is not None else censored) / rnd)
-        counted = [n if n is not None else censored for n in needed]
-        sd = statistics.stdev if len(per_seed) > 1 else (lambda _: 0.0)
-        out[strategy] = {
-            "labels_needed": needed,
-            "labels_needed_mean": statistics.mean(counted),
-            "labels_needed_std": sd(counted),
-            "ratio_to_random": ratios,
-            "ratio_mean": statistics.mean(ratios),
-            "ratio_std": sd(ratios),
-            "saving_vs_budget_mean": 1 - statistics.mean(counted) / budget,
-            f"{metric}_at_budget_mean": statistics.mean(
-                at(s["curves"][strategy], budget, metric) for s in per_seed
-            ),
-            "empty_labelled_at_budget_mean": statistics.mean(
-                s["curves"][strategy]["empty_labelled"][s["curves"][strategy]["labels"].index(budget)]
-                for s in per_seed
-            ),
-            "never_reached": sum(n is None for n in needed),
-        }
-    return out
-
-
-def print_table(summary: dict[str, Any], budget: int, metric: str, args: argparse.Namespace) -> None:
-    print(
-        f"\nto reach random's {metric} at {budget} labels (mean ± std over seeds; per seed in brackets)\n"
-        f"{'strategy':<12} {'labels needed':>24} {'ratio to random':>16} {'saving':>7} {metric:>9}"
-        f" {'empty':>6}"
-    )
-    for strategy, m in summary.items():
-        per = ",".join(str(n) if n is not None else f">{args.final}" for n in m["labels_needed"])
-        mean, std = m["labels_needed_mean"], m["labels_needed_std"]
-        print(
-            f"{strategy:<12} {mean:>6.1f} ± {std:<5.1f} [{per}]".ljust(38)
-            + f" {m['ratio_mean']:.3f} ± {m['ratio_std']:.3f} {m['saving_vs_budget_mean']:>7.1%}"
-            + f" {m[f'{metric}_at_budget_mean']:>9.4f} {m['empty_labelled_at_budget_mean']:>6.1f}"
-            + (f"  (not reached in {m['never_reached']} seeds)" if m["never_reached"] else "")
-        )
+EMPTY: Column = ("empty_labelled", _empty_labelled)
 
 
 def main() -> None:
@@ -342,12 +285,16 @@ def main() -> None:
         )
 
     summaries = {
-        metric: {b: summarise(per_seed, strategies, b, metric, args) for b in budgets} for metric in METRICS
+        metric: {
+            b: summarise(per_seed, strategies, b, metric, final=args.final, step=args.step, columns=(EMPTY,))
+            for b in budgets
+        }
+        for metric in METRICS
     }
     for b in budgets:
-        print_table(summaries[args.metric][b], b, args.metric, args)
+        print_table(summaries[args.metric][b], b, args.metric, args.final, ("empty_labelled",))
     other = next(m for m in METRICS if m != args.metric)
-    print_table(summaries[other][args.final], args.final, other, args)
+    print_table(summaries[other][args.final], args.final, other, args.final, ("empty_labelled",))
     head = summaries[args.metric][args.final]
     best = min(
         (s for s in strategies if s != "random"), key=lambda s: head[s]["ratio_mean"], default="random"
