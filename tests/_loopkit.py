@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from _cpkit import CP
@@ -16,7 +17,7 @@ from visionloop.api.client import Client
 from visionloop.core.settings import load_settings
 from visionloop.data.manifest import read_manifest
 from visionloop.data.shards import ShardReader
-from visionloop.loop import runner
+from visionloop.loop import runner, state
 from visionloop.loop.runner import REPORT_SUFFIX, advance
 from visionloop.loop.spec import LoopSpec
 
@@ -50,3 +51,38 @@ def drive(spec: LoopSpec, cp: CP, deadline_s: float = 300) -> runner.Pass:
             return result
         time.sleep(0.3)
     raise AssertionError(f"the round did not end within {deadline_s} s: {result.reason}")
+
+
+def drive_through_crashes(
+    spec: LoopSpec, cp: CP, monkeypatch: pytest.MonkeyPatch, deadline_s: float = 400
+) -> tuple[runner.Pass, list[str]]:
+    """Drive the round to its end while every state the loop is about to save for the first
+    time is lost once (the process "dies" after a step acted, before its record reached the
+    disk); returns the closing pass and the states lost."""
+    settings = load_settings()
+    real_save = state.save_state
+    crashed: list[str] = []
+
+    def flaky_save(home: Path, st: state.LoopState) -> None:
+        rnd = st.rounds[-1] if st.rounds else None
+        steps = [] if rnd is None else [(n, r.status, sorted(r.outputs)) for n, r in rnd.steps.items()]
+        signature = json.dumps([None if rnd is None else rnd.outcome, steps])
+        if signature not in crashed:
+            crashed.append(signature)
+            raise Crash()
+        real_save(home, st)
+
+    monkeypatch.setattr(runner, "save_state", flaky_save)
+    try:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            assert time.monotonic() < deadline, f"the round did not end within {deadline_s} s"
+            try:
+                result = advance(spec, settings, lambda: Client(cp.url, cp.admin_token))
+            except Crash:
+                continue
+            if result.stopped == "closed":
+                return result, crashed
+            time.sleep(0.3)
+    finally:
+        monkeypatch.setattr(runner, "save_state", real_save)

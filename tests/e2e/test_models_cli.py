@@ -58,6 +58,28 @@ def test_register_list_show_alias_rollback(registered_model: ModelKit, tmp_path:
     assert [e["action"] for e in doc["alias_history"]] == ["set", "set", "rollback"]
     assert [v["version"] for v in doc["versions"]] == [1, 2]
 
+    # A challenger set and removed again; the champion cannot be removed, a missing alias is named.
+    r = cli("models", "alias", "digits", "2", "challenger", env=env)
+    assert r.returncode == 0, r.stderr
+    r = cli(
+        "models", "unalias", "digits", "challenger", "--actor", "carol", "--reason", "trial over", env=env
+    )
+    assert r.returncode == 0 and "digits@challenger removed (it was v2)" in r.stdout, r.stderr
+    assert registry.aliases("digits", kit.settings) == {"champion": 1}
+    last = registry.alias_history("digits", kit.settings)[-1]
+    assert (last.action, last.alias, last.version, last.actor, last.reason) == (
+        "unset",
+        "challenger",
+        2,
+        "carol",
+        "trial over",
+    )
+    r = cli("models", "unalias", "digits", "challenger", env=env)
+    assert r.returncode == 1 and "has no alias 'challenger'" in r.stderr and "Traceback" not in r.stderr
+    r = cli("models", "unalias", "digits", "champion", env=env)
+    assert r.returncode == 1 and "rather than remove it" in r.stderr
+    assert registry.aliases("digits", kit.settings) == {"champion": 1}
+
 
 def test_errors_are_one_clear_line_and_change_nothing(registered_model: ModelKit, tmp_path: Path) -> None:  # noqa: F811
     kit = registered_model.copy_home(tmp_path / "home")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,13 +18,13 @@ import pytest
 
 from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _dbkit import fresh_database
-from _loopkit import Crash, drive, labelled_folder
+from _loopkit import drive, drive_through_crashes, labelled_folder
 from _modelkit import ModelKit, registered_model  # noqa: F401  (the session's champion)
 from _trainkit import cli, spec_doc
 from visionloop.api.client import Client
 from visionloop.core.settings import load_settings
 from visionloop.data.manifest import read_manifest
-from visionloop.loop import runner, state
+from visionloop.loop import state
 from visionloop.loop.runner import advance
 from visionloop.loop.spec import LoopSpec, validate_loop_spec
 from visionloop.registry import CHAMPION, alias_history, aliases, list_versions
@@ -81,30 +80,7 @@ def test_a_round_makes_the_version_trains_registers_and_promotes_through_crashes
 
     # Every record the loop is about to write for the first time is lost once: the process
     # "dies" after the step acted and before the record of it reached the disk, at every step.
-    real_save = state.save_state
-    crashed: list[str] = []
-
-    def flaky_save(home: Path, st: state.LoopState) -> None:
-        rnd = st.rounds[-1] if st.rounds else None
-        steps = [] if rnd is None else [(n, r.status, sorted(r.outputs)) for n, r in rnd.steps.items()]
-        signature = json.dumps([None if rnd is None else rnd.outcome, steps])
-        if signature not in crashed:
-            crashed.append(signature)
-            raise Crash()
-        real_save(home, st)
-
-    monkeypatch.setattr(runner, "save_state", flaky_save)
-    deadline = time.monotonic() + 400
-    while True:
-        assert time.monotonic() < deadline, "the round did not end"
-        try:
-            result = advance(spec, settings, lambda: Client(cp.url, cp.admin_token))
-        except Crash:
-            continue
-        if result.stopped == "closed":
-            break
-        time.sleep(0.3)
-    monkeypatch.setattr(runner, "save_state", real_save)
+    result, crashed = drive_through_crashes(spec, cp, monkeypatch)
     print(f"{len(crashed)} crashes")
     # At least: each step running, (train waiting,) done or skipped; the round closed.
     assert len(crashed) >= 16, crashed

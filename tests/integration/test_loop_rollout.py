@@ -22,14 +22,12 @@ import pytest
 
 from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _dbkit import fresh_database
-from _loopkit import Crash, drive, labelled_folder
+from _loopkit import drive_through_crashes, labelled_folder
 from _modelkit import ModelKit, onnx_model  # noqa: F401  (the session's exported champion)
 from _trainkit import cli, spec_doc
-from visionloop.api.client import Client
 from visionloop.core.settings import load_settings
 from visionloop.data.shards import ShardReader
-from visionloop.loop import runner, state
-from visionloop.loop.runner import advance
+from visionloop.loop import state
 from visionloop.loop.spec import LoopSpec, validate_loop_spec
 from visionloop.registry import CHAMPION, alias_history, aliases
 from visionloop.serve.config import ServeConfig
@@ -150,30 +148,7 @@ def test_a_canary_that_holds_is_promoted_and_one_that_fails_is_rolled_back(
     labelled_folder(w.dataset, tmp_path / "incoming" / "round-a", 24, seed=5)
 
     # Round 1, with every record the loop is about to write for the first time lost once.
-    real_save = state.save_state
-    crashed: list[str] = []
-
-    def flaky_save(home: Path, st: state.LoopState) -> None:
-        rnd = st.rounds[-1] if st.rounds else None
-        steps = [] if rnd is None else [(n, r.status, sorted(r.outputs)) for n, r in rnd.steps.items()]
-        signature = json.dumps([None if rnd is None else rnd.outcome, steps])
-        if signature not in crashed:
-            crashed.append(signature)
-            raise Crash()
-        real_save(home, st)
-
-    monkeypatch.setattr(runner, "save_state", flaky_save)
-    deadline = time.monotonic() + 400
-    while True:
-        assert time.monotonic() < deadline, "round 1 did not end"
-        try:
-            result = advance(spec, settings, lambda: Client(w.cp.url, w.cp.admin_token))
-        except Crash:
-            continue
-        if result.stopped == "closed":
-            break
-        time.sleep(0.3)
-    monkeypatch.setattr(runner, "save_state", real_save)
+    result, crashed = drive_through_crashes(spec, w.cp, monkeypatch)
     rnd = result.state.rounds[-1]
     assert rnd.outcome == "promoted", (rnd.outcome, rnd.reason)
     assert [rnd.steps[s].status for s in state.STEPS] == ["done"] * 8
@@ -208,7 +183,7 @@ def test_a_canary_that_holds_is_promoted_and_one_that_fails_is_rolled_back(
     answered_before = dict(w.traffic.versions)
     spec2 = _spec(tmp_path, w, max_latency_ratio=0.01)
     labelled_folder(w.dataset, tmp_path / "incoming" / "round-b", 24, seed=6)
-    result = drive(spec2, w.cp)
+    result, crashed = drive_through_crashes(spec2, w.cp, monkeypatch)  # the rollback through crashes too
     rnd = result.state.rounds[-1]
     assert rnd.number == 2 and rnd.outcome == "rejected", (rnd.outcome, rnd.reason)
     assert rnd.reason.startswith("canary: rolled back: the canary failed"), rnd.reason
@@ -216,6 +191,9 @@ def test_a_canary_that_holds_is_promoted_and_one_that_fails_is_rolled_back(
     assert rnd.steps["canary"].outputs["rolled_back"] is True
     assert rnd.steps["promote"].status == "skipped"
     assert aliases("digits", settings) == {CHAMPION: 2}  # the challenger alias is gone
+    history = [(e.action, e.alias, e.version) for e in alias_history("digits", settings)]
+    assert history[-2:] == [("set", "challenger", 3), ("unset", "challenger", 3)], history
+    assert len(crashed) >= 14, crashed
     deadline = time.monotonic() + 30
     while (routing := w.routing())["challenger"] is not None and time.monotonic() < deadline:
         time.sleep(0.2)

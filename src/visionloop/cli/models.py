@@ -334,6 +334,26 @@ def alias_cmd(
     out.print(f"{info.name}@{alias} -> v{info.version}")
 
 
+@app.command("unalias")
+def unalias_cmd(
+    name: str = typer.Argument(..., help="Model name."),
+    alias: str = typer.Argument(..., help="The alias to remove (not champion: move that instead)."),
+    actor: str | None = typer.Option(None, "--actor", help="Who is doing this (default: your login)."),
+    reason: str | None = typer.Option(None, "--reason", help="Why, recorded in the alias history."),
+) -> None:
+    """Remove ALIAS from NAME (a challenger whose trial is over, say), recorded in the alias
+    history; servers following it drop that version. The champion cannot be removed: promote or
+    roll back instead."""
+    from visionloop.registry import RegistryError, unset_alias
+
+    removed = unset_alias(name, alias, actor=actor, reason=reason)
+    if removed is None:
+        raise RegistryError(
+            f"{name} has no alias {alias!r}; `visionloop models show {name}` lists its aliases"
+        )
+    out.print(f"{name}@{alias} removed (it was v{removed})")
+
+
 @app.command("rollback")
 def rollback_cmd(
     name: str = typer.Argument(..., help="Model name."),

@@ -44,6 +44,9 @@ class Canary:
 
         o = self.rec.outputs
         now = time.time()
+        if o.get("rolled_back"):  # decided by an attempt that died while undoing the canary
+            clear(self.spec, self.rollout, self.settings, self.candidate, self.rnd.number)
+            return "rejected"
         if "champion" not in o:
             champion = aliases(self.spec.model, self.settings).get(CHAMPION)
             if champion is None or champion == self.candidate:
@@ -128,9 +131,17 @@ class Canary:
             # or someone changed the shares: set them again and watch afresh.
             why = "the routing was changed" if moved else "the server restarted"
             if routing.get("challenger") != self.candidate:
-                o.pop("started")  # back to waiting for it to load the challenger
+                from visionloop.registry import aliases
+
+                if aliases(self.spec.model, self.settings).get(r.challenger_alias) != self.candidate:
+                    # Someone moved or removed the challenger alias (or this loop rolled it back
+                    # and died before recording it): the canary is over, never set up again.
+                    return self._roll_back(
+                        f"the {r.challenger_alias} alias no longer names v{self.candidate}"
+                    )
+                o.pop("started")  # a restarted server: back to waiting for it to load the challenger
                 o["since"] = now
-                self._event("canary restarted", f"{why}: the challenger is not v{self.candidate} any more")
+                self._event("canary restarted", f"{why}: the server does not serve v{self.candidate} yet")
                 return self._start(now)
             self.server.set_routing(r.canary_percent, r.shadow_percent)
             o["before"], o["started"] = self.server.read().to_json(), now
@@ -161,8 +172,11 @@ class Canary:
         return "done"
 
     def _roll_back(self, why: str) -> str:
+        # The decision and its reason are saved before anything is undone: an attempt that dies
+        # halfway finishes the undoing with the same reason.
         self.rec.outputs["rolled_back"] = True
         self.rec.reason = f"rolled back: {why}"
+        self.save()
         clear(self.spec, self.rollout, self.settings, self.candidate, self.rnd.number)
         return "rejected"
 
