@@ -421,6 +421,14 @@ def decision_lines(decision: GateDecision) -> list[str]:
     return lines
 
 
+def decide(target: ModelVersionInfo, champion: int, margins: GateMargins, settings: Settings) -> GateDecision:
+    """The gate's decision on `target` against version `champion` of the same model, from the
+    newest pair of evaluations of both on the same data (what `promote` checks before it moves
+    the champion)."""
+    champion_evals = list_evals(version_dir(settings.home, target.name, champion))
+    return compare(list_evals(target.dir), champion_evals, margins)
+
+
 def promote(
     name: str,
     version: int,
@@ -467,8 +475,7 @@ def promote(
         )
         return Promotion(move(None), alias, current, "no gate", None, why, why_not)
 
-    champion_evals = list_evals(version_dir(settings.home, name, current))
-    decision = compare(list_evals(target.dir), champion_evals, margins)
+    decision = decide(target, current, margins, settings)
     forced = force_reason is not None
     outcome: Literal["passed", "forced", "ungated"]
     note: str | None = None
@@ -477,7 +484,7 @@ def promote(
             raise PromotionGateError(refusal_message(name, version, current, decision, alias), decision)
         outcome = "forced"
     elif decision.outcome == "ungated":
-        to_run = _to_run(name, version, current, champion_evals)
+        to_run = _to_run(name, version, current, list_evals(version_dir(settings.home, name, current)))
         if require_eval and not forced:
             raise PromotionGateError(
                 f"{name}/{version} may not become {name}@{alias} without a comparison with the "

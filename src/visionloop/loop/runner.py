@@ -29,13 +29,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from visionloop.core.errors import DataError, VisionloopError
 from visionloop.core.fsutil import link_or_copy
 from visionloop.core.settings import Settings
 from visionloop.loop.spec import LoopSpec
 from visionloop.loop.state import STEPS, LoopState, Round, StepRecord, load_state, record_event, save_state
+
+if TYPE_CHECKING:
+    from visionloop.eval.gate import GateMargins
 
 log = logging.getLogger("visionloop.loop")
 
@@ -354,22 +357,16 @@ class _Steps:
 
     # ------------------------------------------------------------------ gate
     def gate(self, rec: StepRecord) -> str:
-        from visionloop.eval.gate import compare, refusal_message
+        from visionloop.eval.gate import decide, refusal_message
         from visionloop.registry import CHAMPION, aliases, get_version
-        from visionloop.registry.evals import list_evals
-        from visionloop.registry.layout import version_dir
 
         version = self._candidate
         champion = aliases(self.spec.model, self.settings).get(CHAMPION)
         if champion is None or champion == version:
             rec.reason = f"no champion to compare with: {self.spec.model}/{version} goes on"
             return "done"
-        candidate_dir = get_version(f"{self.spec.model}/{version}", self.settings).dir
-        decision = compare(
-            list_evals(candidate_dir),
-            list_evals(version_dir(self.settings.home, self.spec.model, champion)),
-            self._margins(),
-        )
+        candidate = get_version(f"{self.spec.model}/{version}", self.settings)
+        decision = decide(candidate, champion, self._margins(), self.settings)
         rec.outputs = {"champion": champion, "outcome": decision.outcome}
         if decision.outcome == "refused":
             rec.reason = refusal_message(self.spec.model, version, champion, decision, CHAMPION)
@@ -377,7 +374,7 @@ class _Steps:
         rec.reason = f"v{version} against the champion v{champion}: {decision.outcome}"
         return "done"
 
-    def _margins(self) -> Any:
+    def _margins(self) -> GateMargins:
         from visionloop.eval.gate import GateMargins
 
         g = self.spec.gate
