@@ -25,6 +25,7 @@ CLUSTER_TOML = """
 
 [jobs]
 allowed_roots = {roots}
+env_allow = ["VISIONLOOP_PACE_EVERY_S"]
 
 [[teams]]
 name = "vision"
@@ -67,7 +68,9 @@ def _wait(job_id: int, pred: Any, timeout: float = 240) -> dict[str, Any]:
 
 
 @pytest.fixture
-def up(vl_home: Path) -> Iterator[str]:
+def up(vl_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    # Jobs tell their pace every 0.2 s instead of 30 (passed on through env_allow above).
+    monkeypatch.setenv("VISIONLOOP_PACE_EVERY_S", "0.2")
     timings = "\n".join(f"{k} = {v}" for k, v in FAST.items())
     (vl_home / "cluster.toml").write_text(CLUSTER_TOML.format(timings=timings, roots=json.dumps(job_roots())))
     port = str(free_port())
@@ -93,11 +96,20 @@ def test_submit_follow_spot_interrupt_and_cost_from_the_cli(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    show = _wait(job_id, lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None)
+    show = _wait(
+        job_id,
+        lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None and j["expected_end"],
+    )
     (alloc,) = show["attempts"][0]["allocations"]
     assert alloc["price_class"] == "spot"  # `preferred` takes spot first
+    # Its pace, as the trainer reported it: step of total, and the end that follows from it.
+    j = show["job"]
+    assert j["pace_total"] == 300 and 0 < j["pace_step"] <= 300 and j["pace_rate"] > 0
+    assert j["expected_end"] == pytest.approx(j["pace_at"] + (300 - j["pace_step"]) / j["pace_rate"], abs=1)
     listed = _ok("jobs", "list")
-    assert "digits" in listed and "running" in listed
+    assert "digits" in listed and "running" in listed and "of 300 at" in listed
+    human = _ok("jobs", "show", str(job_id))
+    assert "progress: step" in human and "expected end" in human, human
 
     p = cli("admin", "spot-interrupt", "spot-a")
     assert p.returncode == 0 and str(job_id) in p.stderr
@@ -116,8 +128,10 @@ def test_submit_follow_spot_interrupt_and_cost_from_the_cli(
     first_part, _, second_part = followed.decode().partition("--- attempt 2 ---")
     assert "resuming from" not in first_part and "resuming from" in second_part
 
+    assert show["job"]["expected_end"] is None  # over
+    assert show["job"]["pace_at"] >= second["started_at"]  # the resumed attempt told its own
     human = _ok("jobs", "show", str(job_id))
-    assert "interrupted" in human and "spot saved" in human
+    assert "interrupted" in human and "spot saved" in human and "progress:" not in human
     report = json.loads(_ok("cost", "report", "--json"))
     line = report["by_team"]["vision"]
     assert line["gpu_hours"] > 0 and line["spot_gpu_hours"] > 0 and line["spot_saved"] > 0

@@ -3,13 +3,14 @@ attempt's log (the local executor's real log file) without trusting them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from visionloop.sched.executors.local import LocalExecutor
-from visionloop.sched.progress import CheckpointEvent, EvalEvent, ProgressReader, parse_line
+from visionloop.sched.progress import CheckpointEvent, EvalEvent, PaceEvent, ProgressReader, parse_line
 from visionloop.train import progress
 from visionloop.train.progress import MAX_LINE_BYTES, PREFIX
 
@@ -70,6 +71,16 @@ def test_an_eval_line_with_many_metrics_is_cut_to_fit(
         _line({"event": "eval", "step": 1, "epoch": 1, "metrics": {"a": "high"}}),
         _line({"event": "eval", "step": 1, "epoch": 1, "metrics": [1]}),
         _line({"event": "eval", "step": 1, "epoch": 1, "metrics": {str(i): 1 for i in range(33)}}),
+        _line({"event": "pace", "step": 10, "total": 5, "rate": 1.0, "at": 1.0}),  # past its total
+        _line({"event": "pace", "step": 0, "total": 0, "rate": 1.0, "at": 1.0}),
+        _line({"event": "pace", "step": 1, "total": 9, "rate": 0, "at": 1.0}),
+        _line({"event": "pace", "step": 1, "total": 9, "rate": -2.0, "at": 1.0}),
+        _line({"event": "pace", "step": 1, "total": 9, "rate": 1e7, "at": 1.0}),  # no training step
+        _line({"event": "pace", "step": 1, "total": 9, "rate": True, "at": 1.0}),
+        _line({"event": "pace", "step": 1, "total": 9.5, "rate": 1.0, "at": 1.0}),
+        _line({"event": "pace", "step": 1, "total": 2**31, "rate": 1.0, "at": 1.0}),
+        _line({"event": "pace", "step": 1, "total": 9, "rate": 1.0}),
+        P + b'{"event": "pace", "step": 1, "total": 9, "rate": Infinity, "at": 1.0}',
         _line({"event": "delete_job", "step": 1, "job": 7}),
         _line({"step": 1, "at": 1.0}),
         b"say " + _line({"event": "checkpoint", "step": 1, "at": 1.0}),  # not at the line's start
@@ -83,6 +94,57 @@ def test_hostile_or_malformed_lines_are_ignored(line: bytes) -> None:
 def test_a_valid_line_from_a_foreign_hand_parses(tmp_path: Path) -> None:
     assert parse_line(_line({"event": "checkpoint", "step": 3, "at": 5})) == CheckpointEvent(3, 5.0)
     assert parse_line(_line({"event": "eval", "step": 3, "epoch": 1, "metrics": {}})) == EvalEvent(3, 1.0, {})
+    pace = {"event": "pace", "step": 9, "total": 9, "rate": 2, "at": 5}
+    assert parse_line(_line(pace)) == PaceEvent(9, 9, 2.0, 5.0)
+
+
+def test_the_pace_is_told_at_most_every_interval_from_the_attempts_first_step(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv(progress.ENV, "1")
+    monkeypatch.setenv(progress.PACE_ENV, "30")
+    pace = progress.Pace()
+    assert pace.every_s == 30.0
+    pace.tick(100, 1000)  # the first step of a resumed attempt: the rate counts from here
+    for step in range(101, 130):  # 29 steps in 29 s: nothing due yet
+        clock[0] += 1.0
+        pace.tick(step, 1000)
+    assert capsys.readouterr().out == ""
+    clock[0] += 1.0
+    pace.tick(130, 1000)  # 30 steps in 30 s
+    clock[0] += 10.0
+    pace.tick(135, 1000)  # 10 s later: not due again
+    clock[0] += 20.0
+    pace.tick(160, 1000)  # 60 steps in 60 s since the first
+    events = [parse_line(x) for x in capsys.readouterr().out.encode().splitlines()]
+    assert [(e.step, e.total, e.rate) for e in events if isinstance(e, PaceEvent)] == [
+        (130, 1000, 1.0),
+        (160, 1000, 1.0),
+    ]
+    assert len(events) == 2
+    monkeypatch.delenv(progress.ENV)
+    clock[0] += 100.0
+    pace.tick(200, 1000)
+    assert capsys.readouterr().out == ""  # only when the control plane asks for it
+    monkeypatch.setenv(progress.PACE_ENV, "soon")
+    assert progress.Pace().every_s == progress.PACE_EVERY_S  # a bad value: the default
+
+
+def test_expected_end_is_the_reported_pace_carried_forward_for_this_attempt_only() -> None:
+    from visionloop.sched.records import Job
+    from visionloop.sched.states import JobState
+
+    base = dict.fromkeys(f.name for f in dataclasses.fields(Job) if f.default is dataclasses.MISSING)
+    job = Job(**{**base, "state": JobState.RUNNING, "state_since": 1000.0})  # type: ignore[arg-type]
+    assert job.expected_end(now=1010.0) is None  # nothing reported yet
+    paced = dataclasses.replace(job, pace_step=200, pace_total=1000, pace_rate=4.0, pace_at=1050.0)
+    assert paced.expected_end(now=1060.0) == 1050.0 + 800 / 4.0
+    assert paced.expected_end(now=2000.0) == 2000.0  # overdue: never in the past
+    requeued = dataclasses.replace(paced, state_since=1100.0)  # a new attempt, no pace of its own yet
+    assert requeued.expected_end(now=1110.0) is None
+    assert dataclasses.replace(paced, state=JobState.QUEUED).expected_end(now=1060.0) is None
 
 
 def _ckpt(step: int) -> bytes:

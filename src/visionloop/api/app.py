@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.sched.cost import cost_report
+from visionloop.sched.records import Job
 from visionloop.sched.service import ControlPlane, Principal, SubmitError
 from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
 from visionloop.sched.states import JobState, TransitionError
@@ -213,6 +214,14 @@ Who = Annotated[Principal, Depends(_principal)]
 Admin = Annotated[Principal, Depends(_admin)]
 
 
+def _job_doc(job: Job, now: float) -> dict[str, Any]:
+    """A job as the API serves it: its fields, and the expected end of a running one (from
+    the pace it reported; null when it has not reported one in this attempt)."""
+    doc: dict[str, Any] = jsonable_encoder(job)
+    doc["expected_end"] = job.expected_end(now)
+    return doc
+
+
 def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
     stop = threading.Event()
 
@@ -291,13 +300,14 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
         jobs = plane.store.list_jobs(
             team=team, states=set(state) if state else None, limit=limit, offset=offset
         )
-        return [jsonable_encoder(j) for j in jobs]
+        now = plane.clock()
+        return [_job_doc(j, now) for j in jobs]
 
     @app.get("/v1/jobs/{job_id}")
     def show_job(job_id: int, who: Who) -> dict[str, Any]:
         job = plane.visible_job(who, job_id)
         return {
-            "job": jsonable_encoder(job),
+            "job": _job_doc(job, plane.clock()),
             "transitions": jsonable_encoder(plane.store.transitions(job_id)),
             "attempts": jsonable_encoder(plane.store.attempts(job_id)),
             "checkpoints": jsonable_encoder(plane.store.checkpoints(job_id)),

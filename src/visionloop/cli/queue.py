@@ -57,6 +57,19 @@ def _state(s: str) -> str:
     return f"[{style}]{s}[/]" if style else s
 
 
+def _pace(j: dict[str, Any]) -> str:
+    """A running job's pace and expected end (as `squeue` gives a time left), from what its
+    trainer last reported; "" when it has not in this attempt."""
+    end = j.get("expected_end")
+    if end is None or j.get("pace_total") is None:
+        return ""
+    left = max(0.0, float(end) - time.time())
+    return (
+        f"step {j['pace_step']:,} of {j['pace_total']:,} at {j['pace_rate']:.3g} steps/s; "
+        f"expected end {_when(end)} (in {_duration(left)})"
+    )
+
+
 def _money(x: float, currency: str = "USD") -> str:
     return f"{x:,.2f} {currency}"
 
@@ -215,7 +228,7 @@ def jobs_list(
     ):
         table.add_column(col)
     for j in jobs:
-        why = j.get("waiting_reason") if j["state"] == "queued" else (j.get("state_reason") or "")
+        why = j.get("waiting_reason") if j["state"] == "queued" else _pace(j)
         table.add_row(
             str(j["id"]),
             j.get("name") or "-",
@@ -251,6 +264,8 @@ def jobs_show(
     )
     if j["state"] == "queued" and j.get("waiting_reason"):
         print_wide(f"waiting: {j['waiting_reason']}")
+    if j["state"] == "running":
+        print_wide(f"progress: {_pace(j) or 'no pace reported yet in this attempt'}")
     t = Table(title="state history")
     for col in ("at", "from", "to", "reason"):
         t.add_column(col)

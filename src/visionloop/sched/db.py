@@ -191,6 +191,12 @@ class JobRow(Base):
     exit_code: Mapped[int | None]
     idempotency_key: Mapped[str | None] = mapped_column(String(200))
     version: Mapped[int] = mapped_column(default=1)  # +1 on every change: an ETag for clients
+    # The latest pace the job reported (visionloop.train.progress): step of total at rate
+    # steps/s, as of pace_at. Kept across attempts: a requeued job's remaining work.
+    pace_step: Mapped[int | None]
+    pace_total: Mapped[int | None]
+    pace_rate: Mapped[float | None]
+    pace_at: Mapped[float | None]
     # What the job runs (a typed workload's document); None: a training job, from train_spec.
     # none_as_null: None is stored as SQL NULL, not as the JSON value null, so that SQL can
     # tell training jobs apart (`workload_doc IS NULL`).

@@ -18,8 +18,9 @@ The log is written by user code, so the reader trusts nothing in it:
   seeks there rather than read the rest, so a job flooding its log costs a bounded read per
   cycle and never lags further and further behind;
 - what a line can do is limited to its own job: record a checkpoint step (at a time within
-  the attempt's life). Eval events are parsed, typed, and appended to the job folder's
-  `evals.jsonl` (service_reconcile), which the tuner reads.
+  the attempt's life), and its pace (step of total, steps per second), from which `jobs list`
+  and `jobs show` give a running job's expected end. Eval events are parsed, typed, and
+  appended to the job folder's `evals.jsonl` (service_reconcile), which the tuner reads.
 """
 
 from __future__ import annotations
@@ -64,7 +65,21 @@ class EvalEvent:
         return cls(int(doc["step"]), float(doc["epoch"]), metrics)
 
 
-Event = CheckpointEvent | EvalEvent
+@dataclass(frozen=True, slots=True)
+class PaceEvent:
+    """How far the attempt has got and how fast: `step` of `total` at `rate` steps per second
+    (wall clock since the attempt's first step), as of `at` (the job's clock)."""
+
+    step: int
+    total: int
+    rate: float
+    at: float
+
+
+Event = CheckpointEvent | EvalEvent | PaceEvent
+# A pace above this many steps per second is no training step (and would put the expected
+# end in the past at once): the line is ignored.
+MAX_RATE = 1e6
 
 
 def _number(v: Any) -> float | None:
@@ -95,6 +110,11 @@ def parse_line(line: bytes) -> Event | None:
     if kind == "checkpoint":
         at = _number(doc.get("at"))
         return None if at is None else CheckpointEvent(step, at)
+    if kind == "pace":
+        total, rate, at = _step(doc.get("total")), _number(doc.get("rate")), _number(doc.get("at"))
+        if total is None or total < max(step, 1) or rate is None or not 0 < rate <= MAX_RATE or at is None:
+            return None
+        return PaceEvent(step, total, rate, at)
     if kind == "eval":
         epoch, raw = _number(doc.get("epoch")), doc.get("metrics")
         if epoch is None or not isinstance(raw, dict) or len(raw) > MAX_METRICS:

@@ -120,12 +120,26 @@ class Job:
     exit_code: int | None  # the latest attempt's
     idempotency_key: str | None
     version: int  # +1 on every change
+    # The latest pace it reported: step of total at rate steps/s, as of pace_at (None: none yet).
+    pace_step: int | None = None
+    pace_total: int | None = None
+    pace_rate: float | None = None
+    pace_at: float | None = None
     # The documents are loaded by get_job and submit (and list_jobs(with_specs=True)) only:
     # a scheduler listing 10,000 queued jobs does not need them.
     # What it runs, when not plain training (a tuning trial): sched/workload.py's document.
     workload_doc: dict[str, Any] | None = field(default=None, repr=False)
     spec_doc: dict[str, Any] | None = field(default=None, repr=False)  # verbatim, as submitted
     train_doc: dict[str, Any] | None = field(default=None, repr=False)  # the effective train spec
+
+    def expected_end(self, now: float) -> float | None:
+        """When a running job should finish at its reported pace (never before `now`), or
+        None: not running, or no pace reported in this attempt yet."""
+        if self.state != JobState.RUNNING or self.pace_rate is None or self.pace_at is None:
+            return None
+        if self.pace_step is None or self.pace_total is None or self.pace_at < self.state_since:
+            return None  # a pace from an earlier attempt: this one has not told its own yet
+        return max(now, self.pace_at + (self.pace_total - self.pace_step) / self.pace_rate)
 
     @property
     def train_spec(self) -> TrainSpec:

@@ -16,7 +16,7 @@ from typing import Any
 
 from visionloop.core.errors import ExecutorError, VisionloopError
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle
-from visionloop.sched.progress import CheckpointEvent, EvalEvent
+from visionloop.sched.progress import CheckpointEvent, EvalEvent, PaceEvent
 from visionloop.sched.service_base import PlaneBase, log
 from visionloop.sched.states import ACTIVE, JobState
 from visionloop.sched.store import Attempt, Job
@@ -227,9 +227,9 @@ class ReconcileMixin(PlaneBase):
     ) -> None:
         """Checkpoints the job reported in its log since the last look (see
         visionloop.sched.progress): they decide which victim loses the least work, and what a
-        preemption lost. `final`: the attempt ended, so its last lines are read now (a victim
-        reports the checkpoint it stopped on just before it exits). Its evaluations are
-        appended to the job's EVALS_FILE, for the tuner."""
+        preemption lost. Its latest pace gives its expected end. `final`: the attempt ended,
+        so its last lines are read now (a victim reports the checkpoint it stopped on just
+        before it exits). Its evaluations are appended to the job's EVALS_FILE, for the tuner."""
         try:
             key = (job.id, attempt.number)
             events = self._progress.read(self.executor, handle, key, now=now, final=final)
@@ -240,11 +240,19 @@ class ReconcileMixin(PlaneBase):
             return
         steps: dict[int, float] = {}
         evals: list[EvalEvent] = []
+        pace: PaceEvent | None = None
         for event in events:
             if isinstance(event, CheckpointEvent):
                 steps[event.step] = event.at
+            elif isinstance(event, PaceEvent):
+                pace = event  # only the latest counts
             else:
                 evals.append(event)
+        if pace is not None and attempt.ended_at is None:
+            # The job's clock, within this attempt's life (so it is never taken for an
+            # earlier attempt's, nor put in the future).
+            at = min(max(pace.at, attempt.started_at), now)
+            self.store.record_pace(job.id, pace.step, pace.total, pace.rate, at)
         if evals:
             try:
                 path = self.job_dir(job.id) / EVALS_FILE

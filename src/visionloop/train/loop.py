@@ -133,6 +133,7 @@ class Loop:
                 collate_fn=c.task.collate,
             )
         self._last_ckpt_time = time.monotonic()
+        self.pace = progress.Pace()  # how far and how fast, for the control plane's expected end
         self._saved_step: int | None = None  # the step of the newest checkpoint this run holds
         # Pause (checkpointed, exit 76) once this many epochs are done and evaluated: a tuning
         # trial stops at its rung and waits to be promoted (see train/signals.py EXIT_PAUSED).
@@ -354,6 +355,8 @@ class Loop:
                 now = time.perf_counter()
                 self._log_steps(losses, lrs, images_interval / max(now - t_interval, 1e-9))
                 losses, lrs, images_interval, t_interval = [], [], 0, now
+            if self.info.is_main:
+                self.pace.tick(pos.step, c.total_steps)
             stop, due = self._should_stop_or_checkpoint()
             if due and not pos.pending_eval:  # the post-eval checkpoint covers the epoch boundary
                 if losses:

@@ -249,6 +249,15 @@ class AttemptsMixin(StoreBase):
             if row.last_checkpoint_at is None or now > row.last_checkpoint_at:
                 row.last_checkpoint_at = now
 
+    def record_pace(self, job_id: int, step: int, total: int, rate: float, at: float) -> None:
+        """The pace a running job reported (its latest: step of total at rate steps/s, as of
+        `at`), from which its expected end is shown. Advisory: no state change, no version
+        bump (a client's ETag is about what the job is, not how far it has got)."""
+        with self._job_session(job_id) as s:
+            row = self._lock_job(s, job_id)
+            if row.pace_at is None or at >= row.pace_at:
+                row.pace_step, row.pace_total, row.pace_rate, row.pace_at = step, total, rate, at
+
     def checkpoints(self, job_id: int) -> list[Checkpoint]:
         with self._session(write=False) as s:
             self._exists(s, job_id)
