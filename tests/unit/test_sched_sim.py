@@ -295,3 +295,18 @@ def test_command_line_runs_a_trace_from_a_data_folder(
     assert metrics["finished"] == 2 and metrics["avg_jct_s"] == pytest.approx((600 + 300) / 2)
     assert main(["--trace", "1", "--data", str(tmp_path / "missing")]) == 1
     assert "pass --data DIR" in capsys.readouterr().err
+
+
+def test_the_28_hour_class_jump_in_miniature() -> None:
+    """Issue 16's case: a high-class job waited 28 h while its own team's lower classes kept
+    starting. Here team a runs a stream of short low jobs (one every 2 min, 8 min each, so
+    always too young to preempt) for 10 h; its 8-GPU high job arrives after 1 h. It must start
+    once a's running jobs drain (minutes), not when the stream ends (it waited 9.1 h)."""
+    hour = 3600.0
+    trace = [TraceJob(f"low{i}", i * 120.0, 1, 480.0, "a", "low", "allowed") for i in range(300)]
+    trace.append(TraceJob("big", hour, 8, hour, "a", "high", "allowed"))
+    cluster = ClusterSpec((NodeSpec("n0", 8),), (Team("a", 6, 2), Team("b", 2, 6)))
+    result = simulate(trace, cluster, VL, SimConfig())
+    big = next(j for j in result.jobs if j.id == "big")
+    assert big.queued_s <= 480.0 + 60.0  # the longest low job left, and one cycle
+    assert all(j.finish is not None for j in result.jobs)  # and the stream still runs to its end
