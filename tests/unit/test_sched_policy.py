@@ -256,29 +256,30 @@ def test_own_team_lower_class_does_not_take_gpus_its_borrower_waits_for() -> Non
     assert d.waiting["al"].startswith("waiting for 1 GPU: 0 free")
 
 
-def test_no_class_jumping_a_teams_lower_classes_wait_while_its_head_waits_for_the_teams_limit() -> None:
-    # a's high job needs all 8 GPUs of a's limit; a's young low jobs hold 4 (too young to be
-    # preempted). a's next low job would fit in a's limit and on the idle GPUs, but each GPU it
-    # took would keep a above 0 for the high job: it waits behind it. b may still borrow.
+def test_no_class_jumping_lower_classes_start_as_tenants_and_step_aside_for_their_teams_head() -> None:
+    # a's high job needs all 8 GPUs of a's limit; a's low jobs hold 4, too young to preempt.
     teams = [Team("a", 6, borrow_limit=2), Team("b", 2, borrow_limit=6)]
-    running = [r(f"a{i}", [f"n0/{i}"], team="a", prio=LOW, started=NOW - 60) for i in range(4)]
-    queue = [
-        q("big", 8, team="a", prio=HIGH),
-        q("low", 1, team="a", prio=LOW),
-        q("b0", 1, team="b", prio=LOW),
+    big = q("big", 8, team="a", prio=HIGH, t=NOW - 300)
+    before = [r(f"a{i}", [f"n0/{i}"], team="a", prio=LOW, started=NOW - 400) for i in range(4)]
+    d = schedule(view(node_gpus("n0", 8), [big, q("low", 1, team="a", prio=LOW)], before, teams), CFG)
+    # The low job uses an idle GPU meanwhile: a tenant of the GPUs big waits for.
+    assert d.evictions == [] and placed(d) == {"low": ("n0/4",)}
+    assert d.waiting["big"].startswith("waiting for 8 GPUs: team a is at its limit 8")
+    # Later: the jobs that ran before big was submitted are gone; the tenants that started
+    # since, young as they are, step aside for it (a job started before it is never one).
+    tenants = [r(f"t{i}", [f"n0/{i}"], team="a", prio=LOW, started=NOW - 60) for i in range(3)]
+    d = schedule(view(node_gpus("n0", 8), [big], tenants, teams), CFG)
+    assert sorted((e.job_id, e.reason) for e in d.evictions) == [
+        (f"t{i}", "preempted for job big (priority high)") for i in range(3)
     ]
-    d = schedule(view(node_gpus("n0", 8), queue, running, teams), CFG)
-    assert d.evictions == [] and placed(d) == {"b0": ("n0/4",)}
-    assert d.waiting["big"] == (
-        "waiting for 8 GPUs: team a is at its limit 8 = nominal 6 + borrow 2 (4 in use or reserved)"
-    )
-    assert d.waiting["low"] == (
-        "waiting behind job big of team a (priority high), which needs 8 GPUs of the team's limit 8 "
-        "(4 in use): the team's GPUs go to it as they free up"
-    )
-    # Without the high job, the low one starts.
-    d = schedule(view(node_gpus("n0", 8), queue[1:], running, teams), CFG)
-    assert set(placed(d)) == {"low", "b0"}
+    assert d.waiting["big"].startswith("preempting 3 jobs")
+    d = schedule(view(node_gpus("n0", 8), [big], [*tenants, before[0]], teams), CFG)
+    assert d.evictions == []  # a0 ran before big came and is too young: big waits for it
+    # Another team's young job, or one of a's own class, is no tenant either.
+    others = [r("b0", ["n0/0"], team="b", prio=LOW, started=NOW - 60)]
+    others.append(r("h0", ["n0/1"], team="a", prio=HIGH, started=NOW - 60))
+    d = schedule(view(node_gpus("n0", 8), [big], [*tenants, *others], teams), CFG)
+    assert d.evictions == []
 
 
 def test_a_borrower_never_takes_a_team_below_its_nominal_quota() -> None:

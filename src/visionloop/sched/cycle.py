@@ -51,7 +51,7 @@ class Cycle(Preemption):
         starving = self._starving(bands)
         self.starving_id = None if starving is None else starving[0].id
         borrowers: dict[int, dict[str, list[PendingJob]]] = {}
-        heads = self.heads  # team -> its first job sent to pass 2 (and its class)
+        heads: dict[str, tuple[PendingJob, int]] = {}  # team -> its first job sent to pass 2
         late: tuple[PendingJob, int] | None = None  # the starving job, if it must borrow
         if starving is not None:  # the job that waited longest goes first in its pass
             job, sprio = starving
@@ -231,17 +231,6 @@ class Cycle(Preemption):
             waiting[job.id] = f"waiting behind job {self.blocker.id} (backfill is off)"
             return
         n = job.gpus
-        first = self.heads.get(job.team)
-        if first is not None and first[1] > prio and first[0].id in self.limit_blocked:
-            # No class jumping: every GPU this job took would count against its team's limit,
-            # which its higher-class head waits to get under (borrowed GPUs count too).
-            head = first[0]
-            waiting[job.id] = (
-                f"waiting behind job {head.id} of team {job.team} (priority {self._prio(head.priority)}), "
-                f"which needs {n_gpus(head.gpus)} of the team's limit {ts.limit} ({ts.used} in use): "
-                "the team's GPUs go to it as they free up"
-            )
-            return
         quota_ok = ts.used + n <= ts.limit
         shape = (job.spot, job.cpus / n, job.memory_gb / n)
         if quota_ok and self._usable_free(job.spot) >= n and n < self.fail_free.get(shape, n + 1):
@@ -348,7 +337,6 @@ class Cycle(Preemption):
                 f"waiting for {n_gpus(n)}: team {job.team} is at its limit {ts.limit} = nominal "
                 f"{ts.team.nominal_gpus} + borrow {ts.team.borrow_limit} ({ts.used} in use or reserved)"
             )
-            self.limit_blocked.add(job.id)
             return
         free = self._usable_free(job.spot)
         higher = 0

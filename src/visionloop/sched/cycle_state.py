@@ -112,10 +112,7 @@ class CycleState:
         self.starving_id: str | None = None  # the long-blocked job that holds free GPUs
         self.blocker: PendingJob | None = None  # first blocked job when backfill is off
         self.behind: dict[str, PendingJob] = {}  # job -> its team's head it waits behind
-        # Heads waiting for their own team's GPUs (the team is at its limit): nothing behind
-        # them in that team may start, or the team would never get below the limit for them.
-        self.limit_blocked: set[str] = set()
-        self.heads: dict[str, tuple[PendingJob, int]] = {}  # team -> its first job sent to pass 2
+        self.tenant_teams: set[str] = set()  # teams whose head looked for tenants (preemption.py)
         self.blocked: dict[int, int] = {}  # blocked jobs so far, by (effective) class
         self.fail_soon: dict[tuple[object, ...], int] = {}  # smallest job _soon() found no room for
         self.impossible: dict[tuple[SpotPolicy, int], str | None] = {}  # memo of impossible_reason()

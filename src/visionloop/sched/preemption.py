@@ -3,12 +3,16 @@ it fit. A job may preempt lower classes (within its team always; across teams on
 on borrowed GPUs, unless it stays within its own nominal quota), and a team under its
 nominal quota reclaims borrowed GPUs whatever their class. Victims lose the least work:
 lowest class first, then the least GPU-time since their last checkpoint; never a job that
-is already leaving or has run less than `min_runtime_s`. Greedy in that order until the job
-fits, then every victim it can do without is dropped again.
+is already leaving or has run less than `min_runtime_s` — except a tenant: a job of a lower
+class that started while its own team's head waited for the team's limit (no class jumping:
+it may use the idle GPUs meanwhile, and steps aside as soon as they let the head start).
+Greedy in that order until the job fits, then every victim it can do without is dropped
+again.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -31,15 +35,25 @@ class Preemption(CycleState):
         shape = (job.team, job.priority, reclaim, job.spot, job.cpus / n, job.memory_gb / n)
         if n >= self.fail_evict.get(shape, n + 1):
             return False
+        tenants: list[ActiveJob] = []
+        if quota_gap > 0 and job.team not in self.tenant_teams:
+            # The team's first job over its limit (its highest class, as jobs are considered)
+            # may take back the GPUs its lower classes started on since it came; only the
+            # first, so the shape memo above stays true for the team's other jobs.
+            self.tenant_teams.add(job.team)
+            tenants = self._tenants(job)
         if quota_gap > 0 and quota_gap > sum(
-            len(v.gpu_ids) for v in self.victims if v.team == job.team and self._held_rank(v) < job.priority
+            len(v.gpu_ids)
+            for v in itertools.chain(tenants, self.victims)
+            if v.team == job.team and self._held_rank(v) < job.priority
         ):
             self.fail_evict[shape] = n
             return False
-        cands = [
+        cands = tenants + [
             v
             for v in self.victims
             if v.id not in self.evicted
+            and v not in tenants
             and self._may_evict(v, job, reclaim)
             and self._usable_gpus(v, job.spot)
         ]
@@ -91,6 +105,23 @@ class Preemption(CycleState):
             "starts once they have checkpointed and stopped"
         )
         return True
+
+    def _tenants(self, job: PendingJob) -> list[ActiveJob]:
+        """The job's own team's lower-class jobs that started after it was submitted, young
+        ones included: they started on GPUs of the team's limit that `job` was waiting for,
+        as tenants (no class jumping), and step aside once their GPUs let it start."""
+        return sorted(
+            (
+                v
+                for v in self.view.running
+                if v.team == job.team
+                and v.preemptible
+                and v.id not in self.evicted
+                and v.started_at >= job.submitted_at
+                and self._held_rank(v) < job.priority
+            ),
+            key=lambda v: (self._held_rank(v), self._lost_gpu_s(v), -v.started_at, v.id),
+        )
 
     def _may_evict(self, v: ActiveJob, job: PendingJob, reclaim: bool, taken: int = 0) -> bool:
         """May `v` step aside for `job` (`taken`: GPUs of `v`'s team already chosen)?
