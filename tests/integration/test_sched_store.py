@@ -27,6 +27,7 @@ from _dbkit import BACKENDS, fresh_database
 from visionloop.core.errors import ConfigError, NotFoundError, StoreError
 from visionloop.core.settings import load_settings
 from visionloop.sched import db
+from visionloop.sched.records import pace_end
 from visionloop.sched.states import JobState, TransitionError, allowed
 from visionloop.sched.store import GONE_REASON, ConflictError, Job, Store, default_url
 from visionloop.sched.view import Gpu
@@ -460,6 +461,22 @@ def test_end_attempt_closes_allocations_and_adds_attained_gpu_seconds(store: Sto
     assert [r.job_id for r in store.allocations(team="detection")] == [other.id]
     assert [r.gpu_id for r in store.allocations(job_id=job.id)] == ["n0/0", "n0/1"]
     assert [r.job_id for r in store.allocations(since=161.0)] == [other.id]  # still running counts
+
+
+def test_a_jobs_pace_is_kept_newest_first_and_reaches_the_queue_view(store: Store) -> None:
+    a = submit(store, "a")
+    store.start_attempt(a.id, "local", [GPUS[0]], now=20.0)
+    assert store.get_job(a.id).expected_end(now=21.0) is None  # nothing told yet
+    store.record_pace(a.id, 100, 1000, 4.0, 30.0)
+    store.record_pace(a.id, 50, 1000, 2.0, 25.0)  # an older line read late: ignored
+    job = store.get_job(a.id)
+    assert (job.pace_step, job.pace_total, job.pace_rate, job.pace_at) == (100, 1000, 4.0, 30.0)
+    assert job.expected_end(now=31.0) == 30.0 + 900 / 4.0
+    (row,) = (r for r in store.view_jobs() if r.id == a.id)  # what the scheduler's view reads
+    assert (row.pace_step, row.pace_total, row.pace_rate, row.pace_at) == (100, 1000, 4.0, 30.0)
+    assert pace_end(row.pace_step, row.pace_total, row.pace_rate, row.pace_at, 20.0, 31.0) == 255.0
+    assert pace_end(row.pace_step, row.pace_total, row.pace_rate, row.pace_at, 40.0, 41.0) is None
+    assert store.get_job(a.id).version == job.version  # advisory: no new version for a pace
 
 
 def test_heartbeats_checkpoints_and_waiting_reasons(store: Store) -> None:

@@ -310,3 +310,33 @@ def test_the_28_hour_class_jump_in_miniature() -> None:
     big = next(j for j in result.jobs if j.id == "big")
     assert big.queued_s <= 480.0 + 60.0  # the longest low job left, and one cycle
     assert all(j.finish is not None for j in result.jobs)  # and the stream still runs to its end
+
+
+def test_the_policy_sees_expected_ends_from_the_pace_with_an_error_never_the_true_duration() -> None:
+    """A running job's expected end appears once it has reported its pace (60 s into an
+    allocation), off by its allocation's pace error; with no error it is the true end."""
+    seen: dict[float, list[float | None]] = {}
+
+    def watching(view: ClusterView) -> Decision:
+        if view.running:
+            seen.setdefault(view.now, []).extend(v.expected_end for v in view.running)
+        return VL(view)
+
+    trace = [job("a", 0, 1, 3600.0), job("b", 0, 1, 3600.0)]  # b waits for a's GPU
+    cluster = ClusterSpec((NodeSpec("n0", 1),))
+    simulate(trace, cluster, watching, SimConfig(pace_error=0.0, tick_s=30.0))
+    early = [e for t, ends in seen.items() if t < 60.0 for e in ends]
+    assert early and all(e is None for e in early)  # nothing reported yet
+    late = [(t, e) for t, ends in seen.items() if 60.0 <= t < 3600.0 for e in ends]
+    assert late and all(e == 3600.0 for _, e in late)  # exact pace: the true end
+
+    def ends(seed: int) -> list[float]:
+        seen.clear()
+        simulate(trace, cluster, watching, SimConfig(pace_error=0.2, tick_s=30.0, seed=seed))
+        return [e for t, es in sorted(seen.items()) if 60.0 <= t < 3600.0 for e in es if e is not None]
+
+    first = ends(0)
+    assert first == ends(0) and first != ends(1)  # seeded
+    # One error per allocation: the remaining time is off by the same factor all along.
+    factors = {round((e - t) / (3600.0 - t), 9) for (t, _), e in zip(late, first, strict=True)}
+    assert len(factors) == 1 and factors != {1.0} and 0.3 < factors.pop() < 3.0

@@ -70,6 +70,17 @@ class TokenRecord:
     revoked_at: float | None
 
 
+def pace_end(
+    step: int | None, total: int | None, rate: float | None, at: float | None, since: float, now: float
+) -> float | None:
+    """When a job that reported `step` of `total` at `rate` steps/s at time `at` should end
+    (never before `now`); None without a pace told since `since` (its attempt's start: a pace
+    from an earlier attempt says nothing of this one's)."""
+    if step is None or total is None or rate is None or at is None or at < since or rate <= 0:
+        return None
+    return max(now, at + (total - step) / rate)
+
+
 class ViewJob(NamedTuple):
     """The columns of a job the scheduler's view needs (`Store.view_jobs`): a plain row, so
     that reading 10,000 queued jobs every cycle converts nothing it does not use."""
@@ -87,6 +98,10 @@ class ViewJob(NamedTuple):
     not_before: float | None
     last_checkpoint_at: float | None
     nodes: int
+    pace_step: int | None
+    pace_total: int | None
+    pace_rate: float | None
+    pace_at: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +150,9 @@ class Job:
     def expected_end(self, now: float) -> float | None:
         """When a running job should finish at its reported pace (never before `now`), or
         None: not running, or no pace reported in this attempt yet."""
-        if self.state != JobState.RUNNING or self.pace_rate is None or self.pace_at is None:
+        if self.state != JobState.RUNNING:
             return None
-        if self.pace_step is None or self.pace_total is None or self.pace_at < self.state_since:
-            return None  # a pace from an earlier attempt: this one has not told its own yet
-        return max(now, self.pace_at + (self.pace_total - self.pace_step) / self.pace_rate)
+        return pace_end(self.pace_step, self.pace_total, self.pace_rate, self.pace_at, self.state_since, now)
 
     @property
     def train_spec(self) -> TrainSpec:

@@ -55,7 +55,7 @@ from visionloop.sched.executors.base import Executor, LaunchRequest
 from visionloop.sched.policy import PolicyConfig, schedule
 from visionloop.sched.prices import load_catalog
 from visionloop.sched.progress import ProgressReader
-from visionloop.sched.records import ViewJob
+from visionloop.sched.records import ViewJob, pace_end
 from visionloop.sched.service_admission import AdmissionMixin, Principal, SubmitError
 from visionloop.sched.service_base import log
 from visionloop.sched.service_gpus import GpuSyncMixin
@@ -244,6 +244,9 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     attained_gpu_s=job.attained_gpu_s,
                     preemptible=job.state == RUNNING,
                     submitted_at=job.submitted_at,
+                    expected_end=pace_end(
+                        job.pace_step, job.pace_total, job.pace_rate, job.pace_at, attempt.started_at, now
+                    ),
                 )
             )
         queued = self._queued  # shared between cycles while unchanged: the policy only reads it

@@ -74,6 +74,9 @@ class ActiveJob:
     # When it was first submitted (None: unknown). With priority aging, a job that started
     # after a long wait keeps its aged class against preemption; without it, it is ignored.
     submitted_at: float | None = None
+    # When it should end at the pace it reported in this allocation (None: not known yet).
+    # An estimate from the job's own progress, never a promise: what reservations plan with.
+    expected_end: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,8 @@ What it models, and why each matters to the policy:
   - a spot interruption takes a spot node's GPUs away at once and stops its jobs the same
     way (they lose the work since their last checkpoint);
   - a restart costs `restart_overhead_s` (process start, data loader warm-up, checkpoint load);
+  - a running job's expected end is what its reported pace says, with an error (`pace_error`),
+    once it has reported (`pace_after_s`); the policy never sees the trace's durations;
   - scheduling cycles run at every event and every `tick_s` while jobs wait (back-offs and
     minimum runtimes expire between events).
 The simulator checks every decision (free, up, right spot class, right count) and raises
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -53,6 +56,13 @@ class SimConfig:
     tick_s: float = 60.0
     max_time_s: float = 60 * 86400.0  # give up (and report unfinished jobs) past this
     priorities: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
+    # What the policy may know of a running job's end: its pace, first reported once an
+    # allocation has made `pace_after_s` of progress, as the remaining time times a per-
+    # allocation error exp(N(0, pace_error)) (a rate measured over evaluations, data stalls
+    # and a shared machine), never the trace's duration itself. Seeded: runs repeat.
+    pace_after_s: float = 60.0
+    pace_error: float = 0.2
+    seed: int = 0
 
 
 @dataclass
@@ -102,6 +112,7 @@ class _Job:
         "last_cause",
         "overhead",
         "p0",
+        "pace",
         "progress",
         "queued_since",
         "rank",
@@ -124,6 +135,7 @@ class _Job:
         self.epoch = self.restarts = 0
         self.attained = 0.0
         self.last_cause = ""
+        self.pace = 1.0  # this allocation's error on its reported pace (see SimConfig)
 
 
 class Simulation:
@@ -164,6 +176,7 @@ class Simulation:
         self.contended: dict[str, float] = {}
         self.contended_s = 0.0
         self._gpus_cache: list[Gpu] | None = None
+        self.rng = random.Random(self.cfg.seed)
 
     # ----------------------------------------------------------------- events
 
@@ -260,6 +273,7 @@ class Simulation:
         j.state, j.gpus, j.t0, j.p0 = "running", gpus, t, j.progress
         j.overhead = self.cfg.restart_overhead_s if j.restarts else 0.0
         j.epoch += 1
+        j.pace = math.exp(self.rng.gauss(0.0, self.cfg.pace_error)) if self.cfg.pace_error > 0 else 1.0
         for g in gpus:
             self.holder[g] = j
         self._push(t + j.overhead + (j.spec.duration_s - j.p0), _FINISH, j.spec.id, j.epoch)
@@ -298,6 +312,14 @@ class Simulation:
             self._gpus_cache = [g for n in self.cluster.nodes for g in n.gpu_list(self.node_up[n.name])]
         return self._gpus_cache
 
+    def _expected_end(self, j: _Job, t: float) -> float | None:
+        """What the job's reported pace says of its end (see SimConfig), or None before its
+        first report in this allocation."""
+        ran = t - j.t0 - j.overhead
+        if j.state != "running" or ran < self.cfg.pace_after_s:
+            return None
+        return t + max(0.0, j.spec.duration_s - j.p0 - ran) * j.pace
+
     def _view(self, t: float) -> ClusterView:
         running, queued = [], []
         for j in self.jobs.values():
@@ -316,6 +338,7 @@ class Simulation:
                         attained_gpu_s=j.attained + len(j.gpus) * (t - j.t0),
                         preemptible=j.state == "running",
                         submitted_at=s.submit_time,
+                        expected_end=self._expected_end(j, t),
                     )
                 )
             elif j.state == "queued":
