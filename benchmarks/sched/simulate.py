@@ -82,6 +82,13 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=float, default=600.0, help="simulated checkpoint interval (s)")
     ap.add_argument("--grace", type=float, default=60.0, help="grace period of a preempted job (s)")
     ap.add_argument("--restart", type=float, default=60.0, help="restart overhead (s)")
+    ap.add_argument(
+        "--sigterm-checkpoint",
+        action="store_true",
+        help="a preempted job keeps its progress up to the eviction (it checkpoints at SIGTERM, as "
+        "visionloop's trainer does); default: only its last periodic checkpoint",
+    )
+    ap.add_argument("--name", default="sched_sim", help="results file name (default sched_sim)")
     args = ap.parse_args()
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(
@@ -89,6 +96,7 @@ def main() -> None:
         grace_s=args.grace,
         restart_overhead_s=args.restart,
         tick_s=args.tick,
+        sigterm_checkpoint=args.sigterm_checkpoint,
     )
     policy = PolicyConfig(same_node=False)  # the defaults, with jobs spanning nodes
     cluster = default_cluster(default_spot_traces(args.data))
@@ -234,7 +242,7 @@ def main() -> None:
     print(f"priority classes worse off than under FIFO: {starved or 'none'}")
     print(f"simulation wall time: FIFO {wall['fifo']:.1f} s, visionloop {wall['visionloop']:.1f} s")
     path = write_result(
-        "sched_sim",
+        args.name,
         {
             "config": {
                 "traces": traces,

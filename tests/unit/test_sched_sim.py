@@ -340,3 +340,20 @@ def test_the_policy_sees_expected_ends_from_the_pace_with_an_error_never_the_tru
     # One error per allocation: the remaining time is off by the same factor all along.
     factors = {round((e - t) / (3600.0 - t), 9) for (t, _), e in zip(late, first, strict=True)}
     assert len(factors) == 1 and factors != {1.0} and 0.3 < factors.pop() < 3.0
+
+
+@pytest.mark.parametrize(("sigterm", "kept"), [(False, 1200.0), (True, 1500.0)])
+def test_a_victim_keeps_its_last_periodic_checkpoint_or_all_its_progress_when_it_checkpoints_at_sigterm(
+    sigterm: bool, kept: float
+) -> None:
+    # low runs from 0; high arrives at 1,500 s and preempts it (low is past min_runtime_s).
+    # Periodic checkpoints every 600 s keep 1,200 s of progress; a checkpoint at SIGTERM keeps
+    # all 1,500. Grace 60 s, high runs 1,560-1,660, low restarts with 60 s of overhead.
+    trace = [job("low", 0, 1, 3600.0, prio="low"), job("high", 1500.0, 1, 100.0, prio="high")]
+    cfg = SimConfig(sigterm_checkpoint=sigterm, tick_s=30.0)
+    result = simulate(trace, ClusterSpec((NodeSpec("n0", 1),)), VL, cfg)
+    low = next(j for j in result.jobs if j.id == "low")
+    assert low.preemptions == 1
+    assert low.finish == pytest.approx(1660.0 + 60.0 + (3600.0 - kept))
+    # GPU-seconds that produced nothing kept: the grace (and the unsaved work) plus the restart.
+    assert result.lost_gpu_s["preempted"] == pytest.approx((1560.0 - kept) + 60.0)

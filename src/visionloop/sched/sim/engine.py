@@ -60,6 +60,11 @@ class SimConfig:
     # allocation has made `pace_after_s` of progress, as the remaining time times a per-
     # allocation error exp(N(0, pace_error)) (a rate measured over evaluations, data stalls
     # and a shared machine), never the trace's duration itself. Seeded: runs repeat.
+    # A preempted job checkpoints at SIGTERM, within its grace period (what visionloop's
+    # trainer does): it keeps its progress up to the eviction. Off: it keeps only its last
+    # periodic checkpoint (the figures recorded before 2026-11-28). A spot interruption with
+    # no notice always loses the work since the last periodic checkpoint.
+    sigterm_checkpoint: bool = False
     pace_after_s: float = 60.0
     pace_error: float = 0.2
     seed: int = 0
@@ -280,6 +285,8 @@ class Simulation:
 
     def _stop(self, j: _Job, t: float, cause: str) -> None:
         j.kept, _ = self._checkpoint(j, t)
+        if cause == "preempted" and self.cfg.sigterm_checkpoint:
+            j.kept = j.p0 + max(0.0, t - j.t0 - j.overhead)
         j.kept = min(j.kept, j.spec.duration_s)
         j.state, j.last_cause = "stopping", cause
         if cause == "preempted":
