@@ -69,8 +69,8 @@ def _wait(job_id: int, pred: Any, timeout: float = 240) -> dict[str, Any]:
 
 @pytest.fixture
 def up(vl_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    # Jobs tell their pace every 0.2 s instead of 30 (passed on through env_allow above).
-    monkeypatch.setenv("VISIONLOOP_PACE_EVERY_S", "0.2")
+    # Jobs tell their pace every second instead of every 30 (passed on through env_allow above).
+    monkeypatch.setenv("VISIONLOOP_PACE_EVERY_S", "1")
     timings = "\n".join(f"{k} = {v}" for k, v in FAST.items())
     (vl_home / "cluster.toml").write_text(CLUSTER_TOML.format(timings=timings, roots=json.dumps(job_roots())))
     port = str(free_port())
