@@ -95,7 +95,7 @@ class CycleState:
         # Victims: old enough, not already leaving; lowest priority, then least work lost.
         self.victims = sorted(
             (j for j in view.running if j.preemptible and self.now - j.started_at >= cfg.min_runtime_s),
-            key=lambda j: (self._held_rank(j), self._lost_gpu_s(j), -j.started_at, j.id),
+            key=self._victim_order,
         )
         # The lowest class among jobs too young to preempt (for the reasons shown).
         self.young_min = min(
@@ -136,6 +136,10 @@ class CycleState:
         if ts is None:  # not configured: no entitlement, no limit (only what is idle)
             ts = self.teams[name] = TeamState(Team(name, 0, borrow_limit=_UNLIMITED))
         return ts
+
+    def _victim_order(self, j: ActiveJob) -> tuple[float, float, float, str]:
+        """Victims are tried lowest class first, then least work lost, then youngest."""
+        return (self._held_rank(j), self._lost_gpu_s(j), -j.started_at, j.id)
 
     def _lost_gpu_s(self, j: ActiveJob) -> float:
         since = j.started_at if j.last_checkpoint_at is None else max(j.started_at, j.last_checkpoint_at)

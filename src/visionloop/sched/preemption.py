@@ -120,7 +120,7 @@ class Preemption(CycleState):
                 and v.started_at >= job.submitted_at
                 and self._held_rank(v) < job.priority
             ),
-            key=lambda v: (self._held_rank(v), self._lost_gpu_s(v), -v.started_at, v.id),
+            key=self._victim_order,
         )
 
     def _may_evict(self, v: ActiveJob, job: PendingJob, reclaim: bool, taken: int = 0) -> bool:
