@@ -357,3 +357,23 @@ def test_a_victim_keeps_its_last_periodic_checkpoint_or_all_its_progress_when_it
     assert low.finish == pytest.approx(1660.0 + 60.0 + (3600.0 - kept))
     # GPU-seconds that produced nothing kept: the grace (and the unsaved work) plus the restart.
     assert result.lost_gpu_s["preempted"] == pytest.approx((1560.0 - kept) + 60.0)
+
+
+def test_quota_guarantee_hours_count_a_fitting_job_kept_waiting() -> None:
+    # Team a is entitled to 2 GPUs and holds 1 (A2). Under FIFO, b's 3-GPU job A holds the rest
+    # until 100. a's 2-GPU job C (at 10) does not fit in a's unused quota of 1, so its wait does
+    # not count; a's 1-GPU job B (at 20, behind C) does fit, and waits 80 s. Over-quota jobs
+    # (A: 3 GPUs against b's nominal 2) are reported apart.
+    teams = (Team("a", 2, 2), Team("b", 2, 2))
+    cluster = ClusterSpec((NodeSpec("n0", 4, "fake"),), teams)
+    trace = [
+        TraceJob("A", 0, 3, 100, "b", "normal", "allowed"),
+        TraceJob("A2", 0, 1, 200, "a", "normal", "allowed"),
+        TraceJob("C", 10, 2, 50, "a", "normal", "allowed"),
+        TraceJob("B", 20, 1, 50, "a", "normal", "allowed"),
+    ]
+    r = simulate(trace, cluster, FIFO)
+    assert r.quota_wait_s == {"a": 80.0}
+    s = summarize(r, cluster, load_catalog())
+    assert s["quota_wait_h"] == {"a": pytest.approx(80 / 3600)}
+    assert s["over_quota"] == {"jobs": 1, "avg_jct_s": 100.0, "avg_queue_s": 0.0, "max_queue_s": 0.0}

@@ -106,6 +106,9 @@ class SimResult:
     # policy gives each team under contention (over a whole run it is fixed by the workload).
     contended_team_gpu_s: dict[str, float] = field(default_factory=dict)
     contended_s: float = 0.0  # how long that was
+    # The quota guarantee: seconds per team during which one of its queued jobs (past any
+    # retry back-off) would have fit in the team's unused nominal quota, yet waited.
+    quota_wait_s: dict[str, float] = field(default_factory=dict)
 
 
 class _Job:
@@ -180,6 +183,7 @@ class Simulation:
         self.useful = 0.0
         self.contended: dict[str, float] = {}
         self.contended_s = 0.0
+        self.quota_wait: dict[str, float] = {}
         self._gpus_cache: list[Gpu] | None = None
         self.rng = random.Random(self.cfg.seed)
 
@@ -201,6 +205,7 @@ class Simulation:
         done = 0
         t = start
         contended = False
+        under_quota: set[str] = set()
         while self.events and done < len(self.jobs):
             last, t = t, self.events[0][0]
             if t > self.cfg.max_time_s:
@@ -209,14 +214,18 @@ class Simulation:
                 self.contended_s += t - last
                 for j in self.holder.values():
                     self.contended[j.spec.team] = self.contended.get(j.spec.team, 0.0) + (t - last)
+            for team in under_quota:
+                self.quota_wait[team] = self.quota_wait.get(team, 0.0) + (t - last)
             while self.events and self.events[0][0] == t:
                 _, kind, _, key, epoch = heapq.heappop(self.events)
                 done += self._handle(t, kind, key, epoch)
             if done == len(self.jobs):
                 break
             contended = False
+            under_quota = set()
             if any(j.state == "queued" for j in self.jobs.values()):
                 decision = self._cycle(t)
+                under_quota = self._under_quota()
                 waiting_teams = {j.spec.team for j in self.jobs.values() if j.state == "queued"}
                 contended = bool(self.teams) and waiting_teams >= set(self.teams)
                 if self._stuck(decision):
@@ -388,6 +397,23 @@ class Simulation:
             raise SimError(f"t={t}: queued job(s) {silent[:5]} neither placed nor given a reason")
         return decision
 
+    def _under_quota(self) -> set[str]:
+        """Teams with a queued job that fits in their unused nominal quota after this cycle's
+        decision: the time they spend so is where the quota guarantee is not kept (at once)."""
+        held: dict[str, int] = {}
+        for j in self.holder.values():
+            held[j.spec.team] = held.get(j.spec.team, 0) + 1
+        out = set()
+        for j in self.jobs.values():
+            team = self.teams.get(j.spec.team)
+            if (
+                j.state == "queued"
+                and team is not None
+                and j.spec.gpus <= team.nominal_gpus - held.get(team.name, 0)
+            ):
+                out.add(team.name)
+        return out
+
     def _stuck(self, decision: Decision) -> bool:
         """Nothing running, nothing coming, every node up, and the policy placed nothing:
         the remaining jobs can never run (the policy reported them as impossible)."""
@@ -416,6 +442,7 @@ class Simulation:
             unfinished=[j.spec.id for j in self.jobs.values() if j.state != "done"],
             contended_team_gpu_s=self.contended,
             contended_s=self.contended_s,
+            quota_wait_s=self.quota_wait,
         )
 
 

@@ -1,0 +1,236 @@
+"""visionloop's queue policy against the schedulers a team would otherwise run, in the same
+simulation: the same traces, cluster, spot interruptions and job behaviour at eviction.
+
+Schedulers (every one in `visionloop.sched.sim`; the baselines keep their own state, so each
+trace gets fresh instances):
+  - fifo: strict first-come-first-served (`visionloop.sched.policy.fifo`);
+  - visionloop: `visionloop.sched.policy.schedule` with the defaults, jobs spanning nodes;
+  - slurm: multifactor priority (QOS, fair share 2^(-U/S) with a 7-day half-life, age over
+    7 days, size), EASY backfill, preempt/qos REQUEUE, time limits = the true durations
+    (`visionloop.sched.sim.slurm`);
+  - slurm-2x: the same with time limits twice the true durations (users ask for more);
+  - tiresias: discretized 2D-LAS, two queues split at 3,250 GPU-seconds
+    (`visionloop.sched.sim.tiresias`).
+
+Printed: avg and p95 JCT per trace and over all jobs, visionloop's ratio to each baseline
+(target <= 0.95 over all traces, no trace above 1.05), waits per priority class, makespan,
+preemptions, GPU-hours lost, the waits of jobs larger than their team's nominal quota, and
+the hours a team had a waiting job that fit in its unused nominal quota.
+
+    python benchmarks/sched/baselines.py [--traces 1,2] [--data ../shared/data] [--sigterm-checkpoint]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import write_result
+from visionloop.sched.policy import PolicyConfig, fifo, schedule
+from visionloop.sched.prices import load_catalog
+from visionloop.sched.sim import (
+    JobRecord,
+    SimConfig,
+    default_cluster,
+    default_spot_traces,
+    load_trace,
+    simulate,
+    summarize,
+)
+from visionloop.sched.sim.engine import Scheduler
+from visionloop.sched.sim.slurm import Slurm, SlurmConfig
+from visionloop.sched.sim.tiresias import Tiresias
+from visionloop.sched.sim.trace import TraceJob
+
+REPO = Path(__file__).resolve().parents[2]
+CLASSES = ("low", "normal", "high")
+BASELINES = ("fifo", "slurm", "slurm-2x", "tiresias")
+
+
+def schedulers(trace: list[TraceJob], grace_s: float) -> dict[str, Scheduler]:
+    exact = {j.id: j.duration_s for j in trace}
+    twice = {j.id: 2 * j.duration_s for j in trace}
+    slurm = SlurmConfig(grace_s=grace_s)
+    return {
+        "visionloop": partial(schedule, config=PolicyConfig(same_node=False)),
+        "fifo": partial(fifo, same_node=False),
+        "slurm": Slurm(exact, slurm),
+        "slurm-2x": Slurm(twice, slurm),
+        "tiresias": Tiresias(),
+    }
+
+
+def mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def p95(xs: list[float]) -> float | None:
+    s = sorted(xs)
+    return s[int(0.95 * (len(s) - 1))] if s else None
+
+
+def h(x: float | None) -> str:
+    return "-" if x is None else f"{x / 3600:.2f}"
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(c.rjust(w) for c, w in zip(header, widths, strict=True)))
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", default="1,2,3,4,5,6,7,8", help="comma-separated trace numbers")
+    ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data", help="shared data folder")
+    ap.add_argument("--grace", type=float, default=60.0, help="grace period of a preempted job (s)")
+    ap.add_argument(
+        "--sigterm-checkpoint",
+        action="store_true",
+        help="a preempted job keeps its progress up to the eviction (it checkpoints at SIGTERM, as "
+        "visionloop's trainer does), under every scheduler; default: its last periodic checkpoint",
+    )
+    ap.add_argument("--name", default="sched_baselines", help="results file name")
+    args = ap.parse_args()
+    traces = [int(x) for x in args.traces.split(",")]
+    sim_cfg = SimConfig(grace_s=args.grace, sigterm_checkpoint=args.sigterm_checkpoint)
+    cluster = default_cluster(default_spot_traces(args.data))
+    catalog = load_catalog(None)
+    names = ["visionloop", *BASELINES]
+    per: dict[int, dict[str, dict[str, Any]]] = {}
+    jobs: dict[str, list[JobRecord]] = {n: [] for n in names}
+    wall = dict.fromkeys(names, 0.0)
+    for n in traces:
+        trace = load_trace(args.data / "sched" / "traces" / f"trace-{n}.csv")
+        per[n] = {}
+        for name, fn in schedulers(trace, args.grace).items():
+            t0 = time.perf_counter()
+            result = simulate(trace, cluster, fn, sim_cfg)
+            wall[name] += time.perf_counter() - t0
+            per[n][name] = summarize(result, cluster, catalog)
+            jobs[name] += [j for j in result.jobs if j.finish is not None]
+            if result.unfinished:
+                print(f"trace {n}, {name}: {len(result.unfinished)} jobs unfinished", file=sys.stderr)
+        print(f"trace {n}: " + ", ".join(f"{k} {h(per[n][k]['avg_jct_s'])} h" for k in names), flush=True)
+
+    jct: Callable[[str], list[float]] = lambda k: [j.jct for j in jobs[k] if j.jct is not None]  # noqa: E731
+    ratio = {b: per_ratio(per, traces, b) for b in BASELINES}
+    overall = {b: statistics.fmean(jct("visionloop")) / statistics.fmean(jct(b)) for b in BASELINES}
+    table(
+        "average JCT (h) per trace, and visionloop / baseline",
+        ["trace", *names, *(f"vl/{b}" for b in BASELINES)],
+        [
+            [str(n), *(h(per[n][k]["avg_jct_s"]) for k in names), *(f"{ratio[b][n]:.3f}" for b in BASELINES)]
+            for n in traces
+        ],
+    )
+    table(
+        "over all traces",
+        ["scheduler", "avg JCT h", "p95 JCT h", "vl / it", "traces vl worse", "worst trace", "> 1.05"],
+        [
+            [
+                k,
+                h(mean(jct(k))),
+                h(p95(jct(k))),
+                "-" if k == "visionloop" else f"{overall[k]:.3f}",
+                "-" if k == "visionloop" else f"{sum(r > 1.0 for r in ratio[k].values())} of {len(traces)}",
+                "-" if k == "visionloop" else worst(ratio[k]),
+                "-" if k == "visionloop" else str(sum(r > 1.05 for r in ratio[k].values())),
+            ]
+            for k in names
+        ],
+    )
+    table(
+        "mean wait in the queue by priority class, all traces (h)",
+        ["class", "jobs", *names],
+        [
+            [c, str(sum(j.priority == c for j in jobs["fifo"]))]
+            + [h(mean([j.queued_s for j in jobs[k] if j.priority == c])) for k in names]
+            for c in CLASSES
+        ],
+    )
+    over = {k: [j for j in jobs[k] if j.gpus > nominal(cluster, j.team)] for k in names}
+    table(
+        "per scheduler, all traces: makespan (mean h), preemptions, GPU-h lost to preemption / spot, "
+        "jobs over their team's quota: mean and max wait (h), team-hours a fitting job waited in "
+        "unused quota",
+        ["scheduler", "makespan", "preemptions", "lost GPU-h", "over-quota jobs", "wait", "max", "quota h"],
+        [
+            [
+                k,
+                f"{statistics.fmean(per[n][k]['makespan_s'] for n in traces) / 3600:.1f}",
+                str(sum(per[n][k]["preemptions"] for n in traces)),
+                f"{sum(per[n][k]['lost_gpu_h']['preempted'] for n in traces):.0f} / "
+                f"{sum(per[n][k]['lost_gpu_h']['interrupted'] for n in traces):.0f}",
+                str(len(over[k])),
+                h(mean([j.queued_s for j in over[k]])),
+                h(max((j.queued_s for j in over[k]), default=None)),
+                f"{sum(sum(per[n][k]['quota_wait_h'].values()) for n in traces):.1f}",
+            ]
+            for k in names
+        ],
+    )
+    high = {k: mean([j.queued_s for j in jobs[k] if j.priority == "high"]) or 0.0 for k in names}
+    worse_than_fifo = [
+        c
+        for c in CLASSES
+        if (mean([j.jct for j in jobs["visionloop"] if j.priority == c and j.jct is not None]) or 0.0)
+        > (mean([j.jct for j in jobs["fifo"] if j.priority == c and j.jct is not None]) or 0.0)
+    ]
+    print("\ntargets:")
+    for b in BASELINES:
+        met = overall[b] <= 0.95 and max(ratio[b].values()) <= 1.05
+        print(
+            f"  vs {b}: avg JCT {overall[b]:.3f} (<= 0.95), worst trace {worst(ratio[b])} (<= 1.05): "
+            f"{'met' if met else 'NOT met'}"
+        )
+    print(
+        f"  high class waits {high['visionloop'] / 60:.1f} min against Slurm's {high['slurm'] / 60:.1f} min: "
+        f"{'met' if high['visionloop'] <= high['slurm'] else 'NOT met'}"
+    )
+    print(f"  classes worse off than under FIFO: {worse_than_fifo or 'none'}")
+    print("simulation wall time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in wall.items()))
+    path = write_result(
+        args.name,
+        {
+            "config": {
+                "traces": traces,
+                "sim": {k: v for k, v in vars(sim_cfg).items() if k != "priorities"},
+                "slurm": {k: v for k, v in vars(SlurmConfig()).items() if k != "priorities"},
+            },
+            "jct_ratio_all_jobs": overall,
+            "jct_ratio_per_trace": {b: {str(n): r for n, r in ratio[b].items()} for b in BASELINES},
+            "high_class_wait_s": high,
+            "classes_worse_than_fifo": worse_than_fifo,
+            "traces": {str(n): per[n] for n in traces},
+            "wall_s": wall,
+        },
+    )
+    print(f"results: {path}")
+
+
+def per_ratio(per: dict[int, dict[str, dict[str, Any]]], traces: list[int], b: str) -> dict[int, float]:
+    return {n: per[n]["visionloop"]["avg_jct_s"] / per[n][b]["avg_jct_s"] for n in traces}
+
+
+def worst(r: dict[int, float]) -> str:
+    n = max(r, key=lambda k: r[k])
+    return f"{r[n]:.3f} (trace {n})"
+
+
+def nominal(cluster: Any, team: str) -> int:
+    return next((t.nominal_gpus for t in cluster.teams if t.name == team), 0)
+
+
+if __name__ == "__main__":
+    main()

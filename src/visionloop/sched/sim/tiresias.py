@@ -1,0 +1,143 @@
+"""Tiresias as a baseline for the simulator: discretized two-dimensional least-attained-
+service (2D-LAS; Gu et al., "Tiresias: A GPU Cluster Manager for Distributed Deep
+Learning", NSDI 2019), re-implemented from the paper and its simulator's `dlas-gpu` policy
+(SymbioticLab/Tiresias, simulator/run_sim.py).
+
+- Every job starts in queue 0. A job whose attained service (GPUs x seconds it has run)
+  reaches a queue's threshold moves to the end of the next queue: with the default one
+  threshold of 3,250 GPU-seconds, two queues.
+- Each cycle allocates from scratch: queues in order, and in a queue the running jobs
+  first, then the waiting ones in the order they entered it; a job that fits in the GPUs
+  not yet allocated runs (later, smaller jobs may pass a bigger one), one that does not is
+  preempted if it was running. GPUs are counted, not placed (the simulator's `count`
+  scheme), so a job given GPUs that are still being released starts once they are.
+- Starvation: the simulator's `solve_starvation` knob (a waiting job whose pending time
+  exceeds knob x its executed time returns to queue 0) is off by default, as there.
+
+Tiresias knows no priority classes, teams or quotas: it sees sizes and attained service.
+It honours what any scheduler must here: spot policies, down GPUs and retry back-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from visionloop.sched.placement import capacities, free_pool, pick, take, usable
+from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus
+from visionloop.sched.view import ClusterView, Decision, Eviction, Placement
+
+
+@dataclass(frozen=True)
+class TiresiasConfig:
+    thresholds_gpu_s: tuple[float, ...] = (3250.0,)  # queue limits in GPU-seconds: N limits, N+1 queues
+    starvation: float = 0.0  # solve_starvation; 0: off
+    same_node: bool = False
+
+
+class Tiresias:
+    """A scheduler for `visionloop.sched.sim.simulate`; it keeps its queues between calls, so
+    one instance serves one simulation."""
+
+    def __init__(self, config: TiresiasConfig | None = None) -> None:
+        self.cfg = config or TiresiasConfig()
+        self.queues: list[list[str]] = [[] for _ in range(len(self.cfg.thresholds_gpu_s) + 1)]
+        self.queue_of: dict[str, int] = {}
+        self.executed: dict[str, float] = {}  # attained service counted for the queue (reset on promotion)
+        self.base: dict[str, float] = {}  # attained service at the last promotion
+        self.pending_since: dict[str, float] = {}
+
+    def _update(self, view: ClusterView) -> None:
+        attained = {j.id: j.attained_gpu_s for j in view.running}
+        attained.update({j.id: j.attained_gpu_s for j in view.queued})
+        for q in self.queues:
+            q[:] = [i for i in q if i in attained]
+        for i in [i for i in self.queue_of if i not in attained]:
+            for d in (self.queue_of, self.executed, self.base, self.pending_since):
+                d.pop(i, None)
+        submitted = {j.id: j.submitted_at for j in view.queued}
+        for i in sorted(
+            (i for i in attained if i not in self.queue_of), key=lambda i: (submitted.get(i, 0.0), i)
+        ):
+            self.queues[0].append(i)
+            self.queue_of[i] = 0
+            self.base[i] = 0.0
+        for i, a in attained.items():
+            self.executed[i] = a - self.base[i]
+            k = self.queue_of[i]
+            while k < len(self.cfg.thresholds_gpu_s) and self.executed[i] >= self.cfg.thresholds_gpu_s[k]:
+                self.queues[k].remove(i)
+                k += 1
+                self.queues[k].append(i)
+                self.queue_of[i] = k
+        running = {j.id for j in view.running}
+        for i in attained:
+            if i in running:
+                self.pending_since.pop(i, None)
+            else:
+                self.pending_since.setdefault(i, view.now)
+        knob = self.cfg.starvation
+        if knob > 0:
+            for i, since in list(self.pending_since.items()):
+                k = self.queue_of[i]
+                if k > 0 and self.executed[i] > 0 and view.now - since >= knob * self.executed[i]:
+                    self.queues[k].remove(i)
+                    self.queues[0].append(i)
+                    self.queue_of[i] = 0
+                    self.base[i] = attained[i]
+                    self.executed[i] = 0.0
+
+    def __call__(self, view: ClusterView) -> Decision:
+        self._update(view)
+        decision = Decision()
+        running = {j.id: j for j in view.running}
+        queued = {j.id: j for j in view.queued}
+        caps = capacities(view.gpus)
+        left = sum(1 for g in view.gpus if g.up)
+        runs: list[str] = []
+        for q in self.queues:
+            # The running jobs first (Tiresias moves waiting jobs behind them after each round).
+            order = [i for i in q if i in running and running[i].preemptible]
+            order += [i for i in q if i not in order]
+            for i in order:
+                n = len(running[i].gpu_ids) if i in running else queued[i].gpus
+                if n <= left:
+                    left -= n
+                    runs.append(i)
+                elif i in running and running[i].preemptible:
+                    decision.evictions.append(
+                        Eviction(i, f"preempted: queue {self.queue_of[i]} job after higher-queue jobs")
+                    )
+        free = free_pool(view)
+        for i in runs:
+            job = queued.get(i)
+            if job is None:
+                continue  # running (kept), or on its way out after an earlier preemption
+            if job.not_before > view.now:
+                decision.waiting[i] = backoff_reason(job, view.now)
+            elif (why := impossible_reason(job, caps, self.cfg.same_node)) is not None:
+                decision.waiting[i] = why
+            elif (got := pick(free, job.gpus, job.spot, self.cfg.same_node, None, job.nodes)) is not None:
+                take(free, got)
+                decision.placements.append(Placement(i, tuple(g.id for g in got)))
+            else:
+                n_free = sum(1 for gs in free.values() for g in gs if usable(g, job.spot))
+                decision.waiting[i] = (
+                    f"given {n_gpus(job.gpus)} in queue {self.queue_of[i]}: {n_free} free yet"
+                )
+        for i, job in queued.items():
+            if i not in decision.waiting and i not in {p.job_id for p in decision.placements}:
+                if (why := impossible_reason(job, caps, self.cfg.same_node)) is not None:
+                    decision.waiting[i] = why
+                else:
+                    decision.waiting[i] = (
+                        f"waiting in queue {self.queue_of[i]} (least attained service first)"
+                    )
+        # Waiting jobs go behind the running ones in each queue (run_sim.py's reordering).
+        placed = {p.job_id for p in decision.placements}
+        evicted = {e.job_id for e in decision.evictions}
+        for q in self.queues:
+            on = [
+                i for i in q if (i in running and i not in evicted and running[i].preemptible) or i in placed
+            ]
+            q[:] = on + [i for i in q if i not in on]
+        return decision

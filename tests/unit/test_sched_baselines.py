@@ -1,0 +1,210 @@
+"""The baselines the queue is measured against (Slurm multifactor + EASY backfill + preempt/qos,
+Tiresias' discretized 2D-LAS): single cycles checked by hand against what their documentation
+and source say, and whole simulations in which every decision is checked by the simulator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from visionloop.sched.sim import (
+    ClusterSpec,
+    NodeSpec,
+    SimConfig,
+    TraceJob,
+    default_cluster,
+    simulate,
+    spot_trace,
+)
+from visionloop.sched.sim.slurm import Slurm, SlurmConfig
+from visionloop.sched.sim.tiresias import Tiresias
+from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
+
+HIGH, NORMAL, LOW = 100, 50, 10
+TEAMS = {"a": Team("a", 4, 4, 0.5), "b": Team("b", 4, 4, 0.5)}
+
+
+def gpus(n: int) -> list[Gpu]:
+    return [Gpu(f"n0/{i}", "n0", "fake") for i in range(n)]
+
+
+def q(
+    id: str, n: int, prio: int = NORMAL, t: float = 0.0, team: str = "a", attained: float = 0.0
+) -> PendingJob:
+    return PendingJob(id, team, prio, n, t, attained_gpu_s=attained)
+
+
+def r(
+    id: str, ids: range, prio: int = NORMAL, start: float = 0.0, attained: float = 0.0, leaving: bool = False
+) -> ActiveJob:
+    gpu_ids = tuple(f"n0/{i}" for i in ids)
+    return ActiveJob(
+        id, "a", prio, gpu_ids, start, attained_gpu_s=attained, submitted_at=start, preemptible=not leaving
+    )
+
+
+def view(now: float, n: int, running: list[ActiveJob], queued: list[PendingJob]) -> ClusterView:
+    return ClusterView(now, gpus(n), TEAMS, running, queued)
+
+
+# --------------------------------------------------------------------------- Slurm
+
+
+def test_slurm_easy_backfill_starts_only_what_does_not_delay_the_blocked_job() -> None:
+    # 8 GPUs; A (high: no one may preempt it) holds 4 until its limit at t=100. B (high, 8 GPUs)
+    # is blocked: reserved at 100,
+    # with no GPU to spare. C (2 GPUs, limit 50) ends at 60 and backfills; D (limit 500) would
+    # end after 100 on GPUs B needs, so it waits.
+    slurm = Slurm({"A": 100, "B": 10, "C": 50, "D": 500})
+    d = slurm(view(10, 8, [r("A", range(4), HIGH)], [q("B", 8, HIGH), q("C", 2, t=1), q("D", 2, t=2)]))
+    assert [p.job_id for p in d.placements] == ["C"] and d.evictions == []
+    assert "delay its start at t=100 s" in d.waiting["D"] and "highest priority" in d.waiting["B"]
+
+
+def test_slurm_backfill_may_use_gpus_the_reservation_does_not_need() -> None:
+    # B needs 6 of the 8 at t=100: 2 to spare, so D (2 GPUs, long) starts; E (1 more) does not.
+    slurm = Slurm({"A": 100, "B": 10, "D": 500, "E": 500})
+    d = slurm(view(10, 8, [r("A", range(4), HIGH)], [q("B", 6, HIGH), q("D", 2, t=1), q("E", 1, t=2)]))
+    assert [p.job_id for p in d.placements] == ["D"]
+    assert "delay" in d.waiting["E"]
+
+
+def test_slurm_preempt_qos_requeues_the_lowest_qos_then_smallest_and_only_what_is_needed() -> None:
+    # 4 GPUs: L1 (low, 2 GPUs), L2 (low, 1 GPU), N (normal, 1 GPU). preempt/qos orders the
+    # candidates by QOS, then size: L2, L1, N. For 1 GPU, the smallest low job goes.
+    running = [r("L1", range(2), LOW), r("L2", range(2, 3), LOW), r("N", range(3, 4), NORMAL)]
+    assert [e.job_id for e in Slurm({})(view(10, 4, running, [q("H", 1, HIGH)])).evictions] == ["L2"]
+    # For 2: L2 alone frees too little, L2 + L1 fits, and then L2 is not needed: only L1 goes.
+    slurm = Slurm({})
+    d = slurm(view(10, 4, running, [q("H", 2, HIGH)]))
+    assert [e.job_id for e in d.evictions] == ["L1"] and d.placements == []
+    assert "requeued" in d.waiting["H"]
+    # Next cycle, L1 is leaving: H waits for its GPUs and requeues nothing more.
+    running[0] = r("L1", range(2), LOW, leaving=True)
+    d = slurm(view(20, 4, running, [q("H", 2, HIGH)]))
+    assert d.evictions == [] and "being released" in d.waiting["H"]
+
+
+def test_slurm_does_not_preempt_for_an_equal_qos_and_honours_preempt_exempt_time() -> None:
+    running = [r("N", range(4), NORMAL, start=0)]
+    assert Slurm({})(view(10, 4, running, [q("M", 2, NORMAL)])).evictions == []
+    exempt = Slurm({}, SlurmConfig(preempt_exempt_s=600))
+    assert exempt(view(10, 4, [r("L", range(4), LOW)], [q("H", 2, HIGH)])).evictions == []
+    assert [e.job_id for e in exempt(view(700, 4, [r("L", range(4), LOW)], [q("H", 2, HIGH)])).evictions] == [
+        "L"
+    ]
+
+
+def test_slurm_fair_share_factor_is_two_to_the_minus_usage_over_shares() -> None:
+    slurm = Slurm({}, SlurmConfig(decay_half_life_s=1000.0))
+    slurm(view(0, 8, [r("A", range(4))], []))  # team a holds 4 GPUs from t=0
+    v = view(1000, 8, [r("A", range(4))], [q("x", 1, team="a"), q("y", 1, team="b")])
+    slurm(v)
+    # a's usage: 4 GPUs x 1000 s (then decayed; b has none): U_a = 1, S_a = 0.5 -> 2^-2.
+    assert slurm.usage["a"] == pytest.approx(4000.0)
+    assert slurm.fairshare("a", v) == pytest.approx(0.25) and slurm.fairshare("b", v) == pytest.approx(1.0)
+    # So b's job goes first, at the same QOS, size and age.
+    assert slurm.priority(q("y", 1, team="b"), 1, v) - slurm.priority(
+        q("x", 1, team="a"), 1, v
+    ) == pytest.approx(10000 * 0.75)
+    # Usage decays with the half-life. x and y started at t=1000, so a held 5 GPUs until 2000;
+    # then nothing runs for 1000 s, which halves it.
+    slurm(view(2000, 8, [], []))
+    slurm(view(3000, 8, [], []))
+    assert slurm.usage["a"] == pytest.approx((4000.0 * 0.5 + 5000.0) * 0.5)
+    assert slurm.usage["b"] == pytest.approx(1000.0 * 0.5)
+
+
+# --------------------------------------------------------------------------- Tiresias
+
+
+def test_tiresias_demotes_past_the_threshold_and_preempts_for_queue_zero() -> None:
+    # X has run 4 GPUs x 1000 s = 4000 GPU-s (past 3,250: queue 1). Y arrives (queue 0, 2 GPUs):
+    # the allocation goes queue 0 first, so X (4 GPUs) no longer fits and is preempted.
+    t = Tiresias()
+    d = t(view(1000, 4, [r("X", range(4), attained=4000)], [q("Y", 2, t=1000)]))
+    assert t.queue_of == {"X": 1, "Y": 0}
+    assert [e.job_id for e in d.evictions] == ["X"] and d.placements == []
+    assert "given 2 GPUs in queue 0" in d.waiting["Y"]
+
+
+def test_tiresias_keeps_a_young_running_job_and_lets_a_small_job_pass_a_big_one() -> None:
+    # R (queue 0, running) keeps its 4 GPUs; B (8 GPUs) does not fit in the 4 left; S (2) does.
+    t = Tiresias()
+    d = t(view(10, 8, [r("R", range(4), attained=100)], [q("B", 8, t=1), q("S", 2, t=2)]))
+    assert d.evictions == [] and [p.job_id for p in d.placements] == ["S"]
+    assert "queue 0" in d.waiting["B"]
+
+
+def test_tiresias_never_preempts_a_running_job_for_a_waiting_one_of_the_same_queue() -> None:
+    # P was submitted first but is waiting; R runs. Running jobs come first in their queue.
+    t = Tiresias()
+    running = [
+        ActiveJob("R", "a", NORMAL, tuple(f"n0/{i}" for i in range(4)), 5, submitted_at=5, attained_gpu_s=20)
+    ]
+    d = t(view(10, 4, running, [q("P", 4, t=0)]))
+    assert d.evictions == [] and d.placements == [] and "queue 0" in d.waiting["P"]
+
+
+def test_tiresias_ignores_priority_classes() -> None:
+    # A high-class job that arrives to a full cluster of queue-0 jobs waits: no classes.
+    t = Tiresias()
+    d = t(view(10, 4, [r("L", range(4), LOW, attained=40)], [q("H", 2, HIGH, t=5)]))
+    assert d.evictions == [] and d.placements == []
+
+
+# --------------------------------------------------------------------------- whole simulations
+
+
+def random_trace(seed: int, n: int = 40) -> list[TraceJob]:
+    rng = random.Random(seed)
+    return [
+        TraceJob(
+            f"j{i}",
+            rng.uniform(0, 7200),
+            rng.choice([1, 1, 2, 4, 6, 8]),
+            rng.uniform(60, 8000),
+            rng.choice(["detection", "segmentation", "research"]),
+            rng.choice(["low", "normal", "normal", "high"]),
+            rng.choice(["never", "allowed", "preferred"]),  # type: ignore[arg-type]
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_every_baseline_finishes_every_job_with_only_valid_decisions(seed: int) -> None:
+    spot = spot_trace("s", [1, 1, 0, 1, 1, 1, 0, 1] * 10, gap_s=900)
+    cluster = ClusterSpec(
+        (
+            NodeSpec("a", 8, "fake"),
+            NodeSpec("b", 4, "fake", "on_demand"),
+            NodeSpec("s", 4, "fake", "spot", spot),
+        ),
+        default_cluster(gpus_per_node=2).teams,
+    )
+    trace = random_trace(seed)
+    limits = {j.id: j.duration_s for j in trace}
+    for scheduler in (Slurm(limits), Slurm({k: 2 * v for k, v in limits.items()}), Tiresias()):
+        # The simulator raises SimError on any decision the cluster cannot carry out.
+        res = simulate(trace, cluster, scheduler, SimConfig(max_time_s=20 * 86400))
+        assert res.unfinished == [], type(scheduler).__name__
+        assert res.useful_gpu_s == pytest.approx(sum(j.gpus * j.duration_s for j in trace))
+
+
+def test_easy_backfill_never_delays_the_reserved_job_when_limits_are_exact() -> None:
+    # One 8-GPU node, no preemption, exact limits: the 8-GPU job J starts the moment the jobs
+    # running when it was blocked have ended, whatever backfills around it.
+    cluster = ClusterSpec((NodeSpec("n", 8, "fake"),))
+    trace = [
+        TraceJob("A", 0, 4, 1000, "t", "normal", "allowed"),
+        TraceJob("B", 0, 2, 400, "t", "normal", "allowed"),
+        TraceJob("J", 10, 8, 100, "t", "normal", "allowed"),
+        *(TraceJob(f"s{i}", 20 + i, 2, 300 + 500 * (i % 3), "t", "normal", "allowed") for i in range(6)),
+    ]
+    slurm = Slurm({j.id: j.duration_s for j in trace}, SlurmConfig(preemption=False))
+    res = simulate(trace, cluster, slurm, SimConfig())
+    by_id = {j.id: j for j in res.jobs}
+    assert by_id["J"].first_start == 1000  # when A ends; backfilled jobs ended by then
+    assert any(by_id[f"s{i}"].first_start < 1000 for i in range(6))  # some did backfill
