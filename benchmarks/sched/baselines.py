@@ -9,6 +9,9 @@ trace gets fresh instances):
     7 days, size), EASY backfill, preempt/qos REQUEUE, time limits = the true durations
     (`visionloop.sched.sim.slurm`);
   - slurm-2x: the same with time limits twice the true durations (users ask for more);
+  - kueue: a ClusterQueue per team in one cohort (nominal quota, borrowing limit),
+    BestEffortFIFO, preemption withinClusterQueue LowerPriority and reclaimWithinCohort Any
+    (`visionloop.sched.sim.kueue`); kueue-fair: the same with fair sharing (DRS);
   - tiresias: discretized 2D-LAS, two queues split at 3,250 GPU-seconds
     (`visionloop.sched.sim.tiresias`).
 
@@ -46,13 +49,14 @@ from visionloop.sched.sim import (
     summarize,
 )
 from visionloop.sched.sim.engine import Scheduler
+from visionloop.sched.sim.kueue import Kueue, KueueConfig
 from visionloop.sched.sim.slurm import Slurm, SlurmConfig
 from visionloop.sched.sim.tiresias import Tiresias
 from visionloop.sched.sim.trace import TraceJob
 
 REPO = Path(__file__).resolve().parents[2]
 CLASSES = ("low", "normal", "high")
-BASELINES = ("fifo", "slurm", "slurm-2x", "tiresias")
+BASELINES = ("fifo", "slurm", "slurm-2x", "kueue", "kueue-fair", "tiresias")
 
 
 def schedulers(trace: list[TraceJob], grace_s: float) -> dict[str, Scheduler]:
@@ -64,6 +68,8 @@ def schedulers(trace: list[TraceJob], grace_s: float) -> dict[str, Scheduler]:
         "fifo": partial(fifo, same_node=False),
         "slurm": Slurm(exact, slurm),
         "slurm-2x": Slurm(twice, slurm),
+        "kueue": Kueue(),
+        "kueue-fair": Kueue(KueueConfig(fair_sharing=True)),
         "tiresias": Tiresias(),
     }
 

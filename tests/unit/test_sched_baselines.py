@@ -1,6 +1,7 @@
 """The baselines the queue is measured against (Slurm multifactor + EASY backfill + preempt/qos,
-Tiresias' discretized 2D-LAS): single cycles checked by hand against what their documentation
-and source say, and whole simulations in which every decision is checked by the simulator."""
+Kueue's ClusterQueues in a cohort, Tiresias' discretized 2D-LAS): single cycles checked by hand
+against what their documentation and source say, and whole simulations in which every decision
+is checked by the simulator."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from visionloop.sched.sim import (
     simulate,
     spot_trace,
 )
+from visionloop.sched.sim.kueue import Kueue, KueueConfig
 from visionloop.sched.sim.slurm import Slurm, SlurmConfig
 from visionloop.sched.sim.tiresias import Tiresias
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
@@ -116,6 +118,67 @@ def test_slurm_fair_share_factor_is_two_to_the_minus_usage_over_shares() -> None
     assert slurm.usage["b"] == pytest.approx(1000.0 * 0.5)
 
 
+# --------------------------------------------------------------------------- Kueue
+
+
+def rt(
+    id: str, team: str, ids: range, prio: int = NORMAL, start: float = 0.0, leaving: bool = False
+) -> ActiveJob:
+    gpu_ids = tuple(f"n0/{i}" for i in ids)
+    return ActiveJob(id, team, prio, gpu_ids, start, submitted_at=start, preemptible=not leaving)
+
+
+def test_kueue_reclaims_borrowed_gpus_most_recently_admitted_first() -> None:
+    # 8 GPUs, teams a and b with 4 each. b borrows: B1 (4 GPUs, admitted at 0) and B2 (2, at 10).
+    # a is under its nominal quota, so its job reclaims (reclaimWithinCohort: Any), taking the
+    # most recently admitted borrower first: B2 is enough.
+    running = [rt("B1", "b", range(4)), rt("B2", "b", range(4, 6), start=10)]
+    d = Kueue()(view(100, 8, running, [q("A", 4, team="a")]))
+    assert [e.job_id for e in d.evictions] == ["B2"] and d.placements == []
+    # A job that would then borrow may not reclaim (borrowWithinCohort: Never).
+    d = Kueue()(view(100, 8, running, [q("A", 6, team="a")]))
+    assert d.evictions == [] and "ClusterQueue a uses 0 of 4" in d.waiting["A"]
+
+
+def test_kueue_preempts_lower_priority_within_its_cluster_queue_only() -> None:
+    running = [rt("L", "b", range(4), LOW), rt("N", "a", range(4, 8), NORMAL)]
+    d = Kueue()(view(100, 8, running, [q("H", 4, HIGH, team="b")]))
+    assert [e.job_id for e in d.evictions] == ["L"]
+    # a's normal job is not borrowing and in another queue: a high job of b cannot take it.
+    running = [rt("N2", "b", range(4), HIGH), rt("N", "a", range(4, 8), NORMAL)]
+    assert Kueue()(view(100, 8, running, [q("H", 4, HIGH, team="b")])).evictions == []
+
+
+def test_kueue_admitted_job_keeps_its_quota_until_its_pods_start() -> None:
+    # a's second job A (borrowing) is admitted by quota while X's GPUs are being released, so
+    # its pods wait. When they come free, A's pods take them, before b's high job D, which
+    # arrived meanwhile and would be admitted first if A had not been already.
+    k = Kueue()
+    a0, x = rt("A0", "a", range(4)), rt("X", "b", range(4, 8), leaving=True)
+    d = k(view(130, 8, [a0, x], [q("A", 4, team="a", t=120)]))
+    assert "admitted; its pods wait" in d.waiting["A"] and d.placements == []
+    d = k(view(160, 8, [a0], [q("A", 4, team="a", t=120), q("D", 4, HIGH, team="b", t=150)]))
+    assert [p.job_id for p in d.placements] == ["A"] and "D" in d.waiting
+
+
+def test_kueue_never_reclaims_to_borrow() -> None:
+    # Three queues of 4 in a 12-GPU cohort; b borrows 4 (B2, B3), 4 GPUs are free. a's 6-GPU
+    # job would fit after reclaiming B3, but would then borrow: borrowWithinCohort Never.
+    teams = {n: Team(n, 4, 8) for n in "abc"}
+    running = [
+        rt("B1", "b", range(4)),
+        rt("B2", "b", range(4, 6), start=10),
+        rt("B3", "b", range(6, 8), start=20),
+    ]
+    v = ClusterView(100, gpus(12), teams, running, [q("A", 6, team="a")])
+    d = Kueue()(v)
+    assert d.evictions == [] and "A" in d.waiting
+    # Within its nominal quota it may: with no GPU free (C holds c's 4), a 4-GPU job takes the
+    # most recently admitted borrowers, B3 then B2, and stops there (b is back at its nominal).
+    v = ClusterView(100, gpus(12), teams, [*running, rt("C", "c", range(8, 12))], [q("A", 4, team="a")])
+    assert [e.job_id for e in Kueue()(v).evictions] == ["B3", "B2"]
+
+
 # --------------------------------------------------------------------------- Tiresias
 
 
@@ -186,7 +249,14 @@ def test_every_baseline_finishes_every_job_with_only_valid_decisions(seed: int) 
     )
     trace = random_trace(seed)
     limits = {j.id: j.duration_s for j in trace}
-    for scheduler in (Slurm(limits), Slurm({k: 2 * v for k, v in limits.items()}), Tiresias()):
+    schedulers = (
+        Slurm(limits),
+        Slurm({k: 2 * v for k, v in limits.items()}),
+        Kueue(),
+        Kueue(KueueConfig(fair_sharing=True)),
+        Tiresias(),
+    )
+    for scheduler in schedulers:
         # The simulator raises SimError on any decision the cluster cannot carry out.
         res = simulate(trace, cluster, scheduler, SimConfig(max_time_s=20 * 86400))
         assert res.unfinished == [], type(scheduler).__name__
