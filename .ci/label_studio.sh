@@ -13,7 +13,7 @@ dir="${1:-.ci/venvs/label-studio}"
 if [ ! -x "$dir/bin/label-studio" ]; then
   python3 -m venv "$dir"
   "$dir/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$dir/bin/python" -m pip install --quiet --no-deps -r .ci/label-studio.lock >&2
+  "$dir/bin/python" -m pip install --quiet --no-compile --no-deps -r .ci/label-studio.lock >&2
 fi
 template="$dir/data-template"
 if [ ! -f "$template/label_studio.sqlite3" ]; then
