@@ -35,6 +35,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from simulate import hours as h
+from simulate import mean, table
 
 from _common import write_result
 from visionloop.sched.policy import PolicyConfig, fifo, schedule
@@ -74,25 +78,9 @@ def schedulers(trace: list[TraceJob], grace_s: float) -> dict[str, Scheduler]:
     }
 
 
-def mean(xs: list[float]) -> float | None:
-    return statistics.fmean(xs) if xs else None
-
-
 def p95(xs: list[float]) -> float | None:
     s = sorted(xs)
     return s[int(0.95 * (len(s) - 1))] if s else None
-
-
-def h(x: float | None) -> str:
-    return "-" if x is None else f"{x / 3600:.2f}"
-
-
-def table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
-    print(f"\n{title}")
-    print("  ".join(c.rjust(w) for c, w in zip(header, widths, strict=True)))
-    for row in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
 
 def main() -> None:
