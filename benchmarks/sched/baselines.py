@@ -153,7 +153,7 @@ def main() -> None:
             for c in CLASSES
         ],
     )
-    over = {k: [j for j in jobs[k] if j.gpus > nominal(cluster, j.team)] for k in names}
+    over = {k: [j for j in jobs[k] if j.gpus > cluster.nominal_gpus(j.team)] for k in names}
     table(
         "per scheduler, all traces: makespan (mean h), preemptions, GPU-h lost to preemption / spot, "
         "jobs over their team's quota: mean and max wait (h), team-hours a fitting job waited in "
@@ -220,10 +220,6 @@ def per_ratio(per: dict[int, dict[str, dict[str, Any]]], traces: list[int], b: s
 def worst(r: dict[int, float]) -> str:
     n = max(r, key=lambda k: r[k])
     return f"{r[n]:.3f} (trace {n})"
-
-
-def nominal(cluster: Any, team: str) -> int:
-    return next((t.nominal_gpus for t in cluster.teams if t.name == team), 0)
 
 
 if __name__ == "__main__":

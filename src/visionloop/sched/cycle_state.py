@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from visionloop.sched.placement import CLASS_ORDER, capacities, free_pool, group_by_node, take, usable
+from visionloop.sched.placement import CLASS_ORDER, capacities, free_pool, held_by, take, usable
 from visionloop.sched.view import (
     ActiveJob,
     ClusterView,
@@ -63,13 +63,7 @@ class CycleState:
         self.free = free_pool(view)
         gpu_by_id = {g.id: g for g in view.gpus}
         # GPUs of jobs already on their way out: free soon, claimable now.
-        self.releasing = group_by_node(
-            gpu_by_id[gid]
-            for j in view.running
-            if not j.preemptible
-            for gid in j.gpu_ids
-            if gid in gpu_by_id and gpu_by_id[gid].up
-        )
+        self.releasing = held_by((j for j in view.running if not j.preemptible), gpu_by_id)
         self.free_count = dict.fromkeys(("owned", "on_demand", "spot"), 0)
         self.reserved_count = dict.fromkeys(("owned", "on_demand", "spot"), 0)  # free, but claimed or held
         for gs in self.free.values():

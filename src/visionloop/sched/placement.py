@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from visionloop.sched.view import ClusterView, Gpu, PriceClass, SpotPolicy
+from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PriceClass, SpotPolicy
 
 # Price classes a spot policy may use, most preferred first. `allowed` takes the cheapest
 # first (owned GPUs are already paid for, spot is cheaper than on-demand); `preferred` takes
@@ -175,6 +175,14 @@ def free_pool(view: ClusterView) -> dict[str, list[Gpu]]:
     """Up GPUs that no running job holds, by node."""
     held = {gid for j in view.running for gid in j.gpu_ids}
     return group_by_node(g for g in view.gpus if g.up and g.id not in held)
+
+
+def held_by(jobs: Iterable[ActiveJob], gpu_by_id: Mapping[str, Gpu]) -> dict[str, list[Gpu]]:
+    """The up GPUs these running jobs hold, by node: the pool of GPUs being released, or of
+    would-be victims (for "would it fit if they left?")."""
+    return group_by_node(
+        gpu_by_id[gid] for j in jobs for gid in j.gpu_ids if gid in gpu_by_id and gpu_by_id[gid].up
+    )
 
 
 def capacities(gpus: Sequence[Gpu]) -> dict[SpotPolicy, tuple[int, int]]:

@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from visionloop.sched.cycle_state import CycleState, TeamState
-from visionloop.sched.placement import group_by_node, merge, pick, usable
+from visionloop.sched.placement import held_by, merge, pick, usable
 from visionloop.sched.reasons import n_gpus, plural
 from visionloop.sched.view import ActiveJob, Eviction, Gpu, PendingJob, SpotPolicy
 
@@ -152,8 +152,8 @@ class Preemption(CycleState):
         own = sum(len(v.gpu_ids) for v in victims if v.team == job.team)
         if ts.used - own + job.gpus > ts.limit:
             return None
-        extra = [self.gpu_by_id[gid] for v in victims for gid in v.gpu_ids if gid in self.gpu_by_id]
-        return pick(merge(pool, group_by_node(extra)), job.gpus, job.spot, self.cfg.same_node, cap, job.nodes)
+        freed = merge(pool, held_by(victims, self.gpu_by_id))
+        return pick(freed, job.gpus, job.spot, self.cfg.same_node, cap, job.nodes)
 
     def _soon(self, job: PendingJob, ts: TeamState) -> list[Gpu] | None:
         """Where the job would run if every job it may preempt (young ones included) were
@@ -166,14 +166,12 @@ class Preemption(CycleState):
         shape = (job.team, job.priority, reclaim, job.spot)
         if job.gpus >= self.fail_soon.get(shape, job.gpus + 1):
             return None
-        extra = [
-            self.gpu_by_id[gid]
+        victims = (
+            v
             for v in self.view.running
             if v.preemptible and v.id not in self.evicted and self._may_evict(v, job, reclaim)
-            for gid in v.gpu_ids
-            if gid in self.gpu_by_id
-        ]
-        pool = merge(self.free, self.releasing, group_by_node(extra))
+        )
+        pool = merge(self.free, self.releasing, held_by(victims, self.gpu_by_id))
         got = pick(pool, job.gpus, job.spot, self.cfg.same_node, None, job.nodes)
         if got is None:
             self.fail_soon[shape] = job.gpus

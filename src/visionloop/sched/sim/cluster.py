@@ -44,6 +44,10 @@ class ClusterSpec:
     def total_gpus(self) -> int:
         return sum(n.gpus for n in self.nodes)
 
+    def nominal_gpus(self, team: str) -> int:
+        """The team's nominal quota (0 for a team the cluster does not know)."""
+        return next((t.nominal_gpus for t in self.teams if t.name == team), 0)
+
 
 # Which stretch of which spot trace each spot node follows (files under DATA/spot/). Both
 # traces start up and stay mostly up over the two days a simulation lasts, with real

@@ -106,8 +106,8 @@ class SimResult:
     # policy gives each team under contention (over a whole run it is fixed by the workload).
     contended_team_gpu_s: dict[str, float] = field(default_factory=dict)
     contended_s: float = 0.0  # how long that was
-    # The quota guarantee: seconds per team during which one of its queued jobs (past any
-    # retry back-off) would have fit in the team's unused nominal quota, yet waited.
+    # The quota guarantee: seconds per team during which one of its queued jobs would have
+    # fit in the team's unused nominal quota, yet waited.
     quota_wait_s: dict[str, float] = field(default_factory=dict)
 
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from visionloop.sched.placement import capacities, free_pool, group_by_node, merge, pick, take
+from visionloop.sched.placement import capacities, free_pool, held_by, merge, pick, take
 from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus
-from visionloop.sched.view import ActiveJob, ClusterView, Decision, Eviction, Gpu, PendingJob, Placement, Team
+from visionloop.sched.view import ActiveJob, ClusterView, Decision, Eviction, PendingJob, Placement, Team
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,7 @@ class _Cycle:
         self.borrowed = False  # a job of the cohort was admitted by borrowing in this cycle
         self.admitted = [j for j in view.running if j.preemptible]
         self.evicted: set[str] = set()
-        self.releasing = group_by_node(
-            [self.gpu[g] for j in view.running if not j.preemptible for g in j.gpu_ids if g in self.gpu]
-        )
+        self.releasing = held_by((j for j in view.running if not j.preemptible), self.gpu)
 
     # ----------------------------------------------------------------- quota
 
@@ -157,37 +155,38 @@ class _Cycle:
             fits = self._quota_fits(job.team, job.gpus, self.used)
             if fits or (not self.borrowed and self._targets(job) is not None):
                 return job
-            self._admit_or_preempt(job)  # words its reason
+            self.decision.waiting[job.id] = self._quota_reason(job)
         return None
+
+    def _quota_reason(self, job: PendingJob) -> str:
+        t = self._team(job.team)
+        return (
+            f"waiting for {n_gpus(job.gpus)}: ClusterQueue {job.team} uses {self.used.get(job.team, 0)} "
+            f"of {t.nominal_gpus} + {t.borrow_limit} borrowable"
+        )
 
     def _admit_or_preempt(self, job: PendingJob) -> None:
         if self._quota_fits(job.team, job.gpus, self.used):
+            self.borrowed = self.borrowed or self._borrows(job)
+            self.used[job.team] = self.used.get(job.team, 0) + job.gpus
             got = pick(self.free, job.gpus, job.spot, self.cfg.same_node, None, job.nodes)
             if got is not None:
                 take(self.free, got)
-                self.borrowed = self.borrowed or self._borrows(job)
-                self.used[job.team] = self.used.get(job.team, 0) + job.gpus
                 self.decision.placements.append(Placement(job.id, tuple(g.id for g in got)))
-                return
-            # Admitted by quota, but its pods find no free GPUs yet (they are being released
-            # by victims, or a spot node is down): it keeps its quota, and its pods start as
-            # GPUs come free, before any new admission.
-            self.reserved[job.id] = None
-            self.borrowed = self.borrowed or self._borrows(job)
-            self.used[job.team] = self.used.get(job.team, 0) + job.gpus
-            self.decision.waiting[job.id] = f"admitted; its pods wait for {n_gpus(job.gpus)} to come free"
+            else:
+                # Admitted by quota, but its pods find no free GPUs yet (they are being
+                # released by victims, or a spot node is down): it keeps its quota, and its
+                # pods start as GPUs come free, before any new admission.
+                self.reserved[job.id] = None
+                self.decision.waiting[job.id] = f"admitted; its pods wait for {n_gpus(job.gpus)} to come free"
             return
         # Kueue skips preemption in a cohort where a job was admitted by borrowing in this
         # cycle (its targets were computed before that admission); it tries again next cycle.
         victims = None if self.borrowed else self._targets(job)
         if victims is None:
-            t = self._team(job.team)
-            self.decision.waiting[job.id] = (
-                f"waiting for {n_gpus(job.gpus)}: ClusterQueue {job.team} uses {self.used.get(job.team, 0)} "
-                f"of {t.nominal_gpus} + {t.borrow_limit} borrowable"
-            )
+            self.decision.waiting[job.id] = self._quota_reason(job)
             return
-        pool = merge(self.free, self.releasing, self._gpus_of(victims))
+        pool = merge(self.free, self.releasing, held_by(victims, self.gpu))
         got = pick(pool, job.gpus, job.spot, self.cfg.same_node, None, job.nodes) or []
         take(self.free, got)
         take(self.releasing, got)
@@ -198,11 +197,6 @@ class _Cycle:
             self.decision.evictions.append(Eviction(v.id, f"preempted by Kueue for job {job.id}", job.id))
         self.used[job.team] = self.used.get(job.team, 0) + job.gpus
         self.decision.waiting[job.id] = f"preempting {len(victims)} job(s) to be admitted"
-
-    def _gpus_of(self, jobs: list[ActiveJob]) -> dict[str, list[Gpu]]:
-        return group_by_node(
-            [self.gpu[g] for j in jobs for g in j.gpu_ids if g in self.gpu and self.gpu[g].up]
-        )
 
     def _targets(self, job: PendingJob) -> list[ActiveJob] | None:
         """The minimal set of victims that lets `job` be admitted and placed, or None."""
@@ -259,5 +253,5 @@ class _Cycle:
             and used.get(job.team, 0) + job.gpus > self._team(job.team).nominal_gpus
         ):
             return False
-        pool = merge(self.free, self.releasing, self._gpus_of(victims))
+        pool = merge(self.free, self.releasing, held_by(victims, self.gpu))
         return pick(pool, job.gpus, job.spot, self.cfg.same_node, None, job.nodes) is not None

@@ -43,10 +43,6 @@ def _group(jobs: list[JobRecord]) -> dict[str, Any]:
     }
 
 
-def _nominal(cluster: ClusterSpec, team: str) -> int:
-    return next((t.nominal_gpus for t in cluster.teams if t.name == team), 0)
-
-
 def summarize(result: SimResult, cluster: ClusterSpec, catalog: PriceCatalog) -> dict[str, Any]:
     jobs = result.jobs
     jcts = sorted(j.jct for j in jobs if j.jct is not None)
@@ -59,7 +55,7 @@ def summarize(result: SimResult, cluster: ClusterSpec, catalog: PriceCatalog) ->
     for name in [t.name for t in cluster.teams] + sorted(
         set(result.team_gpu_s) - {t.name for t in cluster.teams}
     ):
-        nominal = next((t.nominal_gpus for t in cluster.teams if t.name == name), 0)
+        nominal = cluster.nominal_gpus(name)
         teams[name] = {
             "gpu_h": result.team_gpu_s.get(name, 0.0) / 3600,
             "share": result.team_gpu_s.get(name, 0.0) / total_busy_team,
@@ -99,7 +95,7 @@ def summarize(result: SimResult, cluster: ClusterSpec, catalog: PriceCatalog) ->
         # Hours a team had a waiting job that fit in its unused nominal quota (the guarantee).
         "quota_wait_h": {t: s / 3600 for t, s in sorted(result.quota_wait_s.items())},
         # Jobs larger than their team's nominal quota: how long they waited.
-        "over_quota": _group([j for j in jobs if j.gpus > _nominal(cluster, j.team)]),
+        "over_quota": _group([j for j in jobs if j.gpus > cluster.nominal_gpus(j.team)]),
         "preemptions": sum(j.preemptions for j in jobs),
         "interruptions": sum(j.interruptions for j in jobs),
         "lost_gpu_h": {cause: gpu_s / 3600 for cause, gpu_s in result.lost_gpu_s.items()},

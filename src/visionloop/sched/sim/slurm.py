@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from visionloop.sched.placement import capacities, free_pool, group_by_node, merge, pick, take, usable
+from visionloop.sched.placement import capacities, free_pool, held_by, merge, pick, take, usable
 from visionloop.sched.reasons import backoff_reason, clock, impossible_reason, n_gpus
 from visionloop.sched.view import (
     DEFAULT_PRIORITIES,
@@ -128,7 +128,8 @@ class Slurm:
         caps = capacities(view.gpus)
         prio = {j.id: self.priority(j, j.gpus, view) for j in view.queued}
         order = sorted(view.queued, key=lambda j: (-prio[j.id], j.submitted_at, j.id))
-        releasing = group_by_node(self._gpus_of([j for j in view.running if not j.preemptible], view))
+        gpu_by_id = {g.id: g for g in view.gpus}
+        releasing = held_by((j for j in view.running if not j.preemptible), gpu_by_id)
         victims_taken: set[str] = set()
         blocked: PendingJob | None = None
         rest: list[PendingJob] = []
@@ -142,7 +143,7 @@ class Slurm:
             elif (got := pick(free, job.gpus, job.spot, self.cfg.same_node, None, job.nodes)) is not None:
                 take(free, got)
                 decision.placements.append(Placement(job.id, tuple(g.id for g in got)))
-            elif self._preempt_for(job, view, free, releasing, victims_taken, decision):
+            elif self._preempt_for(job, view, gpu_by_id, free, releasing, victims_taken, decision):
                 pass  # its victims are leaving; the free GPUs it needs are held for it
             else:
                 blocked = job
@@ -156,14 +157,11 @@ class Slurm:
             self._holding[p.job_id] = (teams[p.job_id], len(p.gpu_ids))
         return decision
 
-    def _gpus_of(self, jobs: Sequence[ActiveJob], view: ClusterView) -> list[Gpu]:
-        ids = {g for j in jobs for g in j.gpu_ids}
-        return [g for g in view.gpus if g.id in ids and g.up]
-
     def _preempt_for(
         self,
         job: PendingJob,
         view: ClusterView,
+        gpu_by_id: Mapping[str, Gpu],
         free: dict[str, list[Gpu]],
         releasing: dict[str, list[Gpu]],
         victims_taken: set[str],
@@ -171,10 +169,14 @@ class Slurm:
     ) -> bool:
         """preempt/qos: requeue lower-QOS jobs so that `job` fits on free + released GPUs.
         True if the job will start once they leave (or GPUs already being released suffice)."""
-        same = self.cfg.same_node
         soon = merge(free, releasing)
-        if pick(soon, job.gpus, job.spot, same, None, job.nodes) is not None:
-            got = pick(soon, job.gpus, job.spot, same, None, job.nodes) or []
+
+        def fit(victims: Sequence[ActiveJob]) -> list[Gpu] | None:
+            pool = merge(soon, held_by(victims, gpu_by_id))
+            return pick(pool, job.gpus, job.spot, self.cfg.same_node, None, job.nodes)
+
+        got = fit(())
+        if got is not None:
             take(free, got)
             take(releasing, got)
             decision.waiting[job.id] = f"waiting for {n_gpus(job.gpus)} being released by requeued jobs"
@@ -192,23 +194,19 @@ class Slurm:
         # preempt/qos's order: (QOS priority << 16) + size, ascending.
         candidates.sort(key=lambda r: (r.priority, len(r.gpu_ids), r.id))
         chosen: list[ActiveJob] = []
-        fits = False
         for r in candidates:
             chosen.append(r)
-            pool = merge(soon, group_by_node(self._gpus_of(chosen, view)))
-            if pick(pool, job.gpus, job.spot, same, None, job.nodes) is not None:
-                fits = True
+            got = fit(chosen)
+            if got is not None:
                 break
-        if not fits:
+        else:
             return False
         # Drop the victims that turn out not to be needed (the latest added first).
         for r in list(reversed(chosen[:-1])):
             trial = [c for c in chosen if c is not r]
-            pool = merge(soon, group_by_node(self._gpus_of(trial, view)))
-            if pick(pool, job.gpus, job.spot, same, None, job.nodes) is not None:
-                chosen = trial
-        pool = merge(soon, group_by_node(self._gpus_of(chosen, view)))
-        got = pick(pool, job.gpus, job.spot, same, None, job.nodes) or []
+            if (smaller := fit(trial)) is not None:
+                chosen, got = trial, smaller
+        assert got is not None
         take(free, got)
         take(releasing, got)
         for r in chosen:
