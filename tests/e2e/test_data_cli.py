@@ -6,25 +6,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import _warmcli
 from _imgfactory import image_folder, noise, png, truncate, write
 from visionloop.data.manifest import read_manifest
 
 
 def vl(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "visionloop", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        # A wide terminal, so Rich does not wrap the lines asserted on below.
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=300,
-    )
+    # A wide terminal, so Rich does not wrap the lines asserted on below.
+    return _warmcli.run([*map(str, args)], cwd=cwd, env={**os.environ, "COLUMNS": "200"}, timeout=300)
 
 
 def assert_clean_error(r: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> None:

@@ -13,7 +13,7 @@ from _trainkit import cli
 
 @pytest.mark.slow
 def test_demo_ingests_trains_to_95_percent_and_records_everything(vl_home: Path) -> None:
-    p = cli("demo", timeout=600)
+    p = cli("demo", timeout=600, cold=True)  # the README's first command, started cold
     assert p.returncode == 0, p.stdout + p.stderr
     assert "Traceback" not in p.stderr
 
@@ -73,7 +73,19 @@ def test_detection_demo_runs_every_step_and_says_when_it_misses_its_target(vl_ho
     # A few hundred images and one epoch: the whole walkthrough (draw, ingest, train, register,
     # export through the mAP gate, bench, serve, /detect) in CI time, far below the demo's own
     # budget; so it must reach the end and then refuse to call itself a success.
-    p = cli("demo", "--task", "detection", "--images", "128", "--epochs", "1", "--workers", "0", timeout=600)
+    p = cli(
+        "demo",
+        "--task",
+        "detection",
+        "--images",
+        "128",
+        "--epochs",
+        "1",
+        "--workers",
+        "0",
+        timeout=600,
+        cold=True,
+    )
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     for step in range(1, 8):
         assert f"{step}/7" in p.stderr, (step, p.stderr[-3000:])

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import _warmcli
 from _mlflowkit import copy_migrated_store
 from visionloop.core.settings import Settings
 from visionloop.track import open_run
@@ -48,9 +48,7 @@ def cli(home: Path, *args: str) -> Result:
     env = {**os.environ, "VISIONLOOP_HOME": str(home)}
     for var in ("VISIONLOOP_TRACKING_URI", "MLFLOW_TRACKING_URI", "COLUMNS", "VISIONLOOP_TRACEBACK"):
         env.pop(var, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "visionloop", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    done = _warmcli.run(list(args), env=env, timeout=120)
     return Result(done.returncode, done.stdout, done.stderr)
 
 

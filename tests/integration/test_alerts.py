@@ -22,6 +22,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+import _warmcli
 from visionloop.alerts import AlertConfig, CheckResult, alert_log, parse_config, run_check
 from visionloop.cli.main import app
 from visionloop.core.settings import load_settings
@@ -521,14 +522,7 @@ def test_state_survives_a_restart_nothing_is_delivered_twice(loop: Loopback, tmp
     env = {**os.environ, "VISIONLOOP_ALERTS_WEBHOOK": f"{loop.url}/hook"}
 
     def cli_check() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "visionloop", "alerts", "check", "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        return _warmcli.run(["alerts", "check", "--json"], env=env, timeout=120)
 
     first = cli_check()
     assert first.returncode == 0, first.stderr

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import _warmcli
 from _imgfactory import tree_digest
 from visionloop.data.manifest import DatasetManifest, read_manifest
 from visionloop.tasks.detection.stats import DetectionStats
@@ -22,13 +22,8 @@ def stats_of(m: DatasetManifest) -> DetectionStats | None:
 
 
 def vl(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "visionloop", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},  # no wrapping of the lines asserted on
-        timeout=300,
-    )
+    # No wrapping of the lines asserted on.
+    return _warmcli.run([*map(str, args)], env={**os.environ, "COLUMNS": "200"}, timeout=300)
 
 
 def test_cli_ingests_a_coco_source_and_prints_the_summary(tmp_path: Path) -> None:

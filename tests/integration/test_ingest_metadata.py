@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+import _warmcli
 from visionloop.core.errors import DataError
 from visionloop.data.ingest import IngestOptions, ingest
 from visionloop.data.metadata import read_metadata
@@ -67,13 +67,7 @@ def stored_metadata(ds: Path) -> dict[int, dict[str, Any]]:
 
 
 def vl(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "visionloop", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=300,
-    )
+    return _warmcli.run([*map(str, args)], env={**os.environ, "COLUMNS": "200"}, timeout=300)
 
 
 # --------------------------------------------------------------------------- CSV

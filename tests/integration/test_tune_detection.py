@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 import pytest
 from optuna.trial import TrialState
 
+import _warmcli
 from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _dbkit import fresh_database
 from visionloop.api.client import Client
@@ -146,14 +145,7 @@ def test_a_detection_study_promotes_the_better_map_and_prunes_the_other(
     assert final["mAP"] == pytest.approx(good.value)
 
     env = {**os.environ, "VISIONLOOP_API_URL": cp.url, "VISIONLOOP_TOKEN": cp.admin_token}
-    shown = subprocess.run(
-        [sys.executable, "-m", "visionloop", "tune", "show", spec.name, "--db", url, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    shown = _warmcli.run(["tune", "show", spec.name, "--db", url, "--json"], env=env, timeout=120)
     assert shown.returncode == 0, shown.stderr[-3000:]
     out = json.loads(shown.stdout)
     assert (out["metric"], out["direction"]) == ("val/mAP", "maximize")

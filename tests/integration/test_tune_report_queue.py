@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import optuna
 import pytest
 
+import _warmcli
 from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _cpkit import train_doc as _train
 from _dbkit import fresh_database
@@ -68,14 +68,7 @@ def run_cli(cp: CP, url: str, *args: str) -> subprocess.CompletedProcess[str]:
         "VISIONLOOP_TOKEN": cp.admin_token,
         "VISIONLOOP_DB_URL": url,
     }
-    return subprocess.run(
-        [sys.executable, "-m", "visionloop", "tune", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return _warmcli.run(["tune", *args], env=env, timeout=300)
 
 
 def test_show_has_each_trials_cost_and_best_registers_its_model(
