@@ -9,8 +9,6 @@ import io
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -18,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import _warmcli
 from _modelkit import ModelKit, onnx_model
 from visionloop.data.manifest import read_manifest, shard_dir_of
 from visionloop.data.shards import ShardReader
@@ -191,23 +190,13 @@ def test_the_command_as_a_user_runs_it(served: tuple[ModelKit, Path], tmp_path: 
     for p in (home.home / "monitor").glob("*/windows.jsonl"):
         p.unlink()
     env = {**os.environ, **home.env()}
-    cmd = [
-        sys.executable,
-        "-m",
-        "visionloop",
-        "monitor",
-        kit.name,
-        "--window-requests",
-        str(WINDOW),
-        "--logs",
-        str(logs),
-    ]
-    r = subprocess.run([*cmd, "--json"], env=env, capture_output=True, text=True, timeout=300)
+    cmd = ["monitor", kit.name, "--window-requests", str(WINDOW), "--logs", str(logs)]
+    r = _warmcli.run([*cmd, "--json"], env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [w["drift"] for w in lines] == [False, True]
     assert lines[1]["model"] == kit.name and lines[1]["requests"] == WINDOW
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    r = _warmcli.run(cmd, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "no complete window" in r.stdout and "0 requests in the open one" in r.stdout
     # Bad input: a clear error, exit 2, nothing written.
@@ -217,5 +206,5 @@ def test_the_command_as_a_user_runs_it(served: tuple[ModelKit, Path], tmp_path: 
         (["--window", "1h", "--window-requests", "50"], "not both"),
         (["--thin", "some"], "auto or a whole number"),
     ):
-        r = subprocess.run([*cmd[:5], *bad], env=env, capture_output=True, text=True, timeout=120)
+        r = _warmcli.run([*cmd[:2], *bad], env=env, timeout=120)
         assert r.returncode != 0 and says in (r.stderr + r.stdout), (bad, r.stderr, r.stdout)
