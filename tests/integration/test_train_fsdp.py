@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _trainkit import popen, spec_doc, write_spec
+from _trainkit import cli, popen, spec_doc, write_spec
 from visionloop.models import ModelCard, create_model, load_weights
 from visionloop.specs import validate_train_spec
 from visionloop.train.api import train
@@ -67,8 +67,8 @@ def _doc(dataset: Path, **overrides: Any) -> dict[str, Any]:
 
 
 def _train(spec: Path, run_dir: Path, *extra: str) -> str:
-    p = popen("train", str(spec), "--run-dir", str(run_dir), "--no-track", *extra)
-    out = p.communicate(timeout=600)[0]
+    p = cli("train", str(spec), "--run-dir", str(run_dir), "--no-track", *extra, timeout=600)
+    out = p.stdout + p.stderr
     assert p.returncode == 0, out
     return out
 
@@ -158,10 +158,7 @@ def test_a_two_process_fsdp_checkpoint_resumes_with_one_process(tmp_path: Path, 
     _train_and_sigterm(spec, run_dir)
     stopped_at = sorted((run_dir / "checkpoints").iterdir())[-1]
 
-    p = subprocess.run(
-        [sys.executable, "-m", "visionloop", "train", str(spec), "--run-dir", str(run_dir), "--no-track"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    p = cli("train", str(spec), "--run-dir", str(run_dir), "--no-track", timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     # DCP reshards the 2 processes' shards into 1; what cannot carry over is each rank's RNG.
