@@ -160,6 +160,9 @@ class Call:
     cpu_s: float
     wall_s: float
     final: float | None = None  # the trial's final metric, when this call finished it
+    # The metric after each epoch this call trained: random search's full curves are what
+    # replay.py replays successive halving on.
+    curve: list[float] | None = None
 
 
 @dataclass
@@ -272,7 +275,18 @@ class InProcessQueue:
         else:
             job.state = "failed"
         self.calls.append(
-            Call(job.id, job.trial, job.epoch, done, job.until_epoch, result.exit_code, cpu, wall, final)
+            Call(
+                job.id,
+                job.trial,
+                job.epoch,
+                done,
+                job.until_epoch,
+                result.exit_code,
+                cpu,
+                wall,
+                final,
+                [e.metrics[METRIC] for e in evals if METRIC in e.metrics],
+            )
         )
         job.epoch = done
 
@@ -350,12 +364,13 @@ def summarize_seed(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         }
     # Trial k has the same configuration in every arm and training is deterministic, so a
     # trial that finished in two arms must end at the same value (paused and continued or not).
-    for arm in ARMS[1:]:
+    others = [arm for arm in ARMS[1:] if arm in runs]
+    for arm in others:
         both = [k for k in runs[arm]["finals"] if k in base["finals"]]
         same = sum(runs[arm]["finals"][k] == base["finals"][k] for k in both)
         out["arms"][arm]["finals_equal_to_random"] = f"{same}/{len(both)}"
     ref = out["arms"]["random"]["reached"]
-    for arm in ARMS[1:]:
+    for arm in others:
         got = out["arms"][arm]["reached"]
         out[f"{arm}_over_random_cpu"] = got["cpu_s"] / ref["cpu_s"] if got else None
         out[f"{arm}_over_random_epochs"] = got["epochs"] / ref["epochs"] if got else None
@@ -371,7 +386,8 @@ def write_summary(
 ) -> Path:
     """The ratios over the seeds, printed and written with every call's figures."""
     ratios: dict[str, Any] = {}
-    for arm in ARMS[1:]:
+    others = [arm for arm in ARMS[1:] if all(arm in s["arms"] for s in per_seed.values())]
+    for arm in others:
         for unit in ("cpu", "epochs"):
             values = [s[f"{arm}_over_random_{unit}"] for s in per_seed.values()]
             got = [v for v in values if v is not None]
@@ -386,7 +402,7 @@ def write_summary(
         per = ", ".join("never" if v is None else f"{v:.3f}" for v in r["per_seed"])
         print(f"{key}: mean {mean} (reached in {r['reached']} seeds; per seed {per})")
     # The whole study's compute (every trial to its end or its prune), for scale.
-    for arm in ARMS[1:]:
+    for arm in others:
         whole = [
             s["arms"][arm]["total_cpu_s"] / s["arms"]["random"]["total_cpu_s"] for s in per_seed.values()
         ]
@@ -463,6 +479,11 @@ def main() -> None:
         default=0.0,
         help="Gaussian pixel noise (std as a fraction of 0-255) added to every image: a harder task",
     )
+    p.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help="the arms to train; `random` alone records the curves that replay.py replays the others on",
+    )
     p.add_argument("--name", default=None, help="results file name (default from --val-fraction)")
     p.add_argument(
         "--merge",
@@ -476,6 +497,9 @@ def main() -> None:
         merge(args)
         return
     seeds = [int(s) for s in args.seeds.split(",")]
+    arms = [a for a in ARMS if a in args.arms.split(",")]
+    if not arms or arms[0] != "random":
+        raise SystemExit(f"--arms must include random (the baseline), from {', '.join(ARMS)}")
     if args.name is None:
         suffix = "" if args.val_fraction == 0.2 else f"_val{round(args.val_fraction * 100)}"
         args.name = f"tune_search_efficiency{suffix}"
@@ -494,7 +518,7 @@ def main() -> None:
         dataset = build_dataset(root, args.val_fraction, args.noise)
         for seed in seeds:
             runs = {}
-            for arm in ARMS:
+            for arm in arms:
                 runs[arm] = run_arm(arm, dataset, root, args, seed)
                 a = runs[arm]
                 print(
@@ -507,7 +531,7 @@ def main() -> None:
             per_seed[seed] = summarize_seed(runs)
             raw[str(seed)] = runs
             s = per_seed[seed]
-            for arm in ARMS:
+            for arm in arms:
                 r = s["arms"][arm]["reached"]
                 shown = (
                     f"{r['cpu_s']:7.1f} CPU-s {r['epochs']:4.0f} epochs "
