@@ -214,6 +214,26 @@ def _ensure_server() -> str:
         return _sock_path
 
 
+def cold_run(
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout: float | None = None,
+    input: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """A plain `python -m visionloop ARGS`, started cold."""
+    return subprocess.run(
+        [sys.executable, "-m", "visionloop", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ if env is None else env),
+        cwd=cwd,
+        timeout=timeout,
+        input=input,
+    )
+
+
 def run(
     args: list[str],
     *,
@@ -225,15 +245,7 @@ def run(
     """Like `subprocess.run([python, -m, visionloop, *args], capture_output=True, text=True)`."""
     full_env = dict(os.environ if env is None else env)
     if cold():
-        return subprocess.run(
-            [sys.executable, "-m", "visionloop", *args],
-            capture_output=True,
-            text=True,
-            env=full_env,
-            cwd=cwd,
-            timeout=timeout,
-            input=input,
-        )
+        return cold_run(args, env=full_env, cwd=cwd, timeout=timeout, input=input)
     path = _ensure_server()
     with (
         tempfile.TemporaryFile() as stdin,

@@ -10,27 +10,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import _warmcli
-
-
-def _cold(
-    args: list[str], env: dict[str, str], cwd: Path, input: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "visionloop", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        input=input,
-        timeout=120,
-    )
 
 
 @pytest.mark.parametrize(
@@ -43,7 +28,7 @@ def _cold(
 )
 def test_a_warm_call_prints_and_exits_as_a_cold_one(args: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "VISIONLOOP_HOME": str(tmp_path / "home"), "COLUMNS": "100"}
-    cold = _cold(args, env, tmp_path)
+    cold = _warmcli.cold_run(args, env=env, cwd=tmp_path, timeout=120)
     warm = _warmcli.run(args, env=env, cwd=tmp_path, timeout=120)
     assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr)
     assert cold.stdout or cold.stderr
