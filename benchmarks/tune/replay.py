@@ -199,6 +199,8 @@ def main() -> None:
     p.add_argument("--draws", type=int, default=200)
     p.add_argument("--trials", type=int, default=None, help="trials a draw (default: the runs')")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-epochs", type=int, default=None, help="the first rung (default: the runs')")
+    p.add_argument("--eta", type=int, default=None, help="the reduction factor (default: the runs')")
     p.add_argument("--name", default=None)
     args = p.parse_args()
 
@@ -215,7 +217,17 @@ def main() -> None:
             first["reduction_factor"],
         ):
             raise SystemExit(f"{n} ran other epochs or rungs than {args.sources.split(',')[0]}")
-    args.epochs, args.min_epochs, args.eta = first["epochs"], first["min_epochs"], first["reduction_factor"]
+    # The check replays the real runs at their own rungs; the draws use --min-epochs/--eta if given.
+    as_run = argparse.Namespace(**vars(args))
+    as_run.epochs, as_run.min_epochs, as_run.eta = (
+        first["epochs"],
+        first["min_epochs"],
+        first["reduction_factor"],
+    )
+    as_run.trials = first["trials"]
+    args.epochs = first["epochs"]
+    args.min_epochs = args.min_epochs or first["min_epochs"]
+    args.eta = args.eta or first["reduction_factor"]
     args.trials = args.trials or first["trials"]
     per_seed = {n: _curves_of(n, d, args.evals) for n, d in docs.items()}
     pool = {c.source: c for seeds in per_seed.values() for curves in seeds.values() for c in curves}
@@ -244,7 +256,7 @@ def main() -> None:
                     real = docs[n]["runs"][seed].get(arm)
                     if real is None:
                         continue
-                    got = replay_arm(arm, curves, overhead, dataset, root, args, f"check-{n}-{seed}")
+                    got = replay_arm(arm, curves, overhead, dataset, root, as_run, f"check-{n}-{seed}")
                     key = [(c["trial"], c["from_epoch"], c["to_epoch"]) for c in got]
                     want = [(c["trial"], c["from_epoch"], c["to_epoch"]) for c in real["calls"]]
                     if key != want:
