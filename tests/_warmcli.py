@@ -214,26 +214,6 @@ def _ensure_server() -> str:
         return _sock_path
 
 
-def cold_run(
-    args: list[str],
-    *,
-    env: dict[str, str] | None = None,
-    cwd: str | Path | None = None,
-    timeout: float | None = None,
-    input: str | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """A plain `python -m visionloop ARGS`, started cold."""
-    return subprocess.run(
-        [sys.executable, "-m", "visionloop", *args],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ if env is None else env),
-        cwd=cwd,
-        timeout=timeout,
-        input=input,
-    )
-
-
 def run(
     args: list[str],
     *,
@@ -241,11 +221,21 @@ def run(
     cwd: str | Path | None = None,
     timeout: float | None = None,
     input: str | None = None,
+    start_cold: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Like `subprocess.run([python, -m, visionloop, *args], capture_output=True, text=True)`."""
+    """Like `subprocess.run([python, -m, visionloop, *args], capture_output=True, text=True)`,
+    which is what it runs when `start_cold` or VISIONLOOP_TEST_COLD_CLI is set."""
     full_env = dict(os.environ if env is None else env)
-    if cold():
-        return cold_run(args, env=full_env, cwd=cwd, timeout=timeout, input=input)
+    if start_cold or cold():
+        return subprocess.run(
+            [sys.executable, "-m", "visionloop", *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            cwd=cwd,
+            timeout=timeout,
+            input=input,
+        )
     path = _ensure_server()
     with (
         tempfile.TemporaryFile() as stdin,

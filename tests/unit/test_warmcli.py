@@ -28,7 +28,7 @@ import _warmcli
 )
 def test_a_warm_call_prints_and_exits_as_a_cold_one(args: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "VISIONLOOP_HOME": str(tmp_path / "home"), "COLUMNS": "100"}
-    cold = _warmcli.cold_run(args, env=env, cwd=tmp_path, timeout=120)
+    cold = _warmcli.run(args, env=env, cwd=tmp_path, timeout=120, start_cold=True)
     warm = _warmcli.run(args, env=env, cwd=tmp_path, timeout=120)
     assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr)
     assert cold.stdout or cold.stderr
