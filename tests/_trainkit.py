@@ -57,7 +57,12 @@ def write_spec(path: Path, doc: dict[str, Any]) -> Path:
 
 
 def cli(
-    *args: str, env: dict[str, str] | None = None, cold: bool = False, **kw: Any
+    *args: str,
+    env: dict[str, str] | None = None,
+    cold: bool = False,
+    cwd: str | Path | None = None,
+    timeout: float | None = None,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run `python -m visionloop ARGS` the way a user runs it, as a new process.
 
@@ -66,12 +71,14 @@ def cli(
     of imports per call); `cold=True` starts a plain `python -m visionloop`, for tests of
     start-up itself.
     """
-    full_env = {**os.environ, **(env or {})}
-    if cold or set(kw) - {"cwd", "timeout", "input"}:
-        return subprocess.run(
-            [sys.executable, "-m", "visionloop", *args], capture_output=True, text=True, env=full_env, **kw
-        )
-    return _warmcli.run(list(args), env=full_env, **kw)
+    return _warmcli.run(
+        list(args),
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        timeout=timeout,
+        input=input,
+        start_cold=cold,
+    )
 
 
 def popen(*args: str, **kw: Any) -> subprocess.Popen[str]:
