@@ -63,12 +63,14 @@ CLASSES = ("low", "normal", "high")
 BASELINES = ("fifo", "slurm", "slurm-2x", "kueue", "kueue-fair", "tiresias")
 
 
-def schedulers(trace: list[TraceJob], grace_s: float) -> dict[str, Scheduler]:
+def schedulers(
+    trace: list[TraceJob], grace_s: float, policy: PolicyConfig | None = None
+) -> dict[str, Scheduler]:
     exact = {j.id: j.duration_s for j in trace}
     twice = {j.id: 2 * j.duration_s for j in trace}
     slurm = SlurmConfig(grace_s=grace_s)
     return {
-        "visionloop": partial(schedule, config=PolicyConfig(same_node=False)),
+        "visionloop": partial(schedule, config=policy or PolicyConfig(same_node=False)),
         "fifo": partial(fifo, same_node=False),
         "slurm": Slurm(exact, slurm),
         "slurm-2x": Slurm(twice, slurm),
@@ -95,9 +97,28 @@ def main() -> None:
         "visionloop's trainer does), under every scheduler; default: its last periodic checkpoint",
     )
     ap.add_argument("--name", default="sched_baselines", help="results file name")
+    ap.add_argument("--time-limit-share", type=float, default=1.0, help="the share of jobs that give one")
+    ap.add_argument(
+        "--easy-backfill", action="store_true", help="visionloop's reservations hold GPUs (EASY backfill)"
+    )
+    ap.add_argument(
+        "--tenants", action="store_true", help="with --easy-backfill: preemptible tenants on reserved GPUs"
+    )
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="jobs give visionloop a max_runtime of this multiple of their true duration (default: none)",
+    )
     args = ap.parse_args()
+    policy = PolicyConfig(same_node=False, easy_backfill=args.easy_backfill, reservation_tenants=args.tenants)
     traces = [int(x) for x in args.traces.split(",")]
-    sim_cfg = SimConfig(grace_s=args.grace, sigterm_checkpoint=args.sigterm_checkpoint)
+    sim_cfg = SimConfig(
+        grace_s=args.grace,
+        sigterm_checkpoint=args.sigterm_checkpoint,
+        time_limit=args.time_limit,
+        time_limit_share=args.time_limit_share,
+    )
     cluster = default_cluster(default_spot_traces(args.data))
     catalog = load_catalog(None)
     names = ["visionloop", *BASELINES]
@@ -107,7 +128,7 @@ def main() -> None:
     for n in traces:
         trace = load_trace(args.data / "sched" / "traces" / f"trace-{n}.csv")
         per[n] = {}
-        for name, fn in schedulers(trace, args.grace).items():
+        for name, fn in schedulers(trace, args.grace, policy).items():
             t0 = time.perf_counter()
             result = simulate(trace, cluster, fn, sim_cfg)
             wall[name] += time.perf_counter() - t0

@@ -89,6 +89,12 @@ def main() -> None:
         "visionloop's trainer does); default: only its last periodic checkpoint",
     )
     ap.add_argument("--name", default="sched_sim", help="results file name (default sched_sim)")
+    ap.add_argument("--easy-backfill", action="store_true", help="reservations hold GPUs (EASY backfill)")
+    ap.add_argument("--tenants", action="store_true", help="with --easy-backfill: preemptible tenants")
+    ap.add_argument(
+        "--time-limit", type=float, default=None, help="jobs give a max_runtime of this x their duration"
+    )
+    ap.add_argument("--time-limit-share", type=float, default=1.0, help="the share of jobs that give one")
     args = ap.parse_args()
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(
@@ -97,8 +103,11 @@ def main() -> None:
         restart_overhead_s=args.restart,
         tick_s=args.tick,
         sigterm_checkpoint=args.sigterm_checkpoint,
+        time_limit=args.time_limit,
+        time_limit_share=args.time_limit_share,
     )
-    policy = PolicyConfig(same_node=False)  # the defaults, with jobs spanning nodes
+    # The defaults, with jobs spanning nodes.
+    policy = PolicyConfig(same_node=False, easy_backfill=args.easy_backfill, reservation_tenants=args.tenants)
     cluster = default_cluster(default_spot_traces(args.data))
     catalog = load_catalog(None)
     policies = {"fifo": partial(fifo, same_node=False), "visionloop": partial(schedule, config=policy)}

@@ -89,7 +89,10 @@ CFG = PolicyConfig(aging_s=None)  # aging off unless a test is about it
 def test_higher_priority_first_and_lower_waits_with_reason() -> None:
     d = schedule(view(node_gpus("n0", 2), [q("low", 2, prio=LOW, t=1), q("high", 2, prio=HIGH, t=5)]), CFG)
     assert placed(d) == {"high": ("n0/0", "n0/1")}
-    assert d.waiting == {"low": "waiting for 2 GPUs: 0 free"}
+    assert d.waiting == {
+        "low": "waiting for 2 GPUs: 0 free; 2 GPUs reserved for it as job high end; its start is not "
+        "known until job high reports its pace"
+    }
 
 
 def test_blocked_higher_priority_job_is_named_in_reasons_behind_it() -> None:

@@ -230,9 +230,17 @@ def test_random_trace_completes_under_both_policies() -> None:
 
 
 @pytest.mark.parametrize("seed", [3, 17, 29, 41])
-def test_no_livelock_on_random_clusters_and_configs(seed: int) -> None:
+@pytest.mark.parametrize(
+    ("easy", "tenants", "limit"),
+    [(False, False, None), (True, False, 2.0), (True, True, None), (True, True, 1.5)],
+)
+def test_no_livelock_on_random_clusters_and_configs(
+    seed: int, easy: bool, tenants: bool, limit: float | None
+) -> None:
     """Whatever the quotas and knobs, every job that can run finishes, and no job is
-    preempted without end (found: borrowers and reclaimers taking GPUs back and forth)."""
+    preempted without end (found: borrowers and reclaimers taking GPUs back and forth).
+    With reservations holding GPUs (EASY backfill, tenants) the simulator checks every
+    decision too: a GPU promised twice would be placed twice and raise SimError."""
     rng = random.Random(seed)
     spot = spot_trace("s", [rng.choice([1, 1, 1, 0]) for _ in range(50)], gap_s=600)
     teams = (
@@ -265,8 +273,11 @@ def test_no_livelock_on_random_clusters_and_configs(seed: int) -> None:
         max_evictions_per_cycle=rng.randint(1, 4),
         aging_s=1800.0,
         reserve_after_s=3600.0,
+        easy_backfill=easy,
+        reservation_tenants=tenants,
     )
-    r = simulate(trace, cluster, partial(schedule, config=cfg), SimConfig(max_time_s=10 * 86400))
+    sim = SimConfig(max_time_s=10 * 86400, time_limit=limit, time_limit_share=0.5)
+    r = simulate(trace, cluster, partial(schedule, config=cfg), sim)
     limits = {t.name: t.nominal_gpus + t.borrow_limit for t in teams}
     never_fits = {j.id for j in trace if j.team in limits and j.gpus > limits[j.team]}
     never_fits |= {j.id for j in trace if j.spot == "never" and j.gpus > 8}

@@ -18,12 +18,12 @@ from typing import Any
 
 from visionloop.sched.cycle_state import TeamState
 from visionloop.sched.placement import merge, pick
-from visionloop.sched.preemption import Preemption
 from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus, plural
+from visionloop.sched.reservation import Reservations
 from visionloop.sched.view import PendingJob
 
 
-class Cycle(Preemption):
+class Cycle(Reservations):
     """One scheduling cycle: `Cycle(view, config).run()` fills `.decision`."""
 
     def run(self) -> None:
@@ -205,7 +205,9 @@ class Cycle(Preemption):
         shrink within a cycle, so once saturated it stays so."""
         if not self.saturated:
             fc = self.free_count
-            self.saturated = fc["owned"] + fc["on_demand"] + fc["spot"] == 0 and self.releasing_left == 0
+            self.saturated = (
+                fc["owned"] + fc["on_demand"] + fc["spot"] == 0 and self.releasing_left == 0 and not self.lend
+            )
         return self.saturated
 
     def _consider(self, job: PendingJob, prio: int) -> None:
@@ -239,6 +241,9 @@ class Cycle(Preemption):
                 self._place(job, ts, got)
                 return
             self.fail_free[shape] = n
+        if quota_ok and self.lend and (backfilled := self._backfill(job)) is not None:
+            self._place(job, ts, backfilled[0])
+            return
         if quota_ok and self.releasing_left and n < self.fail_release.get(shape, n + 1):
             pool = merge(self.free, self.releasing)
             got = pick(pool, n, job.spot, self.cfg.same_node, self._node_cap(job), job.nodes)
@@ -264,6 +269,7 @@ class Cycle(Preemption):
         now, waiting, reasons, impossible = self.now, self.decision.waiting, self.reasons, self.impossible
         young_min, preemption, backfill = self.young_min, self.cfg.preemption, self.cfg.backfill
         teams, behind = self.teams, self.behind
+        resv = self.cfg.reservations
         higher = 0
         for p, k in self.blocked.items():
             if p > prio:
@@ -281,6 +287,7 @@ class Cycle(Preemption):
                 n <= 0
                 or self.blocker is not None
                 or (head is None and self.evictions_left > 0 and self._could_preempt(job, ts))
+                or (resv and self._wants_reservation(job, ts, prio))
             ):
                 self.blocked[prio] = same
                 self._consider(job, prio)
@@ -369,6 +376,8 @@ class Cycle(Preemption):
                 f"; {held} free GPU{plural(held)} held for it until lower-priority or borrowed jobs "
                 "can be preempted"
             )
+        elif self._wants_reservation(job, ts, prio) and self._reserve(job, ts, prio) and self._may_hold():
+            pass  # a reservation that holds its GPUs (else the starvation guard may still hold some)
         elif job.id == self.starving_id and free > 0 and (held := self._hold(job, ts)):
             self.decision.waiting[job.id] += f"; waiting for a long time, so {held} free GPUs are held for it"
         if not self.cfg.backfill:

@@ -115,6 +115,15 @@ class CycleState:
         # memo of _wait(): (GPUs, spot, higher, same, young, reserved, claimants, head) -> reason
         self.reasons: dict[tuple[int, SpotPolicy, int, int, bool, int, int, str | None], str] = {}
         self.saturated = False
+        # Reservations (reservation.py): GPUs promised to a waiting job, free ones lent out
+        # until the reservation starts (GPU id -> (start, GPU, the job it is reserved for)),
+        # and where the jobs started this cycle free their GPUs.
+        self.reserved_for: dict[int, int] = {}  # effective class -> reservations made
+        self.promised: set[str] = set()
+        self.lend: dict[str, tuple[float, Gpu, PendingJob]] = {}
+        self.placed_ends: list[tuple[float, str, bool, Sequence[Gpu]]] = []  # end, job, known?
+        self.fail_lend: dict[tuple[object, ...], int] = {}
+        self.may_hold: bool | None = None  # memo of Reservations._may_hold()
         self.version = 0  # bumped whenever a team's usage or the victims change
         self.victim_cache: tuple[int, float, bool] = (-1, math.inf, False)
         # Failure memos: the pools only shrink within a cycle, so a job shape that did not fit
@@ -226,6 +235,10 @@ class CycleState:
             self.free_count[g.price_class] -= 1
         self._account(job, ts, gpus)
         self.decision.placements.append(Placement(job.id, tuple(g.id for g in gpus)))
+        if self.cfg.reservations:  # a later reservation this cycle plans with its end
+            limit = job.max_runtime_s
+            end = self.now + (limit or self.cfg.default_runtime_s)
+            self.placed_ends.append((end, job.id, limit is not None, gpus))
 
     def _account(self, job: PendingJob, ts: TeamState, gpus: Sequence[Gpu] | None) -> None:
         """Count a placed or claimed job against its team (quota, fair share) and, when

@@ -19,6 +19,9 @@ classes or, under its nominal quota, reclaim borrowed GPUs (see `preemption.py`)
 it frees are claimed for it, so a backfilled job cannot take them. A job that preemption
 will let in once its victims pass `min_runtime_s` holds the free GPUs it will use. Anything
 else waits, with a reason. Later, smaller jobs backfill around waiting ones.
+The first blocked job of each class (and a long-waiting job beyond its team's quota) gets a
+reservation from the running jobs' expected ends, and its reason says when it should start;
+with `easy_backfill` the reservation also holds its GPUs (see `reservation.py`).
 
 `fifo(view)` is the baseline the benchmark compares against: strict arrival order.
 """
@@ -67,6 +70,25 @@ class PolicyConfig:
     # and gets the free GPUs it can use held for it. Off by default: in the benchmark (4 h) it
     # cut the longest wait from 41 h to 29 h but cost 15% average completion time. None: off.
     reserve_after_s: float | None = None
+    # Reservations from progress (`reservation.py`): the first blocked job of each class, and
+    # a job beyond its team's nominal quota that waited `aging_s`, get a planned start from
+    # the running jobs' expected ends (shown to users as its expected start).
+    reservations: bool = True
+    # EASY backfill around them: a reservation holds its free GPUs, and a later job may use
+    # them only if its time limit (`max_runtime_s`) ends before the reservation starts. Off
+    # by default: it pays only where most jobs give a time limit (BENCHMARKS.md, "Reservations
+    # from progress": every job with a limit of 2x its duration, avg JCT -8.5%; half of them,
+    # one trace +10%); with no limits at all it changes nothing, as nothing could backfill.
+    easy_backfill: bool = False
+    # With EASY backfill: a job whose end is unknown or late may still start on reserved
+    # GPUs, as a preemptible tenant that steps aside when the reservation falls due.
+    reservation_tenants: bool = False
+    # Reservations made per cycle at most (each one walks the running jobs).
+    max_reservations: int = 8
+    # The end a reservation assumes for a running job that has reported no pace and has no
+    # time limit, and for a job started this cycle without one: late, so that a reservation
+    # is never promised GPUs on the strength of a guess.
+    default_runtime_s: float = 86400.0
     # Class names by rank, used in the reasons shown to users.
     priorities: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
 
@@ -81,6 +103,11 @@ class PolicyConfig:
             raise ConfigError(
                 f"max_evictions_per_cycle must be >= 0, not {self.max_evictions_per_cycle}; "
                 "e.g. 8 (set preemption = false to turn preemption off)."
+            )
+        if self.max_reservations < 0 or self.default_runtime_s <= 0:
+            raise ConfigError(
+                "max_reservations must be >= 0 and default_runtime_s > 0, not "
+                f"{self.max_reservations} and {self.default_runtime_s}; e.g. 8 and 86400."
             )
         for name in ("reserve_after_s", "aging_s"):
             v = getattr(self, name)

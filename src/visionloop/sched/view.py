@@ -54,6 +54,9 @@ class PendingJob:
     attained_gpu_s: float = 0.0  # GPU-seconds received so far (least-attained-service order)
     not_before: float = 0.0  # retry back-off: not placeable before this time
     nodes: int = 1  # one process group over this many nodes, gpus / nodes on each
+    # The time limit its owner gave (`max_runtime` in the job spec; None: none given). What
+    # backfill judges it by: it may start on GPUs a reservation needs only if it ends first.
+    max_runtime_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,9 @@ class ActiveJob:
     # When it should end at the pace it reported in this allocation (None: not known yet).
     # An estimate from the job's own progress, never a promise: what reservations plan with.
     expected_end: float | None = None
+    # Its owner's time limit for one allocation (None: none given): the end a reservation
+    # plans with until the job reports a pace.
+    max_runtime_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +122,8 @@ class Decision:
     # Every queued job that was not placed, with the reason shown to its owner
     # ("waiting for 4 GPUs: 2 free, team quota 2 + borrow 0 used"), so nothing waits silently.
     waiting: dict[str, str] = field(default_factory=dict)
+    # Waiting jobs holding a reservation: when it is expected to start (the running jobs'
+    # expected ends; see `reservation.py`). An estimate shown to users, re-derived each cycle.
+    starts: dict[str, float] = field(default_factory=dict)
+    # ...and the GPUs promised to it (free ones may be lent to jobs that end before it starts).
+    reserved: dict[str, tuple[str, ...]] = field(default_factory=dict)
