@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -157,6 +158,63 @@ def _wait_gone(pid: int, timeout: float = 60) -> None:
 
 def first_hours(attempt: dict[str, Any]) -> float:
     return float(attempt["ended_at"] - attempt["started_at"]) / 3600
+
+
+def _near(text: str, prefix: str, clock: str) -> bool:
+    """`text` has `prefix` then an HH:MM:SS UTC time within a minute of `clock`."""
+    at = text.find(prefix)
+    if at < 0:
+        return False
+    got = text[at + len(prefix) :][:12]
+
+    def minutes(c: str) -> int:
+        return int(c[:2]) * 60 + int(c[3:5])
+
+    return (
+        got.endswith(" UTC")
+        and min(abs(minutes(got) - minutes(clock)) % 1440, 1440 - abs(minutes(got) - minutes(clock)) % 1440)
+        <= 1
+    )
+
+
+def test_a_waiting_job_is_told_its_expected_start_from_the_running_jobs_pace(
+    up: str, tmp_path: Path, digits_dataset: Path
+) -> None:
+    """Like `squeue --start`: the first job that waits for GPUs gets the time the running
+    job's reported pace frees them, first in its reason, in `jobs list` and `jobs show`."""
+    long_run = spec_doc(digits_dataset, epochs=None, steps=100_000, tracking__enabled=False)
+    spec = write_spec(tmp_path / "long.yaml", {"train": long_run, "team": "vision", "name": "long"})
+    first = int(_ok("submit", str(spec), "--spot", "preferred").strip())
+    _wait(first, lambda j: j["state"] == "running" and j["expected_end"])
+    # 2 GPUs on one node: only spot-a has 2, and the first job holds one of them.
+    second = int(_ok("submit", str(spec), "--spot", "preferred", "--gpus", "2").strip())
+
+    def agrees(j: dict[str, Any]) -> bool:
+        """The reason's start is the running job's expected end rounded up to the minute
+        (give or take one: its pace, noisy as the run starts, moves between the reads)."""
+        reason = j["waiting_reason"] or ""
+        end = _show(first)["job"]["expected_end"]
+        starts = {
+            time.strftime("%H:%M:%S UTC", time.gmtime(math.ceil((end + d) / 60) * 60)) for d in (-60, 0, 60)
+        }
+        return (
+            reason.startswith("expected start ") and reason[len("expected start ") :].split(";")[0] in starts
+        )
+
+    show = _wait(second, agrees, timeout=120)
+    reason = show["job"]["waiting_reason"]
+    said = reason[len("expected start ") :].split(";")[0]
+    assert reason == (
+        f"expected start {said}; waiting for 2 GPUs: 2 free; no single node has 2 free; "
+        f"2 GPUs reserved for it as job {first} end"
+    )
+    # What the user reads, a moment later (the estimate may have moved by a minute).
+    listed = [line for line in _ok("jobs", "list").splitlines() if "queued" in line]
+    assert len(listed) == 1 and _near(listed[0], "│ expected start ", said), listed
+    assert _near(_ok("jobs", "show", str(second)), "\nwaiting: expected start ", said)
+    for job in (second, first):
+        _ok("jobs", "cancel", str(job))
+    _wait(first, lambda j: j["state"] == "cancelled", timeout=120)
 
 
 def test_control_plane_sigkilled_mid_job_readopts_it(
