@@ -57,6 +57,23 @@ class AugmentSpec(_Spec):
         return v
 
 
+class HoldoutSpec(_Spec):
+    """One fold of a K-fold split of the train split, left out of training: the fold's images
+    are never in a training batch, so a model trained this way predicts them out of sample
+    (`visionloop label issues --refit` trains one model per fold). Which images a fold holds is
+    a pure function of (train images, folds, seed): `data.sampler.holdout_positions`."""
+
+    folds: int = Field(ge=2, le=20, examples=[5])
+    fold: int = Field(ge=0, examples=[0], description="which fold is held out, 0..folds-1")
+    seed: int = Field(0, ge=0, examples=[0], description="seed of the fold assignment")
+
+    @model_validator(mode="after")
+    def _fold_in_range(self) -> HoldoutSpec:
+        if self.fold >= self.folds:
+            raise ValueError(f"fold {self.fold} is not one of 0..{self.folds - 1}")
+        return self
+
+
 class DataSpec(_Spec):
     dataset: Path = Field(examples=["~/.visionloop/datasets/digits"])
     batch_size: int = Field(64, ge=1, examples=[64], description="global batch size, over all processes")
@@ -70,6 +87,11 @@ class DataSpec(_Spec):
     augment: AugmentSpec = AugmentSpec()
     shuffle_window: int = Field(
         8, ge=1, examples=[8], description="shuffle among this many shard chunks at a time"
+    )
+    holdout: HoldoutSpec | None = Field(
+        None,
+        examples=[{"folds": 5, "fold": 0, "seed": 0}],
+        description="leave one fold of the train split out of training (out-of-fold predictions)",
     )
 
 

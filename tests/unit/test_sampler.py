@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from visionloop.data.sampler import EvalBatchSampler, ResumableBatchSampler, epoch_order
+from visionloop.data.sampler import EvalBatchSampler, ResumableBatchSampler, epoch_order, holdout_positions
 
 CHUNKS = [37, 40, 40, 13, 40, 40, 40, 22]  # 272 records in 8 litdata chunks
 
@@ -131,6 +131,40 @@ def test_ddp_ranks_partition_each_global_batch_like_one_process() -> None:
     per_rank = [list(r) for r in ranks]
     for step, batch in enumerate(single):
         assert flat([per_rank[r][step] for r in range(4)]) == flat([batch])
+
+
+def test_folds_partition_the_records_and_depend_on_their_own_seed_only() -> None:
+    n = sum(CHUNKS)
+    for folds in (2, 3, 5):
+        parts = [holdout_positions(n, folds, k, seed=3) for k in range(folds)]
+        assert sorted(p for part in parts for p in part) == list(range(n))  # each in exactly one fold
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+        assert all(part == sorted(part) for part in parts)
+    assert holdout_positions(n, 3, 1, seed=3) == holdout_positions(n, 3, 1, seed=3)
+    assert holdout_positions(n, 3, 1, seed=3) != holdout_positions(n, 3, 1, seed=4)
+    assert holdout_positions(n, 3, 0, seed=3) != list(range(0, n, 3))  # shuffled, not strided
+    with pytest.raises(ValueError, match="outside"):
+        holdout_positions(n, 3, 3, seed=0)
+
+
+def test_a_held_out_fold_never_reaches_a_batch_and_the_rest_keep_their_order() -> None:
+    held = holdout_positions(sum(CHUNKS), 4, 2, seed=0)
+    s = ResumableBatchSampler(CHUNKS, global_batch=16, seed=5, window=3, exclude=held)
+    full = ResumableBatchSampler(CHUNKS, global_batch=16, seed=5, window=3)
+    assert s.num_samples == sum(CHUNKS) - len(held) and s.steps_per_epoch == s.num_samples // 16
+    for epoch in range(3):
+        s.set_position(epoch=epoch, batch=0)
+        seen = flat(list(s))
+        assert not set(seen) & set(held) and len(seen) == s.steps_per_epoch * 16
+        # The kept records in the order the whole split would give them.
+        order = [p for p in epoch_order(CHUNKS, 5, epoch, 3).tolist() if p not in set(held)]
+        assert seen == order[: len(seen)]
+    s.set_position(epoch=1, batch=3)  # resumable at any batch, as without a fold held out
+    rest = list(s)
+    s.set_position(epoch=1, batch=0)
+    assert list(s)[3:] == rest
+    full.set_position(epoch=0, batch=0)
+    assert set(flat(list(full))) & set(held)  # without the fold, its records are trained on
 
 
 def test_eval_sampler_covers_every_record_once_across_ranks() -> None:

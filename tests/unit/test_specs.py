@@ -103,3 +103,17 @@ def test_unusable_files_are_explained(tmp_path: Path, text: str, expected: str) 
 def test_missing_file_shows_a_minimal_spec(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"does not exist\. A minimal train spec"):
         load_train_spec(tmp_path / "nope.yaml")
+
+
+def test_a_held_out_fold_must_be_one_of_its_folds() -> None:
+    s = validate_train_spec(doc(data={"dataset": "ds", "holdout": {"folds": 5, "fold": 4}}))
+    assert s.data.holdout is not None and (
+        s.data.holdout.folds,
+        s.data.holdout.fold,
+        s.data.holdout.seed,
+    ) == (5, 4, 0)
+    assert validate_train_spec(doc()).data.holdout is None
+    msg = error_of(doc(data={"dataset": "ds", "holdout": {"folds": 5, "fold": 5}}))
+    assert "data.holdout" in msg and "fold 5 is not one of 0..4" in msg
+    msg = error_of(doc(data={"dataset": "ds", "holdout": {"folds": 1, "fold": 0}}))
+    assert "data.holdout.folds" in msg and "got 1" in msg

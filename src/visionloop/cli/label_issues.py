@@ -1,16 +1,20 @@
 """`visionloop label issues MODEL`: likely label errors in a dataset split (confident learning
-on out-of-fold predictions, `visionloop.label.issues`), for review in Label Studio."""
+on out-of-fold predictions: `visionloop.label.issues` from the served model's embeddings,
+`visionloop.label.refit` from K trainings of its recipe), for review in Label Studio."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from visionloop.cli.console import err, out, print_wide
+from visionloop.core.errors import SpecError
 
 
 def issues_command(
@@ -35,6 +39,21 @@ def issues_command(
         help="Write the flagged images, issues.json and selection.json here: `visionloop label export "
         "DIR/selection.json` sends them to Label Studio for review.",
     ),
+    refit: bool = typer.Option(
+        False,
+        "--refit",
+        help="Train the version's own recipe once per fold and predict each held-out fold (any task; "
+        "the only way for detection): K trainings instead of one pass of the export.",
+    ),
+    work_dir: Path | None = typer.Option(
+        None,
+        "--work-dir",
+        help="--refit: where the fold runs go (default: under the home's label-issues/). Run the same "
+        "command again to resume interrupted folds; finished folds are not trained again.",
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="--refit: override a field of the recipe, e.g. --set epochs=5 (repeatable)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Find likely label errors in a dataset split by confident learning (cleanlab).
@@ -43,7 +62,7 @@ def issues_command(
 
     Each finding lists the image (split, shard position, record index), its given label and the suggested one. With --out, the flagged images are written with their stored bytes beside a selection file: review them in Label Studio (`label export`), bring the labels back (`label import`), and `visionloop data add` turns them into relabels of these very records.
 
-    One class per image (a classifier's dataset).
+    Detection, or any task with --refit: the version's saved train spec is trained once per fold with that fold of the train split held out (data.holdout), each fold's model predicts its held-out images, and cleanlab's object detection module (ObjectLab) flags images with overlooked, swapped or badly located boxes, each listed with the given and the suggested box. This costs K trainings; --set epochs=N shortens them.
     """  # noqa: E501 (one line per paragraph: Rich keeps the line breaks of a help text)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
@@ -60,43 +79,117 @@ def issues_command(
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
-        report = find_issues(
-            model,
-            load_settings(),
-            dataset=dataset,
-            split=split,
-            folds=folds,
-            max_images=max_images,
-            seed=seed,
-            precision=precision,
-            progress=progress,
-        )
+        settings = load_settings()
+        runs: list[Any] = []
+        if refit or _is_detection(model, settings):
+            from visionloop.label.refit import refit_issues
+
+            if split != "train" or max_images is not None:
+                raise SpecError(
+                    "--refit judges the whole train split (every image is predicted by the fold that "
+                    "left it out); leave --split and --max-images out."
+                )
+            folds_dir = work_dir or _default_work_dir(settings, model, folds, seed, overrides, dataset)
+            err.print(f"fold runs in {escape(str(folds_dir))}", soft_wrap=True)
+            report, runs = refit_issues(
+                model,
+                settings,
+                work_dir=folds_dir,
+                folds=folds,
+                seed=seed,
+                overrides=overrides,
+                dataset=dataset,
+                progress=progress,
+            )
+        else:
+            report = find_issues(
+                model,
+                settings,
+                dataset=dataset,
+                split=split,
+                folds=folds,
+                max_images=max_images,
+                seed=seed,
+                precision=precision,
+                progress=progress,
+            )
     if out_dir is not None:
         report = write_review(report, out_dir)
     if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=1))
+        doc = report.to_dict()
+        if runs:
+            doc["fold_runs"] = [vars(r) for r in runs]
+        typer.echo(json.dumps(doc, indent=1))
         return
+    if report.method == "refit":
+        # The first two of the task's metrics (its primary first): the rest are in --json.
+        judge = ", ".join(f"{k} {v:.3f}" for k, v in list((report.oof_metrics or {}).items())[:2])
+        how = f"{report.folds} trainings of {escape(report.model)}'s recipe, out-of-fold {escape(judge)}"
+    else:
+        how = (
+            f"{report.folds}-fold out-of-fold accuracy {report.oof_accuracy or 0:.1%}, embeddings of "
+            f"{escape(report.model)}"
+        )
     out.print(
         f"[bold]{len(report.issues)}[/] likely label errors in {report.images:,} {escape(report.split)} "
-        f"images of {escape(report.dataset)} ({report.folds}-fold out-of-fold accuracy "
-        f"{report.oof_accuracy:.1%}, embeddings of {escape(report.model)})",
+        f"images of {escape(report.dataset)} ({how})",
         soft_wrap=True,
     )
     if report.issues and show:
-        t = Table(title=f"the {min(show, len(report.issues))} least likely given labels first")
-        for col in ("split/position", "index", "labelled", "suggested", "p(labelled)", "p(suggested)"):
-            t.add_column(col, justify="right" if col.startswith("p(") or col == "index" else "left")
-        for i in report.issues[:show]:
-            t.add_row(
-                f"{i.split}/{i.position}",
-                str(i.index),
-                escape(i.given),
-                escape(i.suggested),
-                f"{i.given_probability:.3f}",
-                f"{i.suggested_probability:.3f}",
-            )
-        print_wide(t)
+        print_wide(_table(report, show))
     if out_dir is not None:
         where = escape(str(out_dir))
         out.print(f"images, issues.json and selection.json in {where}")
         out.print(f"Next: [bold]visionloop label export {where}/selection.json --to URL[/] to review them")
+
+
+def _table(report: Any, show: int) -> Table:
+    boxes = any(i.suggested_probability is None for i in report.issues)
+    title = "the least likely labels first" if boxes else "the least likely given labels first"
+    t = Table(title=f"{title} ({min(show, len(report.issues))} of {len(report.issues)})")
+    cols = ["split/position", "index", "labelled", "suggested", "quality" if boxes else "p(labelled)"]
+    cols += ["why"] if boxes else ["p(suggested)"]
+    for col in cols:
+        t.add_column(
+            col, justify="right" if col in ("index", "quality", "p(labelled)", "p(suggested)") else "left"
+        )
+    for i in report.issues[:show]:
+        last = _why(i) if boxes else f"{i.suggested_probability:.3f}"
+        row = [f"{i.split}/{i.position}", str(i.index), escape(i.given), escape(i.suggested)]
+        t.add_row(*row, f"{i.given_probability:.3f}", escape(last))
+    return t
+
+
+def _why(issue: Any) -> str:
+    """The image's suspicious labels, one per line: 'swapped car -> truck at (x1, y1, x2, y2)'."""
+    lines = []
+    for f in issue.findings:
+        box = f.given_box or f.suggested_box
+        at = " at ({:.0f}, {:.0f}, {:.0f}, {:.0f})".format(*box) if box else ""
+        if f.kind == "overlooked":
+            lines.append(f"overlooked {f.suggested}{at}")
+        elif f.kind == "swapped":
+            lines.append(f"swapped {f.given} -> {f.suggested or '?'}{at}")
+        else:
+            lines.append(f"{f.kind} {f.given}{at}")
+    return "\n".join(lines) or "-"
+
+
+def _is_detection(ref: str, settings: Any) -> bool:
+    """Whether `ref` is a detector, whose labels only --refit can judge."""
+    from visionloop.registry import get_version
+
+    return get_version(ref, settings).card().task == "detection"
+
+
+def _default_work_dir(
+    settings: Any, ref: str, folds: int, seed: int, overrides: list[str], dataset: Path | None
+) -> Path:
+    """One folder per (version, folds, seed, overrides, dataset): the same command resumes it,
+    a different one does not collide with it."""
+    from visionloop.registry import get_version
+
+    info = get_version(ref, settings)
+    key = json.dumps([folds, seed, overrides, str(dataset or "")]).encode()
+    tag = hashlib.sha256(key).hexdigest()[:8]
+    return Path(settings.home) / "label-issues" / f"{info.name}-v{info.version}-{folds}fold-{tag}"

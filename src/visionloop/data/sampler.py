@@ -11,6 +11,10 @@ rank `r` of `W` takes its contiguous share of it. So:
   process with the same global batch size;
 - the sampler, not the DataLoader, decides the order, so the number of workers and their
   prefetching never change which samples a step gets.
+
+A held-out fold (`data.holdout`, for out-of-fold predictions) is dropped from each epoch's
+order after it is computed, so the rest keep the order they would have had and the fold is
+again a pure function of (train images, folds, seed): `holdout_positions`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ def epoch_order(chunk_sizes: Sequence[int], seed: int, epoch: int, window: int) 
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
+def holdout_positions(num_samples: int, folds: int, fold: int, seed: int) -> list[int]:
+    """The record positions of fold `fold` of `folds`, ascending: a seeded permutation of all
+    positions dealt out round-robin, so folds differ in size by at most one image and every
+    image is in exactly one fold. Deliberately not `epoch_order`'s generator (whose seed is the
+    training seed): which images a fold holds must not change with the training seed."""
+    if not 0 <= fold < folds:
+        raise ValueError(f"fold {fold} outside 0..{folds - 1}")
+    g = torch.Generator()
+    g.manual_seed((seed * 2_654_435_761 + 97) % (2**63))
+    perm = torch.randperm(num_samples, generator=g)
+    return sorted(perm[fold::folds].tolist())
+
+
 class ResumableBatchSampler(Sampler[list[SampleKey]]):
     """Yields this rank's share of each global training batch, from a settable position."""
 
@@ -58,11 +75,19 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
         rank: int = 0,
         world_size: int = 1,
         window: int = 8,
+        exclude: Sequence[int] = (),
     ) -> None:
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} is not divisible by {world_size} processes")
         self.chunk_sizes = list(chunk_sizes)
-        self.num_samples = sum(self.chunk_sizes)
+        total = sum(self.chunk_sizes)
+        # Positions never yielded (a held-out fold); None when there are none, so the common
+        # case pays nothing per epoch.
+        self.keep: torch.Tensor | None = None
+        if exclude:
+            self.keep = torch.ones(total, dtype=torch.bool)
+            self.keep[torch.as_tensor(list(exclude), dtype=torch.int64)] = False
+        self.num_samples = total if self.keep is None else int(self.keep.sum())
         self.global_batch = global_batch
         self.local_batch = global_batch // world_size
         self.seed = seed
@@ -85,6 +110,8 @@ class ResumableBatchSampler(Sampler[list[SampleKey]]):
     def __iter__(self) -> Iterator[list[SampleKey]]:
         epoch = self.epoch
         order = epoch_order(self.chunk_sizes, self.seed, epoch, self.window)
+        if self.keep is not None:
+            order = order[self.keep[order]]
         for b in range(self.start_batch, self.steps_per_epoch):
             lo = b * self.global_batch + self.rank * self.local_batch
             yield [(int(i), epoch) for i in order[lo : lo + self.local_batch].tolist()]

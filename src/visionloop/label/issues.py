@@ -17,7 +17,7 @@ a selection file that `visionloop label export` sends to Label Studio for review
 relabelled images `visionloop data add` then matches back to these records.
 
 One class per image (a classifier's dataset): a detector's images hold several boxes, which
-this does not judge.
+`label.refit` judges from K trainings of the detector instead; its findings share these types.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import numpy.typing as npt
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_bytes, atomic_write_text
 from visionloop.tasks.drift_outputs import EMBEDDING_OUTPUT
+from visionloop.tasks.label_issues import LabelFinding
 
 Progress = Callable[[str, int, int], None]
 # The most images one run embeds: 50k × a 512-wide embedding is 100 MB of float32.
@@ -48,11 +49,23 @@ class LabelIssue:
     split: str
     position: int  # in the split's shards
     index: int  # the record's id (`data add` keeps it across versions)
-    given: str
+    given: str  # the given label; for a detector, its boxes summed up ("2 car, 1 person")
     suggested: str
-    given_probability: float  # out-of-fold probability of the given label: low is suspicious
-    suggested_probability: float
+    # Out-of-fold probability of the given label (a detector: cleanlab's label quality score
+    # of the image, 0..1): low is suspicious.
+    given_probability: float
+    suggested_probability: float | None  # None where there is no one suggested label (boxes)
     image: str | None = None  # the file `write_review` wrote, when it did
+    findings: tuple[LabelFinding, ...] = ()  # the suspicious labels (boxes), least likely first
+
+    def reason(self) -> str:
+        """One line for a reviewer: what was given and what the model says instead."""
+        if self.suggested_probability is not None:
+            return f"labelled {self.given}, out-of-fold {self.suggested} ({self.suggested_probability:.2f})"
+        kinds = ", ".join(
+            f"{f.kind} {f.given or f.suggested}" for f in self.findings[:3] if f.kind != "wrong class"
+        )
+        return f"labelled {self.given}, out-of-fold {self.suggested}" + (f" ({kinds})" if kinds else "")
 
 
 @dataclass(frozen=True)
@@ -63,8 +76,12 @@ class IssuesReport:
     split: str
     images: int
     folds: int
-    oof_accuracy: float  # of the out-of-fold classifier against the given labels
+    oof_accuracy: float | None  # of the out-of-fold predictions against the given labels
     issues: tuple[LabelIssue, ...]
+    # "embeddings": a classifier over the served model's embeddings; "refit": the model's
+    # recipe trained once per fold (`label.refit`).
+    method: str = "embeddings"
+    oof_metrics: dict[str, float] | None = None  # the task's metrics over the out-of-fold predictions
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "issues": [asdict(i) for i in self.issues]}
@@ -228,7 +245,7 @@ def write_review(report: IssuesReport, out_dir: Path, limit: int | None = None) 
             {
                 "id": Path(i.image or "").name,
                 "score": 1.0 - i.given_probability,
-                "reason": f"labelled {i.given}, out-of-fold {i.suggested} ({i.suggested_probability:.2f})",
+                "reason": i.reason(),
             }
             for i in written
         ],

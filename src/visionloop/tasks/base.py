@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from visionloop.models import ModelCard
     from visionloop.specs import TrainSpec
     from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
+    from visionloop.tasks.label_issues import ImageLabelIssue
 
 # (model outputs, targets) -> scalar loss. Outputs and targets are whatever the task's model
 # returns and its collate makes.
@@ -581,6 +582,23 @@ class Task(ABC):
         """Labelled images as a source folder this task's ingest reads; returns it."""
         folder: Path = self._labelling().write_labelled(items, out_dir)
         return folder
+
+    # The module whose `find_label_issues(results, class_names)` judges this task's labels;
+    # "" when the task cannot.
+    label_quality_module: ClassVar[str] = ""
+
+    def find_label_issues(
+        self, results: Sequence[tuple[Any, Any]], class_names: Sequence[str]
+    ) -> list[ImageLabelIssue]:
+        """The images whose given labels their out-of-fold predictions contradict (confident
+        learning), least likely first. `results` are one-image (outputs, targets) pairs as
+        `image_result` keeps them, each from a model that never trained on that image; the
+        findings' `item` indexes them."""
+        if not self.label_quality_module:
+            raise DataError(f"the {self.name} task cannot judge its labels (Task.label_quality_module)")
+        module = importlib.import_module(self.label_quality_module)
+        issues: list[ImageLabelIssue] = module.find_label_issues(results, class_names)
+        return issues
 
     @abstractmethod
     def log_fields(self, outputs: Arrays, class_names: Sequence[str]) -> list[dict[str, Any]]:

@@ -239,7 +239,7 @@ def _open_tracker(
             "derived.num_params": c.num_params,
             "derived.steps_per_epoch": c.steps_per_epoch,
             "derived.total_steps": c.total_steps,
-            "derived.train_images": len(c.train_reader),
+            "derived.train_images": len(c.train_reader) - len(c.held_out),
             "derived.eval_split": c.eval_split or "none",
         }
     )
@@ -265,7 +265,7 @@ def _start_info(
         precision=precision,
         world_size=c.dist.world_size,
         num_params=c.num_params,
-        train_images=len(c.train_reader),
+        train_images=len(c.train_reader) - len(c.held_out),
         val_images=c.eval_size,
         dataset_version=c.manifest.version,
     )

@@ -106,6 +106,7 @@ class Loop:
             rank=self.info.rank,
             world_size=self.info.world_size,
             window=self.spec.data.shuffle_window,
+            exclude=c.held_out,
         )
         pin = self.device.type == "cuda"
         self.train_loader = make_loader(

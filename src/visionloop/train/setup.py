@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from visionloop.core.errors import DataError, TrainingError
 from visionloop.data.manifest import DatasetManifest, eval_split, read_manifest, shard_dir_of
+from visionloop.data.sampler import holdout_positions
 from visionloop.data.shards import ShardReader
 from visionloop.models.registry import IMAGENET_MEAN, IMAGENET_STD
 from visionloop.specs import TrainSpec
@@ -51,6 +52,8 @@ class Components:
     steps_per_epoch: int
     num_params: int
     spec_sha256: str
+    # Train-split positions never trained on (`data.holdout`'s fold), ascending.
+    held_out: tuple[int, ...] = ()
     last_eval_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -130,10 +133,21 @@ def build(
             f"data.batch_size {spec.data.batch_size} is the global batch and must divide evenly over "
             f"{info.world_size} processes; use e.g. {fitting}."
         )
-    steps_per_epoch = len(train_reader) // spec.data.batch_size
+    held_out: tuple[int, ...] = ()
+    if spec.data.holdout is not None:
+        h = spec.data.holdout
+        if len(train_reader) < h.folds:
+            raise DataError(
+                f"data.holdout asks for {h.folds} folds of a train split of {len(train_reader)} images; "
+                "use fewer folds."
+            )
+        held_out = tuple(holdout_positions(len(train_reader), h.folds, h.fold, h.seed))
+    trained = len(train_reader) - len(held_out)
+    steps_per_epoch = trained // spec.data.batch_size
     if steps_per_epoch == 0:
+        left = f" ({len(held_out)} held out)" if held_out else ""
         raise TrainingError(
-            f"the train split has {len(train_reader)} images, fewer than one batch of "
+            f"the train split has {trained} images to train on{left}, fewer than one batch of "
             f"{spec.data.batch_size}; lower data.batch_size."
         )
     total_steps = spec.steps or (spec.epochs or 1) * steps_per_epoch
@@ -187,4 +201,5 @@ def build(
         steps_per_epoch=steps_per_epoch,
         num_params=num_params,
         spec_sha256=spec_sha256,
+        held_out=held_out,
     )

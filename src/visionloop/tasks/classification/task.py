@@ -51,6 +51,7 @@ class ClassificationTask(Task):
     output_names = ("logits",)
     image_endpoint = "classify"
     labelling_module = "visionloop.tasks.classification.labelling"
+    label_quality_module = "visionloop.tasks.classification.label_quality"
     metric_label = "top-1"
     example_arch = "small_cnn"
     example_image_size = 16

@@ -111,6 +111,7 @@ class DetectionTask(Task):
     # The annotation formats `annotations` reads, with the spellings it also takes.
     source_formats = ("coco", "yolo", "voc", "label_studio", "labelstudio", "label-studio", "pascal_voc")
     labelling_module = "visionloop.tasks.detection.labelling"
+    label_quality_module = "visionloop.tasks.detection.label_quality"
 
     # ------------------------------------------------------------------ ingest
     def claims_source(self, path: Path) -> bool:
