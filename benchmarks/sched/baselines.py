@@ -99,6 +99,12 @@ def main() -> None:
     ap.add_argument("--name", default="sched_baselines", help="results file name")
     ap.add_argument("--time-limit-share", type=float, default=1.0, help="the share of jobs that give one")
     ap.add_argument(
+        "--victims",
+        choices=("least_lost", "smallest"),
+        default="least_lost",
+        help="visionloop's victim order",
+    )
+    ap.add_argument(
         "--easy-backfill", action="store_true", help="visionloop's reservations hold GPUs (EASY backfill)"
     )
     ap.add_argument(
@@ -111,7 +117,12 @@ def main() -> None:
         help="jobs give visionloop a max_runtime of this multiple of their true duration (default: none)",
     )
     args = ap.parse_args()
-    policy = PolicyConfig(same_node=False, easy_backfill=args.easy_backfill, reservation_tenants=args.tenants)
+    policy = PolicyConfig(
+        same_node=False,
+        easy_backfill=args.easy_backfill,
+        reservation_tenants=args.tenants,
+        victim_order=args.victims,
+    )
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(
         grace_s=args.grace,

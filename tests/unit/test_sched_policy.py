@@ -164,6 +164,22 @@ def test_victims_lowest_priority_then_most_recent_checkpoint() -> None:
     assert sorted(e.job_id for e in d2.evictions) == ["low-new-ckpt", "low-no-ckpt", "low-old-ckpt"]
 
 
+def test_victims_by_size_first_with_victim_order_smallest() -> None:
+    """Slurm's preempt/qos order: a 1-GPU job needs one victim; by least work lost it takes
+    the 4-GPU job that checkpointed a minute ago (240 GPU-s lost, 4 GPUs disturbed), by size
+    the 1-GPU job that has not checkpointed for 15 minutes (900 GPU-s)."""
+    running = [
+        r("big-new-ckpt", ["n0/0", "n0/1", "n0/2", "n0/3"], prio=LOW, ckpt=NOW - 60),
+        r("small-old-ckpt", ["n0/4"], prio=LOW, ckpt=NOW - 900),
+    ]
+    v = view(node_gpus("n0", 5), [q("h", prio=HIGH)], running)
+    assert [e.job_id for e in schedule(v, CFG).evictions] == ["big-new-ckpt"]
+    smallest = PolicyConfig(aging_s=None, victim_order="smallest")
+    assert [e.job_id for e in schedule(v, smallest).evictions] == ["small-old-ckpt"]
+    with pytest.raises(ConfigError, match="victim_order"):
+        PolicyConfig(victim_order="biggest")  # type: ignore[arg-type]
+
+
 def test_never_a_young_or_non_preemptible_victim() -> None:
     running = [
         r("young", ["n0/0"], prio=LOW, started=NOW - 599),
@@ -593,7 +609,16 @@ def test_invariants(vc: tuple[ClusterView, PolicyConfig]) -> None:
     running = {j.id: j for j in v.running}
     for e in d.evictions:
         victim = running[e.job_id]
-        assert victim.preemptible and v.now - victim.started_at >= cfg.min_runtime_s
+        # Young victims only as tenants: a lower class of the preemptor's own team that
+        # started while it waited (no class jumping, preemption.py).
+        head = queued.get(e.for_job or "")
+        tenant = (
+            head is not None
+            and victim.team == head.team
+            and victim.priority < head.priority
+            and victim.started_at >= head.submitted_at
+        )
+        assert victim.preemptible and (v.now - victim.started_at >= cfg.min_runtime_s or tenant)
         assert e.for_job in queued and e.reason
     assert len(d.evictions) <= cfg.max_evictions_per_cycle
     # no team beyond nominal + borrow because of this cycle's placements

@@ -141,8 +141,10 @@ class CycleState:
         return ts
 
     def _victim_order(self, j: ActiveJob) -> tuple[float, float, float, str]:
-        """Victims are tried lowest class first, then least work lost, then youngest."""
-        return (self._held_rank(j), self._lost_gpu_s(j), -j.started_at, j.id)
+        """Victims are tried lowest class first, then least work lost (or fewest GPUs, with
+        `victim_order = "smallest"`), then youngest."""
+        second = len(j.gpu_ids) if self.cfg.victim_order == "smallest" else self._lost_gpu_s(j)
+        return (self._held_rank(j), second, -j.started_at, j.id)
 
     def _lost_gpu_s(self, j: ActiveJob) -> float:
         since = j.started_at if j.last_checkpoint_at is None else max(j.started_at, j.last_checkpoint_at)

@@ -39,6 +39,7 @@ from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus
 from visionloop.sched.view import DEFAULT_PRIORITIES, ClusterView, Decision, PendingJob, Placement
 
 Order = Literal["fifo", "las"]
+VictimOrder = Literal["least_lost", "smallest"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class PolicyConfig:
     preemption: bool = True
     # Multi-GPU jobs on one node (local executor). Off: span nodes, packed onto the fewest.
     same_node: bool = True
+    # Victims within a class: "least_lost" (least GPU-time since their last checkpoint) or
+    # "smallest" (fewest GPUs, then youngest: Slurm's preempt/qos order). A trainer that
+    # checkpoints at SIGTERM loses the same per freed GPU whichever it is, and then size is
+    # what is left to choose by; see BENCHMARKS.md ("Victims") for what each measured.
+    victim_order: VictimOrder = "least_lost"
     # Evictions issued in one cycle at most (a burst of preemptions is usually a mistake).
     max_evictions_per_cycle: int = 8
     # Waiting this long promotes a queued job one priority class for ordering (never for the
@@ -96,6 +102,11 @@ class PolicyConfig:
         if self.order not in ("fifo", "las"):
             raise ConfigError(
                 f"scheduler order must be 'fifo' or 'las', not {self.order!r}; e.g. order = 'las'."
+            )
+        if self.victim_order not in ("least_lost", "smallest"):
+            raise ConfigError(
+                f"victim_order must be 'least_lost' or 'smallest', not {self.victim_order!r}; "
+                "e.g. victim_order = 'smallest'."
             )
         if self.min_runtime_s < 0:
             raise ConfigError(f"min_runtime_s must be >= 0 seconds, not {self.min_runtime_s}; e.g. 600.")
