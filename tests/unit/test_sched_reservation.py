@@ -144,6 +144,27 @@ def test_a_job_ahead_of_the_head_in_its_class_is_no_tenant() -> None:
     assert d.evictions == [] and d.starts == {"head": minute(NOW + 2 * HOUR)}
 
 
+def test_a_job_beyond_its_teams_quota_gets_a_reservation_once_it_has_waited_the_aging_time() -> None:
+    """Besides the first blocked job of each class, a job bigger than its team's nominal
+    quota gets one after `aging_s` (3,600 s): the jobs that otherwise starve. The GPUs are
+    promised in the cycle's order, so the second reservation comes after the first."""
+    g = gpus(8)
+    busy = [
+        ActiveJob("r1", "b", HIGH, tuple(x.id for x in g[:4]), NOW - HOUR, expected_end=NOW + HOUR),
+        ActiveJob("r2", "b", HIGH, tuple(x.id for x in g[4:]), NOW - HOUR, expected_end=NOW + 2 * HOUR),
+    ]
+    teams = {"a": Team("a", 2, 6), "b": Team("b", 16)}
+    first = PendingJob("first", "b", NORMAL, 4, submitted_at=NOW - 10)  # entitled: considered first
+    aged = PendingJob("aged", "a", NORMAL, 4, submitted_at=NOW - 2 * HOUR)  # 4 > nominal 2, 2 h
+    fresh = PendingJob("fresh", "a", NORMAL, 4, submitted_at=NOW - 600)  # as big, 10 minutes
+    d = schedule(ClusterView(NOW, g, teams, busy, [first, aged, fresh]), EASY)
+    assert d.starts == {"first": minute(NOW + HOUR), "aged": minute(NOW + 2 * HOUR)}
+    assert set(d.reserved["first"]) == {x.id for x in g[:4]} and set(d.reserved["aged"]) == {
+        x.id for x in g[4:]
+    }
+    assert "expected start" not in d.waiting["fresh"]
+
+
 # --------------------------------------------------------------------------- invariants
 
 
