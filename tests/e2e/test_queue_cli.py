@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -172,7 +173,7 @@ def _as_shown(job_id: int, *command: str) -> tuple[str, str]:
 
 
 def test_a_waiting_job_is_told_its_expected_start_from_the_running_jobs_pace(
-    up: str, tmp_path: Path, digits_dataset: Path
+    up: str, vl_home: Path, tmp_path: Path, digits_dataset: Path
 ) -> None:
     """Like `squeue --start`: the first job that waits for GPUs gets the time the running
     job's reported pace frees them, first in its reason, in `jobs list` and `jobs show`."""
@@ -210,6 +211,20 @@ def test_a_waiting_job_is_told_its_expected_start_from_the_running_jobs_pace(
     assert stored.startswith("expected start ") and len(rows) == 1 and f"│ {stored[:100]}" in rows[0], rows
     shown, stored = _as_shown(second, "jobs", "show", str(second))
     assert f"\nwaiting: {stored}\n" in shown, shown
+
+    # SIGKILL the control plane and blank the stored reason while it is down: the restarted
+    # one derives the reservation again from what is stored (the running job's attempt and
+    # pace), not from the reason it wrote before.
+    state = json.loads((vl_home / "control-plane.json").read_text())
+    os.kill(state["pid"], signal.SIGKILL)
+    _wait_gone(state["pid"])
+    with contextlib.closing(sqlite3.connect(vl_home / "state.db")) as db, db:
+        db.execute("UPDATE jobs SET waiting_reason = 'stale' WHERE id = ?", (second,))
+        assert db.execute("SELECT waiting_reason FROM jobs WHERE id = ?", (second,)).fetchall() == [
+            ("stale",)
+        ]
+    _ok("up", "--detach", "--port", up)
+    _wait(second, agrees, timeout=120)
     for job in (second, first):
         _ok("jobs", "cancel", str(job))
     _wait(first, lambda j: j["state"] == "cancelled", timeout=120)
