@@ -98,6 +98,9 @@ def main() -> None:
             # Long timings: nothing times out or gets preempted while being measured.
             "scheduler": {"cycle_s": 2.0, "min_runtime_s": 3600, "heartbeat_timeout_s": 600, "grace_s": 600},
             "teams": TEAMS,
+            # The jobs' spec names a dataset that is never read (they run a sleeper); it must
+            # still lie under an allowed root, or every launch fails its path check.
+            "jobs": {"allowed_roots": ["/data"]},
             "inventory": [
                 {"node": f"node{n}", "type": "fake", "count": PER_NODE, "price_class": "owned"}
                 for n in range(NODES)
