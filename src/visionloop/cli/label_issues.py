@@ -81,7 +81,7 @@ def issues_command(
 
         settings = load_settings()
         runs: list[Any] = []
-        if refit or _is_detection(model, settings):
+        if refit or not _embeddings_judge(model, settings):
             from visionloop.label.refit import refit_issues
 
             if split != "train" or max_images is not None:
@@ -175,11 +175,13 @@ def _why(issue: Any) -> str:
     return "\n".join(lines) or "-"
 
 
-def _is_detection(ref: str, settings: Any) -> bool:
-    """Whether `ref` is a detector, whose labels only --refit can judge."""
+def _embeddings_judge(ref: str, settings: Any) -> bool:
+    """Whether `ref`'s task can judge labels from its embeddings (one label per image); a
+    detector's boxes only --refit can judge."""
     from visionloop.registry import get_version
+    from visionloop.tasks import get_task
 
-    return get_version(ref, settings).card().task == "detection"
+    return get_task(get_version(ref, settings).card().task).labels_from_embeddings
 
 
 def _default_work_dir(

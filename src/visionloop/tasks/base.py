@@ -586,6 +586,10 @@ class Task(ABC):
     # The module whose `find_label_issues(results, class_names)` judges this task's labels;
     # "" when the task cannot.
     label_quality_module: ClassVar[str] = ""
+    # Whether one label per image lets `label issues` judge labels from the served model's
+    # embeddings (a classifier over them, no training); False: only K trainings of the model
+    # (`--refit`) predict labels out of fold.
+    labels_from_embeddings: ClassVar[bool] = False
 
     def find_label_issues(
         self, results: Sequence[tuple[Any, Any]], class_names: Sequence[str]

@@ -52,6 +52,7 @@ class ClassificationTask(Task):
     image_endpoint = "classify"
     labelling_module = "visionloop.tasks.classification.labelling"
     label_quality_module = "visionloop.tasks.classification.label_quality"
+    labels_from_embeddings = True
     metric_label = "top-1"
     example_arch = "small_cnn"
     example_image_size = 16
