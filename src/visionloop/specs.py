@@ -297,15 +297,43 @@ class ResourcesSpec(_Spec):
         return max(self.gpus // self.nodes, 1)
 
 
+# A job's `max_runtime` bounds: under a minute is shorter than a start takes (a typo of
+# units: `max_runtime: 6` is six seconds), over a year is no estimate at all.
+MIN_RUNTIME_S, MAX_RUNTIME_S = 60.0, 365 * 86400.0
+
+
 class JobFields(_Spec):
     """What the scheduler needs to place a job, whatever it runs: its resources, priority,
-    team, spot policy and restart budget (a tuning study gives every trial the same)."""
+    team, spot policy, restart budget and time estimate (a tuning study gives every trial
+    the same)."""
 
     resources: ResourcesSpec = ResourcesSpec()
     priority: str = Field("normal", min_length=1, max_length=64, examples=["normal"])
     team: str | None = Field(None, min_length=1, max_length=64, examples=["detection"])
     spot: Literal["never", "allowed", "preferred"] = Field("allowed", examples=["allowed"])
     max_restarts: int = Field(3, ge=0, le=100, examples=[3])
+    # Like Slurm's --time, but a planning estimate, not a kill switch: how long one run of
+    # the job (one allocation) should take at most. Reservations plan with it until the job
+    # reports a pace, and EASY backfill lets the job start on GPUs held for a reservation
+    # only if it ends first. The control plane never stops a job at it (a training job
+    # resumes from checkpoints; killing it at a guess would only lose work). Seconds.
+    max_runtime: float | None = Field(
+        None, examples=["6h"], description="expected longest run: 6h, 90m, 2d or seconds"
+    )
+
+    @field_validator("max_runtime", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        from visionloop.core.durations import parse_duration
+
+        seconds = parse_duration(v)  # its ValueError names the value and gives examples
+        if not MIN_RUNTIME_S <= seconds <= MAX_RUNTIME_S:
+            raise ValueError(
+                f"must be between 1 minute and 365 days (e.g. 6h, 90m or 2d); {seconds:g} seconds is not"
+            )
+        return seconds
 
     @field_validator("priority", "team")
     @classmethod

@@ -44,6 +44,8 @@ class SubmitBody(BaseModel):
     priority: str | None = None
     gpus: int | None = Field(None, ge=0, le=1024)
     spot: Literal["never", "allowed", "preferred"] | None = None
+    # Overrides the spec's `max_runtime` (6h, 90m, 2d or seconds); checked with the spec.
+    max_runtime: str | float | None = None
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
 
 
@@ -280,6 +282,7 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
             priority=body.priority,
             gpus=body.gpus,
             spot=body.spot,
+            max_runtime=body.max_runtime,
             idempotency_key=body.idempotency_key,
         )
         plane.wake.set()

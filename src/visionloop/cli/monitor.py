@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 
@@ -13,17 +12,17 @@ from rich.markup import escape
 
 from visionloop.cli.console import err, out
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
 
 def parse_duration(text: str, option: str) -> float:
-    """'90s', '15m', '1h', '1d' (or plain seconds) → seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
-    if m is None:
+    """'90s', '15m', '1h', '1d' (or plain seconds) → seconds (visionloop.core.durations)."""
+    from visionloop.core.durations import parse_duration as seconds
+
+    try:
+        return seconds(text)
+    except ValueError:
         raise typer.BadParameter(
             f"{text!r} is not a duration; write e.g. 30s, 15m, 1h or 1d", param_hint=option
-        )
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+        ) from None
 
 
 def monitor(

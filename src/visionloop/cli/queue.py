@@ -16,6 +16,7 @@ from rich.table import Table
 
 from visionloop.cli.console import err, print_wide
 from visionloop.cli.runs import _duration
+from visionloop.core.durations import format_duration
 
 jobs_app = typer.Typer(help="List, inspect, follow and cancel queued and running jobs.", no_args_is_help=True)
 admin_app = typer.Typer(
@@ -151,6 +152,12 @@ def submit(
     ),
     team: str | None = typer.Option(None, "--team", "-t", help="Team to bill (default: your token's team)."),
     spot: str | None = typer.Option(None, "--spot", help="never | allowed | preferred."),
+    max_runtime: str | None = typer.Option(
+        None,
+        "--max-runtime",
+        help="How long one run should take at most, e.g. 6h, 90m, 2d (overrides the spec's "
+        "max_runtime): planned with for reservations and backfill, never enforced.",
+    ),
     overrides: list[str] = typer.Option(
         [], "--set", help="Override a train-spec field: --set optimizer.lr=0.01."
     ),
@@ -176,7 +183,13 @@ def submit(
     body = {**doc, "train": train_doc} if is_job else {"train": train_doc}
     with _client() as c:
         job = c.submit(
-            body, gpus=gpus, priority=priority, team=team, spot=spot, idempotency_key=idempotency_key
+            body,
+            gpus=gpus,
+            priority=priority,
+            team=team,
+            spot=spot,
+            max_runtime=max_runtime,
+            idempotency_key=idempotency_key,
         )
     if as_json:
         typer.echo(json.dumps(job, indent=2))
@@ -261,6 +274,12 @@ def jobs_show(
         f"priority {j['priority']}  {j['gpus']} GPU(s), spot {j['spot']}\n"
         f"run dir {j['run_dir']}\n"
         f"restarts {j['restarts']}/{j['max_restarts']}  preemptions {j['preemptions']}"
+    )
+    limit = j.get("max_runtime_s")
+    print_wide(
+        "max runtime: "
+        + ("none given" if limit is None else format_duration(float(limit)))
+        + " (planned with for reservations and backfill; not enforced)"
     )
     if j["state"] == "queued" and j.get("waiting_reason"):
         print_wide(f"waiting: {j['waiting_reason']}")

@@ -24,6 +24,9 @@ priority classes.
     retry_backoff_s = 30     # first retry delay after a failure; doubles per restart
     inventory_sync_s = 30    # re-read the executor's GPUs this often (Ray nodes come and go); 0: never
     order = "las"            # or "fifo"
+    victim_order = "least_lost"  # or "smallest" (Slurm's: fewest GPUs, then youngest)
+    easy_backfill = false    # reservations hold their free GPUs for jobs whose max_runtime ends first
+    reservation_tenants = false  # with easy_backfill: others start there too, and step aside when due
 
     [priorities]             # class name = rank (higher runs first)
     low = 10
@@ -105,6 +108,11 @@ class SchedulerTimings:
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
     order: Literal["las", "fifo"] = "las"
+    # Policy switches beside the timings (sched.policy.PolicyConfig has what each does and
+    # BENCHMARKS.md what each measured; the defaults are PolicyConfig's).
+    victim_order: Literal["least_lost", "smallest"] = "least_lost"
+    easy_backfill: bool = False
+    reservation_tenants: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,12 +189,31 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         "retry_backoff_s",
         "inventory_sync_s",
         "order",
+        "victim_order",
+        "easy_backfill",
+        "reservation_tenants",
     }
     if unknown:
         raise ConfigError(f"{_where(path, '[scheduler]')} has unknown keys {sorted(unknown)}.")
     order = section.get("order", d.order)
     if order not in ("las", "fifo"):
         raise ConfigError(f'{_where(path, "scheduler.order")} must be "las" or "fifo", got {order!r}.')
+    victims = section.get("victim_order", d.victim_order)
+    if victims not in ("least_lost", "smallest"):
+        raise ConfigError(
+            f'{_where(path, "scheduler.victim_order")} must be "least_lost" or "smallest", got {victims!r} '
+            '(e.g. victim_order = "smallest").'
+        )
+    easy = _flag(section, "easy_backfill", d.easy_backfill, path)
+    tenants = _flag(section, "reservation_tenants", d.reservation_tenants, path)
+    if tenants and not easy:
+        # Tenants start on GPUs a reservation holds, which only EASY backfill holds: alone it
+        # would do nothing, silently.
+        raise ConfigError(
+            f"{_where(path, 'scheduler.reservation_tenants')} lets jobs start as tenants on the GPUs a "
+            "reservation holds, which only easy_backfill holds: set easy_backfill = true too, or "
+            "remove reservation_tenants."
+        )
     return SchedulerTimings(
         cycle_s=_number(section, "cycle_s", d.cycle_s, path, minimum=0.05),
         grace_s=_number(section, "grace_s", d.grace_s, path),
@@ -195,7 +222,19 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         retry_backoff_s=_number(section, "retry_backoff_s", d.retry_backoff_s, path),
         inventory_sync_s=_number(section, "inventory_sync_s", d.inventory_sync_s, path),
         order=order,
+        victim_order=victims,
+        easy_backfill=easy,
+        reservation_tenants=tenants,
     )
+
+
+def _flag(section: Mapping[str, Any], key: str, default: bool, path: Path | None) -> bool:
+    v = section.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(
+            f"{_where(path, f'scheduler.{key}')} must be true or false, got {v!r} (e.g. {key} = true)."
+        )
+    return v
 
 
 def _executor(section: Any, path: Path | None) -> ExecutorConfig:

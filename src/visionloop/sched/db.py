@@ -197,6 +197,10 @@ class JobRow(Base):
     pace_total: Mapped[int | None]
     pace_rate: Mapped[float | None]
     pace_at: Mapped[float | None]
+    # The job spec's `max_runtime` in seconds (None: none given): the time limit reservations
+    # and EASY backfill plan with (never enforced). A column, not only in spec_doc, because
+    # the scheduler's view reads it for every queued job each cycle.
+    max_runtime_s: Mapped[float | None]
     # What the job runs (a typed workload's document); None: a training job, from train_spec.
     # none_as_null: None is stored as SQL NULL, not as the JSON value null, so that SQL can
     # tell training jobs apart (`workload_doc IS NULL`).

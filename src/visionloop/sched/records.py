@@ -102,6 +102,7 @@ class ViewJob(NamedTuple):
     pace_total: int | None
     pace_rate: float | None
     pace_at: float | None
+    max_runtime_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,8 @@ class Job:
     pace_total: int | None = None
     pace_rate: float | None = None
     pace_at: float | None = None
+    # Its spec's `max_runtime` in seconds (None: none given): planning only, never enforced.
+    max_runtime_s: float | None = None
     # The documents are loaded by get_job and submit (and list_jobs(with_specs=True)) only:
     # a scheduler listing 10,000 queued jobs does not need them.
     # What it runs, when not plain training (a tuning trial): sched/workload.py's document.

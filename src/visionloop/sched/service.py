@@ -92,7 +92,13 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         self.wake = threading.Event()
         t = config.timings
         self.policy = PolicyConfig(
-            min_runtime_s=t.min_runtime_s, order=t.order, same_node=True, priorities=dict(config.priorities)
+            min_runtime_s=t.min_runtime_s,
+            order=t.order,
+            same_node=True,
+            victim_order=t.victim_order,
+            easy_backfill=t.easy_backfill,
+            reservation_tenants=t.reservation_tenants,
+            priorities=dict(config.priorities),
         )
         self.jobs_dir = settings.home / "jobs"
         self.catalog = load_catalog(config.prices)
@@ -247,6 +253,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     expected_end=pace_end(
                         job.pace_step, job.pace_total, job.pace_rate, job.pace_at, attempt.started_at, now
                     ),
+                    max_runtime_s=job.max_runtime_s,
                 )
             )
         queued = self._queued  # shared between cycles while unchanged: the policy only reads it
@@ -277,6 +284,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     j.attained_gpu_s,
                     j.not_before or 0.0,
                     j.nodes,
+                    j.max_runtime_s,
                 )
             pending[j.id] = (j, p)
             queued.append(p)

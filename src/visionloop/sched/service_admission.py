@@ -62,6 +62,7 @@ class AdmissionMixin(PlaneBase):
         priority: str | None = None,
         gpus: int | None = None,
         spot: str | None = None,
+        max_runtime: str | float | None = None,
         idempotency_key: str | None = None,
     ) -> Job:
         """Validate everything a job needs *now*, so nothing waits forever in the queue for a
@@ -75,6 +76,8 @@ class AdmissionMixin(PlaneBase):
             overrides["spot"] = spot
         if team is not None:
             overrides["team"] = team
+        if max_runtime is not None:
+            overrides["max_runtime"] = max_runtime  # validated with the spec: one error format
         job_doc.update(overrides)
         if gpus is not None:
             job_doc["resources"] = {**dict(job_doc.get("resources") or {}), "gpus": gpus}

@@ -93,6 +93,7 @@ class JobsMixin(StoreBase):
             "pace_total": None,
             "pace_rate": None,
             "pace_at": None,
+            "max_runtime_s": job.max_runtime,
             "workload_doc": None if job.trial is None else {"kind": "trial", **job.trial.model_dump()},
             "spec_doc": doc,
             "train_spec": job.train.model_dump(mode="json"),

@@ -1,0 +1,128 @@
+"""A job's `max_runtime` through the real control plane (store on SQLite, the local executor
+with fake GPUs, the API over HTTP, the CLI): it reaches the policy's view for queued and
+running jobs, and with `easy_backfill` in the cluster config a waiting job's reservation holds
+its free GPU for a job whose time limit ends before it. Bad values are refused at submit,
+naming the field; `jobs show` shows the limit.
+
+The jobs are sleepers (what they run does not matter here, only that they hold their GPUs),
+and the cycle is run by the test, so every decision is the one asserted."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from _cpkit import CP, cluster_config, control_plane
+from _cpkit import train_doc as _train
+from _dbkit import fresh_database
+from _trainkit import cli
+from visionloop.sched.policy import schedule
+from visionloop.sched.store import Job
+
+TWO_GPUS = [{"node": "local", "type": "fake", "count": 2, "price_class": "owned"}]
+# One team entitled to more than the cluster has: every job is in the entitled pass, so the
+# order between them is submission order, and what holds a GPU back is the reservation alone.
+ONE_TEAM = [{"name": "vision", "nominal_gpus": 4}]
+
+
+def _sleeper(job: Job) -> list[str]:
+    return [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+@pytest.fixture(params=[True, False], ids=["easy-backfill", "default"])
+def cp(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CP]:
+    scheduler = {"easy_backfill": True} if request.param else {}
+    cfg = cluster_config(inventory=TWO_GPUS, teams=ONE_TEAM, scheduler=scheduler)
+    with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg, run_scheduler=False) as plane:
+        plane.plane._command = _sleeper  # type: ignore[method-assign]
+        yield plane
+
+
+def _submit(cp: CP, dataset: Path, gpus: int, max_runtime: str | None, name: str) -> int:
+    spec = {"train": _train(dataset), "name": name, "team": "vision", "resources": {"gpus": gpus}}
+    if max_runtime is not None:
+        spec["max_runtime"] = max_runtime
+    with cp.client() as c:
+        r = c.post("/v1/jobs", json={"spec": spec})
+        assert r.status_code == 201, r.text
+        return int(r.json()["id"])
+
+
+def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_gpu_for_a_job_ending_first(
+    cp: CP, digits_dataset: Path
+) -> None:
+    plane = cp.plane
+    easy = plane.policy.easy_backfill
+    assert easy == (plane.config.timings.easy_backfill is True)
+    running = _submit(cp, digits_dataset, 1, "1h", "running")
+    plane.cycle()
+    assert plane.store.get_job(running).state.value == "running"
+    head = _submit(cp, digits_dataset, 2, "2h", "head")  # needs both GPUs: waits for `running`
+    unknown = _submit(cp, digits_dataset, 1, None, "no-limit")  # its end unknown: would delay head
+    short = _submit(cp, digits_dataset, 1, "30m", "short")  # ends before head can start
+
+    view = plane._view(plane.clock(), None)
+    (active,) = view.running
+    assert (active.id, active.max_runtime_s) == (str(running), 3600.0)
+    assert {p.id: p.max_runtime_s for p in view.queued} == {
+        str(head): 7200.0,
+        str(unknown): None,
+        str(short): 1800.0,
+    }
+    decision = schedule(view, plane.policy)
+    # The head's reservation: the running job has reported no pace, so its time limit is its end.
+    assert decision.starts[str(head)] == pytest.approx(active.started_at + 3600.0)
+    assert sorted(decision.reserved[str(head)]) == ["local/0", "local/1"]
+
+    plane.cycle()
+    states = {j: plane.store.get_job(j).state.value for j in (head, unknown, short)}
+    if easy:
+        # The free GPU is held for the head, lent only to the job that ends before it starts.
+        assert states == {head: "queued", unknown: "queued", short: "running"}
+    else:
+        # Without EASY backfill the reservation only informs: the first job that fits starts.
+        assert states == {head: "queued", unknown: "running", short: "queued"}
+    reason = plane.store.get_job(head).waiting_reason or ""
+    assert reason.startswith("expected start "), reason
+
+
+def test_bad_max_runtime_is_refused_naming_the_field_and_jobs_show_gives_it(
+    cp: CP, digits_dataset: Path, tmp_path: Path
+) -> None:
+    if cp.plane.policy.easy_backfill:
+        pytest.skip("the same with either policy: run once")
+    train = _train(digits_dataset)
+    with cp.client() as c:
+        for bad in ("soon", "6", -60, "400d"):
+            r = c.post("/v1/jobs", json={"spec": {"train": train, "max_runtime": bad}, "team": "vision"})
+            assert r.status_code == 422, r.text
+            assert "max_runtime" in r.text and "6h" in r.text, r.text
+        r = c.post("/v1/jobs", json={"spec": train, "team": "vision", "max_runtime": "tomorrow"})
+        assert r.status_code == 422 and "max_runtime" in r.text, r.text
+        assert c.get("/v1/jobs").json() == []  # nothing was queued
+
+    import yaml
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"train": train, "team": "vision", "max_runtime": "90m"}))
+    env = {"VISIONLOOP_API_URL": cp.url, "VISIONLOOP_TOKEN": cp.admin_token}
+    refused = cli("submit", str(spec), "--max-runtime", "eventually", env=env)
+    assert refused.returncode != 0
+    assert "max_runtime" in refused.stderr and "'eventually' is not a duration" in refused.stderr, (
+        refused.stderr
+    )
+
+    from_spec = cli("submit", str(spec), env=env)
+    assert from_spec.returncode == 0, from_spec.stderr
+    flag = cli("submit", str(spec), "--max-runtime", "6h", env=env)  # the flag overrides the spec
+    assert flag.returncode == 0, flag.stderr
+    jobs = [int(from_spec.stdout.strip()), int(flag.stdout.strip())]
+    assert [cp.plane.store.get_job(j).max_runtime_s for j in jobs] == [5400.0, 21600.0]
+    shown = cli("jobs", "show", str(jobs[0]), env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "max runtime: 1h 30m (planned with for reservations and backfill; not enforced)" in shown.stdout
+    with cp.client() as c:
+        assert c.get(f"/v1/jobs/{jobs[1]}").json()["job"]["max_runtime_s"] == 21600.0

@@ -1,0 +1,103 @@
+"""A job's `max_runtime` as a user writes it (the job spec, shared with the tune and loop
+specs' `job` section), and the reservation switches as cluster.toml gives them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from visionloop.core.durations import format_duration, parse_duration
+from visionloop.core.errors import ConfigError
+from visionloop.sched.config import parse_cluster_config
+from visionloop.specs import JobFields, JobSpec
+
+TRAIN = {"epochs": 1, "model": {"arch": "resnet18"}, "data": {"dataset": "/data/digits"}}
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"),
+    [("6h", 21600.0), ("90m", 5400.0), ("2d", 172800.0), ("3600s", 3600.0), (" 1.5H ", 5400.0), (600, 600.0)],
+)
+def test_max_runtime_takes_a_duration_or_seconds_and_stores_seconds(given: Any, seconds: float) -> None:
+    assert JobSpec.model_validate({"train": TRAIN, "max_runtime": given}).max_runtime == seconds
+    # The tune and loop specs' `job` section is the same type, and carries it to every job.
+    fields = JobFields.model_validate({"max_runtime": given})
+    assert (
+        JobSpec(train=JobSpec.model_validate({"train": TRAIN}).train, **fields.model_dump()).max_runtime
+        == seconds
+    )
+
+
+def test_no_max_runtime_is_none() -> None:
+    assert JobSpec.model_validate({"train": TRAIN}).max_runtime is None
+
+
+@pytest.mark.parametrize(
+    ("given", "why"),
+    [
+        ("soon", "'soon' is not a duration; write e.g. 6h, 90m, 2d"),
+        ("6", "between 1 minute and 365 days"),  # six seconds: a slip of units
+        ("400d", "between 1 minute and 365 days"),
+        (-60, "-60 is not a duration"),
+        (True, "True is not a duration"),
+        (float("inf"), "is not a duration"),
+        ("1h30m", "is not a duration"),
+    ],
+)
+def test_a_bad_max_runtime_is_refused_naming_the_field(given: Any, why: str) -> None:
+    from visionloop.core.errors import SpecError
+    from visionloop.specs import format_validation_error
+
+    with pytest.raises(ValueError) as e:
+        JobSpec.model_validate({"train": TRAIN, "max_runtime": given})
+    shown = format_validation_error(e.value, JobSpec, "job.yaml")  # type: ignore[arg-type]
+    assert "  - max_runtime: " in shown and why in shown and "Example: max_runtime: 6h" in shown, shown
+    assert not isinstance(e.value, SpecError)
+
+
+def test_durations_round_trip_as_people_read_them() -> None:
+    assert [format_duration(s) for s in (21600, 5400, 90, 0, 90061)] == [
+        "6h",
+        "1h 30m",
+        "1m 30s",
+        "0s",
+        "1d 1h 1m 1s",
+    ]
+    assert parse_duration("15m") == 900.0
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration("")
+
+
+def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
+    t = parse_cluster_config({}).timings
+    assert (t.easy_backfill, t.reservation_tenants, t.victim_order) == (False, False, "least_lost")
+    doc = {"scheduler": {"easy_backfill": True, "reservation_tenants": True, "victim_order": "smallest"}}
+    t = parse_cluster_config(doc).timings
+    assert (t.easy_backfill, t.reservation_tenants, t.victim_order) == (True, True, "smallest")
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "message"),
+    [
+        (
+            {"easy_backfill": "yes"},
+            "scheduler.easy_backfill must be true or false, got 'yes' (e.g. easy_backfill = true)",
+        ),
+        ({"easy_backfill": 1}, "scheduler.easy_backfill must be true or false, got 1"),
+        (
+            {"victim_order": "oldest"},
+            'scheduler.victim_order must be "least_lost" or "smallest", got \'oldest\'',
+        ),
+        ({"reservation_tenants": True}, "set easy_backfill = true too, or remove reservation_tenants"),
+        (
+            {"reservation_tenants": "no", "easy_backfill": True},
+            "scheduler.reservation_tenants must be true or false",
+        ),
+        ({"easy_backfil": True}, "unknown keys ['easy_backfil']"),
+    ],
+)
+def test_bad_reservation_switches_are_refused_naming_the_key(scheduler: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_cluster_config({"scheduler": scheduler})
+    assert message in str(e.value)
