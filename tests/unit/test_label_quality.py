@@ -155,3 +155,40 @@ def test_the_classification_judge_names_the_flipped_labels() -> None:
 @pytest.mark.parametrize("task", ["classification", "detection"])
 def test_every_task_has_a_judge(task: str) -> None:
     assert get_task(task).label_quality_module
+
+
+def test_calibration_maps_each_class_scores_to_how_often_such_boxes_are_right() -> None:
+    """`calibrate_scores`: per class, an isotonic fit of "this predicted box overlaps a given
+    box of its class at IoU >= 0.5" on the scores. Class 0's boxes, by score: 0.1 wrong (no
+    box there), 0.2 right, 0.3 wrong (IoU 0.4), 0.4 right, 0.5 right: pooled to 0, 0.5, 0.5,
+    1, 1. Class 1 is predicted only on class-0 boxes: never right, 0. Class 2 has no
+    prediction: left alone. Boxes are not moved and the input is not changed."""
+    from visionloop.tasks.detection.label_quality import calibrate_scores
+
+    def pred(*rows: tuple[int, list[float], float]) -> np.ndarray:
+        per_class = np.empty(3, dtype=object)
+        for c in range(3):
+            per_class[c] = np.array([[*b, s] for k, b, s in rows if k == c], dtype=np.float32).reshape(-1, 5)
+        return per_class
+
+    labels = [
+        {"bboxes": np.array([[0.0, 0.0, 10.0, 10.0]]), "labels": np.array([0])},
+        {"bboxes": np.array([[20.0, 20.0, 40.0, 40.0]]), "labels": np.array([0])},
+        {"bboxes": np.array([[0.0, 0.0, 10.0, 10.0]]), "labels": np.array([0])},
+    ]
+    predictions = [
+        pred((0, [0, 0, 10, 10], 0.4), (0, [50, 50, 60, 60], 0.1), (1, [0, 0, 10, 10], 0.9)),
+        pred((0, [21, 20, 40, 41], 0.2), (0, [20, 20, 40, 28], 0.3), (1, [20, 20, 40, 40], 0.6)),
+        pred((0, [0, 0, 10, 10], 0.5)),
+    ]
+    out = calibrate_scores(labels, predictions)
+    assert [out[i][0][:, 4].tolist() for i in range(3)] == [[1.0, 0.0], [0.5, 0.5], [1.0]]
+    assert [out[i][1][:, 4].tolist() for i in range(3)] == [[0.0], [0.0], []]
+    assert all(out[i][2].shape == (0, 5) for i in range(3))
+    for i in range(3):
+        for c in range(3):
+            assert np.array_equal(out[i][c][:, :4], predictions[i][c][:, :4])
+    assert predictions[0][0][:, 4].tolist() == pytest.approx([0.4, 0.1])  # not changed in place
+    # Scores beyond those seen are clipped to the ends of the fit.
+    out = calibrate_scores(labels[:1], [pred((0, [0, 0, 10, 10], 0.4), (0, [50, 50, 60, 60], 0.1))])
+    assert out[0][0][:, 4].tolist() == [1.0, 0.0]

@@ -14,6 +14,16 @@ version is pinned below 3 in pyproject.toml, and the tests run them.
 Boxes are scaled back from the letterboxed evaluation frame (top-left anchored, scale only) to
 the stored image's pixels. Crowd and difficult boxes (`iscrowd`) are left out of the labels, and
 the predictions on them out of the predictions, as COCO evaluation ignores both.
+
+cleanlab reads a predicted box's score as the probability that it is an object of its class,
+and its thresholds are absolute (overlooked and swapped boxes are looked for only among
+predictions of at least 0.95, badly located among those of at least 0.5). A heatmap detector's
+peak scores are not such probabilities (the native detector's sit far below 0.95 on boxes that
+are right), so by default (`calibrate=True`) each class's scores are first mapped through an
+isotonic fit of whether the predicted box matches a given box of its class (IoU >= 0.5), on
+the same out-of-fold predictions (`calibrate_scores`). The map is monotone, so it only moves
+scores onto cleanlab's scale; BENCHMARKS.md ("Label errors in a detection dataset") measures
+both.
 """
 
 from __future__ import annotations
@@ -30,6 +40,9 @@ from visionloop.tasks.label_issues import Box, FindingKind, ImageLabelIssue, Lab
 
 # A predicted box weaker than this is not named as the model's suggestion for a given box.
 _SUGGEST_MIN_SCORE = 0.3
+# A predicted box counts as right, for the calibration, where it overlaps a given box of its
+# class this much (IoU): COCO's mAP50 criterion.
+CALIBRATION_IOU = 0.5
 # A prediction this much inside a crowd region is a prediction of the crowd (COCO: IoU 0.5 over
 # the detection's area), ignored like the region.
 _CROWD_COVER = 0.5
@@ -64,6 +77,60 @@ def _as_cleanlab(
             per_class[c] = np.concatenate([boxes[m], scores[m, None]], axis=1).astype(np.float32)
         predictions.append(per_class)
     return labels, predictions
+
+
+def _iou(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """(M, L): the IoU of each box of `a` with each box of `b` (xyxy)."""
+    x1 = np.maximum(a[:, None, 0], b[None, :, 0])
+    y1 = np.maximum(a[:, None, 1], b[None, :, 1])
+    x2 = np.minimum(a[:, None, 2], b[None, :, 2])
+    y2 = np.minimum(a[:, None, 3], b[None, :, 3])
+    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
+    area_a = np.clip(a[:, 2] - a[:, 0], 0, None) * np.clip(a[:, 3] - a[:, 1], 0, None)
+    area_b = np.clip(b[:, 2] - b[:, 0], 0, None) * np.clip(b[:, 3] - b[:, 1], 0, None)
+    iou: npt.NDArray[Any] = inter / np.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-9)
+    return iou
+
+
+def calibrate_scores(
+    labels: Sequence[dict[str, Any]], predictions: Sequence[npt.NDArray[Any]], *, iou: float = CALIBRATION_IOU
+) -> list[npt.NDArray[Any]]:
+    """`predictions` (cleanlab's format) with each class's scores replaced by an estimate of
+    P(the box is an object of that class): an isotonic (monotone, non-decreasing) fit, per
+    class over every image, of whether each predicted box overlaps a given box of the same
+    class by IoU >= `iou`. A class with no prediction is left as it is. The given labels hold
+    the errors being looked for, but a few wrong labels among many only lower the estimates a
+    little. The arrays passed in are not changed."""
+    from sklearn.isotonic import IsotonicRegression
+
+    n_classes = len(predictions[0]) if predictions else 0
+    scores: list[list[npt.NDArray[Any]]] = [[] for _ in range(n_classes)]
+    hits: list[list[npt.NDArray[Any]]] = [[] for _ in range(n_classes)]
+    for lab, pred in zip(labels, predictions, strict=True):
+        for c in range(n_classes):
+            p = np.asarray(pred[c], dtype=np.float64).reshape(-1, 5)
+            given = np.asarray(lab["bboxes"], dtype=np.float64).reshape(-1, 4)[np.asarray(lab["labels"]) == c]
+            hit = np.zeros(len(p), dtype=bool)
+            if len(given):
+                hit = np.asarray((_iou(p[:, :4], given) >= iou).any(axis=1), dtype=bool)
+            scores[c].append(p[:, 4])
+            hits[c].append(hit)
+    maps: list[IsotonicRegression | None] = []
+    for c in range(n_classes):
+        x, y = np.concatenate(scores[c]), np.concatenate(hits[c]).astype(np.float64)
+        fit = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
+        maps.append(fit.fit(x, y) if len(x) else None)
+    out: list[npt.NDArray[Any]] = []
+    for pred in predictions:
+        per_class = np.empty(n_classes, dtype=object)
+        for c in range(n_classes):
+            q = np.array(pred[c], dtype=np.float32).reshape(-1, 5)
+            fit = maps[c]
+            if fit is not None and len(q):
+                q[:, 4] = fit.predict(q[:, 4].astype(np.float64))
+            per_class[c] = q
+        out.append(per_class)
+    return out
 
 
 def _inside(boxes: npt.NDArray[Any], regions: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -178,10 +245,11 @@ def _findings(aux: dict[str, Any], flags: dict[str, Any], i: int, names: Sequenc
 
 
 def find_label_issues(
-    results: Sequence[tuple[Any, Any]], class_names: Sequence[str]
+    results: Sequence[tuple[Any, Any]], class_names: Sequence[str], *, calibrate: bool = True
 ) -> list[ImageLabelIssue]:
     """The flagged images of `results` (one-image (outputs, targets) pairs, out of fold),
-    lowest label quality first, each with its suspicious boxes."""
+    lowest label quality first, each with its suspicious boxes. `calibrate`: the scores go
+    through `calibrate_scores` first (the module's docstring says why)."""
     from cleanlab.object_detection.filter import find_label_issues as cl_find
     from cleanlab.object_detection.rank import get_label_quality_scores
 
@@ -189,6 +257,8 @@ def find_label_issues(
         return []
     names = list(class_names)
     labels, predictions = _as_cleanlab(results, len(names))
+    if calibrate:
+        predictions = calibrate_scores(labels, predictions)
     # cleanlab prints its pruning to stdout, which is the CLI's (and `--json`'s): kept apart.
     with contextlib.redirect_stdout(io.StringIO()):
         # The mask, ranked here: cleanlab 2.9's own ranking calls `np.in1d`, gone in NumPy 2.4.
