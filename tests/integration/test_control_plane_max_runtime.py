@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,8 @@ def _sleeper(job: Job) -> list[str]:
 
 @pytest.fixture(params=[True, False], ids=["easy-backfill", "default"])
 def cp(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CP]:
-    scheduler = {"easy_backfill": True} if request.param else {}
+    # victim_order rides along: no eviction here, but the switch must reach the policy too.
+    scheduler: dict[str, Any] = {"easy_backfill": True, "victim_order": "smallest"} if request.param else {}
     cfg = cluster_config(inventory=TWO_GPUS, teams=ONE_TEAM, scheduler=scheduler)
     with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg, run_scheduler=False) as plane:
         plane.plane._command = _sleeper  # type: ignore[method-assign]
@@ -56,7 +58,9 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
 ) -> None:
     plane = cp.plane
     easy = plane.policy.easy_backfill
-    assert easy == (plane.config.timings.easy_backfill is True)
+    assert (easy, plane.policy.victim_order) == (
+        (True, "smallest") if plane.config.timings.easy_backfill else (False, "least_lost")
+    )
     running = _submit(cp, digits_dataset, 1, "1h", "running")
     plane.cycle()
     assert plane.store.get_job(running).state.value == "running"
