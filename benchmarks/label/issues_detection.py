@@ -225,6 +225,35 @@ def measure(found: Sequence[Any], planted: dict[int, dict[str, Any]]) -> dict[st
     }
 
 
+def ranking(
+    labels: Sequence[dict[str, Any]], predictions: Sequence[Any], planted: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
+    """The review-budget view: every image ranked by cleanlab's label quality score (lowest
+    first, what `label issues --top N` hands a reviewer), and the share of planted errors among
+    the first k, for k = the number planted and twice that, plus the ranking's average
+    precision (random ranking: the share of images with an error)."""
+    import contextlib
+    import io
+
+    from cleanlab.object_detection.rank import get_label_quality_scores
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        quality = np.asarray(get_label_quality_scores(list(labels), list(predictions)))
+    order = np.argsort(quality, kind="stable")
+    hit = np.asarray([int(p) in planted for p in order], dtype=float)
+    n = len(planted)
+    out: dict[str, Any] = {"base_rate": round(n / len(order), 4)}
+    for k in (n, 2 * n):
+        out[f"precision_at_{k}"] = round(float(hit[:k].mean()), 4)
+        out[f"recall_at_{k}"] = round(float(hit[:k].sum() / max(n, 1)), 4)
+    ranks = np.flatnonzero(hit) + 1
+    out["average_precision"] = round(float(np.mean(np.arange(1, len(ranks) + 1) / ranks)), 4) if n else 0.0
+    for kind in KINDS:
+        mine = {p for p, e in planted.items() if e["kind"] == kind}
+        out[f"recall_at_{n}_{kind}"] = round(sum(int(p) in mine for p in order[:n]) / max(len(mine), 1), 4)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", type=int, default=2400)
@@ -314,6 +343,7 @@ def main() -> None:
         t0 = time.monotonic()
         found = judge(pairs, names, calibrate=flag)
         results[mode] = {**measure(found, planted), "judge_s": round(time.monotonic() - t0, 2)}
+        results[mode]["ranking"] = ranking(labels, cal if flag else preds, planted)
 
     print(
         f"\nout-of-fold: {report.oof_metrics}; max score per image raw {score_stats(raw_max)}; "
@@ -330,6 +360,7 @@ def main() -> None:
             f"{mode:<11} {'all':<14} {len(planted):>7} {r['flagged_with_planted']:>7} {r['recall']:>7.3f}"
             f"   flagged images {r['flagged_images']}, precision {r['precision']:.3f}"
         )
+        print(f"{mode:<11} ranked by label quality: {r['ranking']}")
     timings["total_s"] = round(time.monotonic() - started, 1)
     path = write_result(
         args.out,

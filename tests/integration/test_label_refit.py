@@ -200,19 +200,28 @@ def test_the_cli_shows_suspicious_boxes_and_writes_a_review(
     doc = json.loads(r.stdout)  # nothing but the report on stdout (cleanlab's chatter kept off it)
     assert doc["method"] == "refit" and [f["fold"] for f in doc["fold_runs"]] == [0, 1]
     assert [i["index"] for i in doc["issues"]] == [i.index for i in report.issues]
-    r = cli(*args, "--out", str(tmp_path / "review"), "--show", "50", env=env)
+    r = cli(*args, env=env)
     assert r.returncode == 0, r.stderr
-    assert f"likely label errors in {doc['images']} train images" in r.stdout
+    assert f"{len(doc['issues'])} likely label errors in {doc['images']} train images" in r.stdout
     assert "2 trainings of digit-det/1's recipe, out-of-fold mAP" in r.stdout
-    selection = json.loads((tmp_path / "review" / "selection.json").read_text())
-    assert len(selection["chosen"]) == len(doc["issues"])
-    for issue, chosen in zip(doc["issues"], selection["chosen"], strict=True):
-        assert chosen["reason"].startswith(f"labelled {issue['given']}, out-of-fold {issue['suggested']}")
-        kinds = {f["kind"] for f in issue["findings"]}
-        assert any(k in r.stdout for k in kinds)
-    # The table (its columns for boxes) is there exactly when something was flagged; what a
-    # row reads like is tests/unit/test_label_issues_table.py's.
+    # The table (its columns for boxes) is there exactly when something was flagged.
     assert ("quality" in r.stdout and "why" in r.stdout) == bool(doc["issues"])
+
+    # A review budget: the 5 least likely images, flagged or not, each with where to look.
+    r = cli(*args, "--top", "5", "--out", str(tmp_path / "review"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"5 least likely labels (--top 5) in {doc['images']} train images" in r.stdout
+    assert "quality" in r.stdout and "why" in r.stdout
+    review = json.loads((tmp_path / "review" / "issues.json").read_text())
+    selection = json.loads((tmp_path / "review" / "selection.json").read_text())
+    assert len(review["issues"]) == len(selection["chosen"]) == 5
+    qualities = [i["given_probability"] for i in review["issues"]]
+    assert qualities == sorted(qualities)
+    for issue, chosen in zip(review["issues"], selection["chosen"], strict=True):
+        assert chosen["reason"].startswith(f"labelled {issue['given']}, out-of-fold {issue['suggested']}")
+        assert issue["findings"] and all(f["kind"] in r.stdout for f in issue["findings"])
+        data = Path(issue["image"]).read_bytes()  # the stored image, for Label Studio
+        assert data.startswith(b"\x89PNG") or data.startswith(b"\xff\xd8")
 
 
 def test_refit_refuses_what_it_cannot_do(detector: tuple[Settings, str, Path], tmp_path: Path) -> None:

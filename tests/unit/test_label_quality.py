@@ -192,3 +192,32 @@ def test_calibration_maps_each_class_scores_to_how_often_such_boxes_are_right() 
     # Scores beyond those seen are clipped to the ends of the fit.
     out = calibrate_scores(labels[:1], [pred((0, [0, 0, 10, 10], 0.4), (0, [50, 50, 60, 60], 0.1))])
     assert out[0][0][:, 4].tolist() == [1.0, 0.0]
+
+
+def test_a_review_budget_ranks_every_image_and_names_where_to_look_in_unflagged_ones() -> None:
+    results, planted, _ = _dataset(plant=True)
+    flagged = get_task("detection").find_label_issues(results, NAMES)
+    budget = get_task("detection").find_label_issues(results, NAMES, top=6)
+    assert len(budget) == 6 and [i.quality for i in budget] == sorted(i.quality for i in budget)
+    assert {i.item for i in budget[:3]} == set(planted)  # the planted mistakes rank first
+    assert [(i.item, i.findings) for i in budget[:3]] == [(i.item, i.findings) for i in flagged]
+    for issue in budget[3:]:  # unflagged: their single least likely box, not a threshold's verdict
+        assert issue.item not in planted and len(issue.findings) == 1
+        assert issue.findings[0].score >= max(f.score for i in flagged for f in i.findings)
+    clean, _, _ = _dataset(plant=False)
+    assert len(get_task("detection").find_label_issues(clean, NAMES, top=4)) == 4
+
+
+def test_a_classifiers_review_budget_puts_the_flips_first() -> None:
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 3, 90)
+    logits = np.eye(3)[y] * 6.0 + rng.normal(0, 0.3, (90, 3))
+    given = y.copy()
+    flipped = sorted(int(np.flatnonzero(y == c)[3]) for c in range(3))
+    for i in flipped:
+        given[i] = (y[i] + 1) % 3
+    results = [(torch.tensor(logits[i : i + 1]), torch.tensor(given[i : i + 1])) for i in range(90)]
+    budget = get_task("classification").find_label_issues(results, ["a", "b", "c"], top=5)
+    assert len(budget) == 5 and sorted(i.item for i in budget[:3]) == flipped
+    assert [i.quality for i in budget] == sorted(i.quality for i in budget)
+    assert all(i.given == i.suggested for i in budget[3:])  # right labels, merely the least sure

@@ -32,6 +32,14 @@ def issues_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the folds."),
     precision: str = typer.Option("fp32", "--precision", help="Which export embeds the images."),
     show: int = typer.Option(20, "--show", min=0, help="How many findings the table shows."),
+    top: int | None = typer.Option(
+        None,
+        "--top",
+        min=1,
+        help="A review budget: the N images whose labels are least likely, flagged or not, instead of "
+        "only those confident learning flags (with a detector's loose scores the ranking finds many "
+        "more errors than the flags do).",
+    ),
     out_dir: Path | None = typer.Option(
         None,
         "--out",
@@ -99,6 +107,7 @@ def issues_command(
                 seed=seed,
                 overrides=overrides,
                 dataset=dataset,
+                top=top,
                 progress=progress,
             )
         else:
@@ -111,6 +120,7 @@ def issues_command(
                 max_images=max_images,
                 seed=seed,
                 precision=precision,
+                top=top,
                 progress=progress,
             )
     if out_dir is not None:
@@ -130,8 +140,9 @@ def issues_command(
             f"{report.folds}-fold out-of-fold accuracy {report.oof_accuracy or 0:.1%}, embeddings of "
             f"{escape(report.model)}"
         )
+    what = f"least likely labels (--top {top})" if top is not None else "likely label errors"
     out.print(
-        f"[bold]{len(report.issues)}[/] likely label errors in {report.images:,} {escape(report.split)} "
+        f"[bold]{len(report.issues)}[/] {what} in {report.images:,} {escape(report.split)} "
         f"images of {escape(report.dataset)} ({how})",
         soft_wrap=True,
     )

@@ -118,10 +118,12 @@ def find_issues(
     max_images: int | None = None,
     seed: int = 0,
     precision: str = "fp32",
+    top: int | None = None,
     progress: Progress | None = None,
 ) -> IssuesReport:
     """The likely label errors of `split` of `dataset` (default: the version's own), judged
-    from `ref`'s embeddings."""
+    from `ref`'s embeddings; with `top`, the `top` images whose given label is least likely,
+    flagged or not (a review budget)."""
     from cleanlab.filter import find_label_issues
 
     from visionloop.eval.api import dataset_for, split_reader, spread_positions
@@ -182,7 +184,11 @@ def find_issues(
     probs = out_of_fold_probabilities(x, dense, folds, seed)
     if progress is not None:
         progress("cross-validation", 1, 1)
-    ranked = find_label_issues(dense, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
+    if top is None:
+        ranked = find_label_issues(dense, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
+    else:
+        given_p = probs[np.arange(len(dense)), dense]
+        ranked = np.lexsort((np.arange(len(dense)), given_p))[:top]
     names = [manifest.classes[int(c)] for c in in_split]
     y = dense
     issues = tuple(

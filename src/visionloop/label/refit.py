@@ -75,10 +75,12 @@ def refit_issues(
     seed: int = 0,
     overrides: Sequence[str] = (),
     dataset: Path | None = None,
+    top: int | None = None,
     progress: Progress | None = None,
 ) -> tuple[IssuesReport, list[FoldRun]]:
     """Train `ref`'s recipe once per fold under `work_dir`, predict each held-out fold, and
-    return the likely label errors of the whole train split (and the folds' run folders)."""
+    return the likely label errors of the whole train split (and the folds' run folders);
+    with `top`, the `top` least likely images, flagged or not (`Task.find_label_issues`)."""
     import torch
 
     from visionloop.data.manifest import read_manifest
@@ -132,7 +134,7 @@ def refit_issues(
         raise DataError(f"the folds predicted {len(positions)} of {len(reader)} images; report it as a bug.")
     pairs = [(results[p].outputs, results[p].targets) for p in positions]
     oof = _oof_metrics(task, manifest.classes, pairs)
-    found = task.find_label_issues(pairs, manifest.classes)
+    found = task.find_label_issues(pairs, manifest.classes, top=top)
     chunks = (positions[at : at + 256] for at in range(0, len(positions), 256))
     indices = [int(r["index"]) for chunk in chunks for r in reader.read_many(chunk)]
     report = IssuesReport(

@@ -592,16 +592,17 @@ class Task(ABC):
     labels_from_embeddings: ClassVar[bool] = False
 
     def find_label_issues(
-        self, results: Sequence[tuple[Any, Any]], class_names: Sequence[str]
+        self, results: Sequence[tuple[Any, Any]], class_names: Sequence[str], *, top: int | None = None
     ) -> list[ImageLabelIssue]:
         """The images whose given labels their out-of-fold predictions contradict (confident
         learning), least likely first. `results` are one-image (outputs, targets) pairs as
         `image_result` keeps them, each from a model that never trained on that image; the
-        findings' `item` indexes them."""
+        findings' `item` indexes them. With `top`: the `top` least likely images, flagged or
+        not (a review budget), instead of those confident learning flags."""
         if not self.label_quality_module:
             raise DataError(f"the {self.name} task cannot judge its labels (Task.label_quality_module)")
         module = importlib.import_module(self.label_quality_module)
-        issues: list[ImageLabelIssue] = module.find_label_issues(results, class_names)
+        issues: list[ImageLabelIssue] = module.find_label_issues(results, class_names, top=top)
         return issues
 
     @abstractmethod

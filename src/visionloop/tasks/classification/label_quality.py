@@ -18,10 +18,11 @@ from visionloop.tasks.label_issues import ImageLabelIssue, LabelFinding
 
 
 def find_label_issues(
-    results: Sequence[tuple[Any, Any]], class_names: Sequence[str]
+    results: Sequence[tuple[Any, Any]], class_names: Sequence[str], *, top: int | None = None
 ) -> list[ImageLabelIssue]:
     """The flagged images of `results` (one-image (logits (1, C), label (1,)) pairs, out of
-    fold), lowest probability of the given label first."""
+    fold), lowest probability of the given label first; with `top`, the `top` images of
+    lowest probability of the given label, flagged or not (a review budget)."""
     from cleanlab.filter import find_label_issues as cl_find
 
     if not results:
@@ -35,7 +36,11 @@ def find_label_issues(
     z = np.exp(z - z.max(axis=1, keepdims=True))
     probs = z / z.sum(axis=1, keepdims=True)
     dense = np.searchsorted(present, y)
-    ranked = cl_find(dense, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
+    if top is None:
+        ranked = cl_find(dense, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
+    else:
+        given_p = probs[np.arange(len(dense)), dense]
+        ranked = np.lexsort((np.arange(len(dense)), given_p))[:top]
     names = [class_names[int(c)] for c in present]
     issues = []
     for i in (int(k) for k in ranked):

@@ -211,45 +211,66 @@ def _best_match(aux: dict[str, Any], given: int) -> int | None:
     return j if row[j] > 0 else None
 
 
-def _findings(aux: dict[str, Any], flags: dict[str, Any], i: int, names: Sequence[str]) -> list[LabelFinding]:
+def _findings(
+    aux: dict[str, Any], flags: dict[str, Any], i: int, names: Sequence[str], *, worst_only: bool = False
+) -> list[LabelFinding]:
+    """Image `i`'s boxes that cleanlab's thresholds flag, least likely first; with
+    `worst_only` (an image in a review budget that no threshold flags), the one box whose
+    score is lowest of any kind: where a reviewer should look first."""
     out: list[LabelFinding] = []
     lab_boxes, lab_labels = aux["lab_bboxes"], aux["lab_labels"]
     pred_boxes, pred_labels = aux["pred_bboxes"], aux["pred_labels"]
+
+    def chosen(kind: str) -> list[int]:
+        scores, issues = flags[kind]
+        if worst_only:
+            return list(range(len(scores[i])))
+        return [int(b) for b in np.flatnonzero(issues[i][: len(scores[i])])]
+
+    def score(kind: str, b: int) -> float:
+        return round(float(np.nan_to_num(flags[kind][0][i][b], nan=1.0)), 6)
+
     kind: FindingKind
     for kind in ("swapped", "badly located"):
-        scores, issues = flags[kind]
-        for b in np.flatnonzero(issues[i][: len(scores[i])]):
-            match = _best_match(aux, int(b))
+        for b in chosen(kind):
+            match = _best_match(aux, b)
             out.append(
                 LabelFinding(
                     kind=kind,
                     given=names[int(lab_labels[b])],
                     suggested=names[int(pred_labels[match])] if match is not None else None,
-                    score=round(float(np.nan_to_num(scores[i][b], nan=1.0)), 6),
+                    score=score(kind, b),
                     given_box=_box(lab_boxes[b]),
                     suggested_box=_box(pred_boxes[match]) if match is not None else None,
                 )
             )
-    scores, issues = flags["overlooked"]
-    for p in np.flatnonzero(issues[i][: len(scores[i])]):
+    for p in chosen("overlooked"):
         out.append(
             LabelFinding(
                 kind="overlooked",
                 given=None,
                 suggested=names[int(pred_labels[p])],
-                score=round(float(np.nan_to_num(scores[i][p], nan=1.0)), 6),
+                score=score("overlooked", p),
                 suggested_box=_box(pred_boxes[p]),
             )
         )
-    return sorted(out, key=lambda f: f.score)
+    out.sort(key=lambda f: f.score)
+    return out[:1] if worst_only else out
 
 
 def find_label_issues(
-    results: Sequence[tuple[Any, Any]], class_names: Sequence[str], *, calibrate: bool = True
+    results: Sequence[tuple[Any, Any]],
+    class_names: Sequence[str],
+    *,
+    top: int | None = None,
+    calibrate: bool = True,
 ) -> list[ImageLabelIssue]:
     """The flagged images of `results` (one-image (outputs, targets) pairs, out of fold),
-    lowest label quality first, each with its suspicious boxes. `calibrate`: the scores go
-    through `calibrate_scores` first (the module's docstring says why)."""
+    lowest label quality first, each with its suspicious boxes; with `top`, the `top` images
+    of lowest label quality instead, flagged or not (a review budget: on planted errors the
+    ranking finds many more of them than the flags do, BENCHMARKS.md), an unflagged one with
+    its least likely box. `calibrate`: the scores go through `calibrate_scores` first (the
+    module's docstring says why)."""
     from cleanlab.object_detection.filter import find_label_issues as cl_find
     from cleanlab.object_detection.rank import get_label_quality_scores
 
@@ -263,11 +284,12 @@ def find_label_issues(
     with contextlib.redirect_stdout(io.StringIO()):
         # The mask, ranked here: cleanlab 2.9's own ranking calls `np.in1d`, gone in NumPy 2.4.
         flagged = np.asarray(cl_find(labels, predictions, return_indices_ranked_by_score=False))
-        if not flagged.any():
+        if top is None and not flagged.any():
             return []
         quality = np.asarray(get_label_quality_scores(labels, predictions))
         aux, flags = _per_box_flags(labels, predictions)
-    ranked = sorted(np.flatnonzero(flagged), key=lambda k: (quality[k], k))
+    chosen = np.flatnonzero(flagged) if top is None else np.arange(len(results))
+    ranked = sorted(chosen, key=lambda k: (quality[k], k))[: len(chosen) if top is None else top]
     issues = []
     for i in (int(k) for k in ranked):
         given = summarize([names[int(c)] for c in aux[i]["lab_labels"]])
@@ -279,7 +301,7 @@ def find_label_issues(
                 quality=round(float(quality[i]), 6),
                 given=given,
                 suggested=suggested,
-                findings=tuple(_findings(aux[i], flags, i, names)),
+                findings=tuple(_findings(aux[i], flags, i, names, worst_only=not flagged[i])),
             )
         )
     return issues
