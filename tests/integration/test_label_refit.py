@@ -221,7 +221,7 @@ def test_the_cli_shows_suspicious_boxes_and_writes_a_review(
         assert chosen["reason"].startswith(f"labelled {issue['given']}, out-of-fold {issue['suggested']}")
         assert issue["findings"] and all(f["kind"] in r.stdout for f in issue["findings"])
         data = Path(issue["image"]).read_bytes()  # the stored image, for Label Studio
-        assert data.startswith(b"\x89PNG") or data.startswith(b"\xff\xd8")
+        assert data.startswith((b"\x89PNG", b"\xff\xd8"))
 
 
 def test_refit_refuses_what_it_cannot_do(detector: tuple[Settings, str, Path], tmp_path: Path) -> None:
