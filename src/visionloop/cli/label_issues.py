@@ -19,7 +19,9 @@ from visionloop.core.errors import SpecError
 
 def issues_command(
     model: str = typer.Argument(
-        ..., help="The model version whose embeddings judge the labels: NAME, NAME/V, NAME@ALIAS."
+        ...,
+        help="The model version whose embeddings (with --refit: whose training recipe) judge the labels: "
+        "NAME, NAME/V, NAME@ALIAS.",
     ),
     dataset: Path | None = typer.Option(
         None, "--dataset", help="The dataset to check (default: the one the version was trained on)."
@@ -70,7 +72,7 @@ def issues_command(
 
     Each finding lists the image (split, shard position, record index), its given label and the suggested one. With --out, the flagged images are written with their stored bytes beside a selection file: review them in Label Studio (`label export`), bring the labels back (`label import`), and `visionloop data add` turns them into relabels of these very records.
 
-    Detection, or any task with --refit: the version's saved train spec is trained once per fold with that fold of the train split held out (data.holdout), each fold's model predicts its held-out images, and cleanlab's object detection module (ObjectLab) flags images with overlooked, swapped or badly located boxes, each listed with the given and the suggested box. This costs K trainings; --set epochs=N shortens them.
+    Detection, or any task with --refit: the version's saved train spec is trained once per fold with that fold of the train split held out (data.holdout), each fold's model predicts its held-out images, and cleanlab's object detection module (ObjectLab) flags images with overlooked, swapped or badly located boxes, each listed with the given and the suggested box (the detector's scores calibrated first on the same predictions). This costs K trainings; --set epochs=N shortens them. With a detector whose scores are loose, --top N (the N least likely images, each with the box to look at first) finds many more errors than the flags.
     """  # noqa: E501 (one line per paragraph: Rich keeps the line breaks of a help text)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
