@@ -82,19 +82,12 @@ class Preemption(CycleState):
         got = self._fits(job, ts, pool, chosen, cap)
         assert got is not None
         for v in chosen:
-            self.evicted.add(v.id)
-            self.evictions_left -= 1
-            self.version += 1
-            vt = self._team(v.team)
-            vt.used -= len(v.gpu_ids)
-            vt.cpus -= v.cpus
-            vt.memory_gb -= v.memory_gb
             if self._held_rank(v) < job.priority:
                 reason = f"preempted for job {job.id} (priority {self._prio(job.priority)})"
             else:
                 nominal = ts.team.nominal_gpus
                 reason = f"team {job.team} reclaims its nominal quota ({nominal} GPUs) for job {job.id}"
-            self.decision.evictions.append(Eviction(v.id, reason, for_job=job.id))
+            self._evict(v, job, reason)
         victim_ids = {gid for v in chosen for gid in v.gpu_ids}
         pending = [g for g in got if g.id not in victim_ids]
         self._claim(job, ts, pending)
@@ -105,6 +98,18 @@ class Preemption(CycleState):
             "starts once they have checkpointed and stopped"
         )
         return True
+
+    def _evict(self, v: ActiveJob, job: PendingJob, reason: str) -> None:
+        """Take running job `v` off its GPUs for `job`: its team's standing gives back what it
+        held, and the decision says why."""
+        self.evicted.add(v.id)
+        self.evictions_left -= 1
+        self.version += 1
+        vt = self._team(v.team)
+        vt.used -= len(v.gpu_ids)
+        vt.cpus -= v.cpus
+        vt.memory_gb -= v.memory_gb
+        self.decision.evictions.append(Eviction(v.id, reason, for_job=job.id))
 
     def _tenants(self, job: PendingJob) -> list[ActiveJob]:
         """The job's own team's lower-class jobs that started after it was submitted, young

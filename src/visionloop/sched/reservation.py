@@ -29,7 +29,7 @@ from visionloop.sched.cycle_state import TeamState
 from visionloop.sched.placement import group_by_node, merge, pick, take, usable
 from visionloop.sched.preemption import Preemption
 from visionloop.sched.reasons import clock, n_gpus, plural
-from visionloop.sched.view import ActiveJob, Eviction, Gpu, PendingJob
+from visionloop.sched.view import ActiveJob, Gpu, PendingJob
 
 
 class Reservations(Preemption):
@@ -203,17 +203,10 @@ class Reservations(Preemption):
 
     def _evict_tenants(self, tenants: Sequence[ActiveJob], job: PendingJob) -> None:
         for v in tenants:
-            self.evicted.add(v.id)
-            self.evictions_left -= 1
-            self.version += 1
-            vt = self._team(v.team)
-            vt.used -= len(v.gpu_ids)
-            vt.cpus -= v.cpus
-            vt.memory_gb -= v.memory_gb
             reason = (
                 f"steps aside for job {job.id}, whose reservation is due (it started on the reserved GPUs)"
             )
-            self.decision.evictions.append(Eviction(v.id, reason, for_job=job.id))
+            self._evict(v, job, reason)
 
     def _backfill(self, job: PendingJob) -> tuple[list[Gpu], bool] | None:
         """Start `job` on free GPUs plus lent ones: those whose reservation starts after its
