@@ -79,16 +79,27 @@ def _as_cleanlab(
     return labels, predictions
 
 
-def _iou(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """(M, L): the IoU of each box of `a` with each box of `b` (xyxy)."""
+def _area(boxes: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    area: npt.NDArray[Any] = np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(
+        boxes[:, 3] - boxes[:, 1], 0, None
+    )
+    return area
+
+
+def _intersection(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """(M, L): the area each box of `a` shares with each box of `b` (xyxy)."""
     x1 = np.maximum(a[:, None, 0], b[None, :, 0])
     y1 = np.maximum(a[:, None, 1], b[None, :, 1])
     x2 = np.minimum(a[:, None, 2], b[None, :, 2])
     y2 = np.minimum(a[:, None, 3], b[None, :, 3])
-    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
-    area_a = np.clip(a[:, 2] - a[:, 0], 0, None) * np.clip(a[:, 3] - a[:, 1], 0, None)
-    area_b = np.clip(b[:, 2] - b[:, 0], 0, None) * np.clip(b[:, 3] - b[:, 1], 0, None)
-    iou: npt.NDArray[Any] = inter / np.maximum(area_a[:, None] + area_b[None, :] - inter, 1e-9)
+    inter: npt.NDArray[Any] = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
+    return inter
+
+
+def _iou(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """(M, L): the IoU of each box of `a` with each box of `b` (xyxy)."""
+    inter = _intersection(a, b)
+    iou: npt.NDArray[Any] = inter / np.maximum(_area(a)[:, None] + _area(b)[None, :] - inter, 1e-9)
     return iou
 
 
@@ -136,13 +147,7 @@ def calibrate_scores(
 def _inside(boxes: npt.NDArray[Any], regions: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """(M, R): the share of each box's area inside each region (COCO's IoU against a crowd
     region is measured over the detection's own area)."""
-    x1 = np.maximum(boxes[:, None, 0], regions[None, :, 0])
-    y1 = np.maximum(boxes[:, None, 1], regions[None, :, 1])
-    x2 = np.minimum(boxes[:, None, 2], regions[None, :, 2])
-    y2 = np.minimum(boxes[:, None, 3], regions[None, :, 3])
-    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
-    area = np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(boxes[:, 3] - boxes[:, 1], 0, None)
-    share: npt.NDArray[Any] = inter / np.maximum(area[:, None], 1e-9)
+    share: npt.NDArray[Any] = _intersection(boxes, regions) / np.maximum(_area(boxes)[:, None], 1e-9)
     return share
 
 
