@@ -130,3 +130,27 @@ def registered_model(tmp_path_factory: pytest.TempPathFactory, digits_dataset: P
 @pytest.fixture(scope="session")
 def onnx_model(tmp_path_factory: pytest.TempPathFactory, digits_dataset: Path) -> ModelKit:
     return exported_model(tmp_path_factory, digits_dataset)
+
+
+def flip_labels(kit: ModelKit, root: Path, flips: int, seed: int) -> tuple[Path, dict[int, str]]:
+    """A new version of `kit`'s dataset under `root/ds` with `flips` train labels changed to
+    another class (seeded; `data add` relabels the same records), and each flipped record's
+    true label, by record index: label errors planted where the answer is known."""
+    import random
+
+    from visionloop.data.derive import add_images
+    from visionloop.data.manifest import read_manifest
+    from visionloop.data.shards import ShardReader
+
+    m = read_manifest(kit.dataset)
+    reader = ShardReader(kit.dataset / "shards" / "train")
+    rng = random.Random(seed)
+    truth: dict[int, str] = {}
+    for pos in rng.sample(range(len(reader)), flips):
+        r = reader[pos]
+        wrong = m.classes[(int(r["label"]) + rng.randrange(1, len(m.classes))) % len(m.classes)]
+        (root / "flips" / wrong).mkdir(parents=True, exist_ok=True)
+        (root / "flips" / wrong / f"{pos}.png").write_bytes(r["image"])
+        truth[int(r["index"])] = m.classes[int(r["label"])]
+    add_images(kit.dataset, root / "flips", root / "ds", workers=1)
+    return root / "ds", truth

@@ -6,12 +6,11 @@ them becomes relabels of the very same records through `data add`."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from _modelkit import ModelKit, onnx_model  # noqa: F401  (the session's exported model)
+from _modelkit import ModelKit, flip_labels, onnx_model  # noqa: F401  (the session's exported model)
 from _trainkit import cli
 from visionloop.core.errors import DataError
 from visionloop.data.derive import add_images
@@ -30,19 +29,8 @@ def noisy(
     """A version of the model's dataset with FLIPS train labels changed (seeded), and the true
     label of each flipped record, by record index."""
     kit = onnx_model.copy_home(tmp_path_factory.mktemp("issues") / "home")
-    root = tmp_path_factory.mktemp("noisy")
-    m = read_manifest(kit.dataset)
-    reader = ShardReader(kit.dataset / "shards" / "train")
-    rng = random.Random(7)
-    truth: dict[int, str] = {}
-    for pos in rng.sample(range(len(reader)), FLIPS):
-        r = reader[pos]
-        wrong = m.classes[(int(r["label"]) + rng.randrange(1, len(m.classes))) % len(m.classes)]
-        (root / "flips" / wrong).mkdir(parents=True, exist_ok=True)
-        (root / "flips" / wrong / f"{pos}.png").write_bytes(r["image"])
-        truth[int(r["index"])] = m.classes[int(r["label"])]
-    add_images(kit.dataset, root / "flips", root / "ds", workers=1)
-    return kit, root / "ds", truth
+    dataset, truth = flip_labels(kit, tmp_path_factory.mktemp("noisy"), FLIPS, seed=7)
+    return kit, dataset, truth
 
 
 def test_the_flipped_labels_are_found(noisy: tuple[ModelKit, Path, dict[int, str]]) -> None:

@@ -11,7 +11,6 @@ each suspicious box with both labels."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,10 @@ import pytest
 import yaml
 
 from _mlflowkit import copy_migrated_store
-from _modelkit import ModelKit, registered_model  # noqa: F401  (the session's model)
+from _modelkit import ModelKit, flip_labels, registered_model  # noqa: F401  (the session's model)
 from _trainkit import cli
 from visionloop.core.errors import DataError
 from visionloop.core.settings import Settings
-from visionloop.data.derive import add_images
 from visionloop.data.ingest import IngestOptions, ingest
 from visionloop.data.manifest import read_manifest
 from visionloop.data.sampler import holdout_positions
@@ -48,19 +46,8 @@ def noisy(
     """The session model's dataset with FLIPS train labels changed (seeded), and each flipped
     record's true label, by record index."""
     kit = registered_model.copy_home(tmp_path_factory.mktemp("refit") / "home")
-    root = tmp_path_factory.mktemp("refit-noisy")
-    m = read_manifest(kit.dataset)
-    reader = ShardReader(kit.dataset / "shards" / "train")
-    rng = random.Random(11)
-    truth: dict[int, str] = {}
-    for pos in rng.sample(range(len(reader)), FLIPS):
-        r = reader[pos]
-        wrong = m.classes[(int(r["label"]) + rng.randrange(1, len(m.classes))) % len(m.classes)]
-        (root / "flips" / wrong).mkdir(parents=True, exist_ok=True)
-        (root / "flips" / wrong / f"{pos}.png").write_bytes(r["image"])
-        truth[int(r["index"])] = m.classes[int(r["label"])]
-    add_images(kit.dataset, root / "flips", root / "ds", workers=1)
-    return kit, root / "ds", truth
+    dataset, truth = flip_labels(kit, tmp_path_factory.mktemp("refit-noisy"), FLIPS, seed=11)
+    return kit, dataset, truth
 
 
 def test_refit_finds_the_flipped_labels_of_a_classifier(
