@@ -297,7 +297,9 @@ def test_on_ray_a_higher_priority_job_preempts_through_a_checkpoint_and_the_vict
         # Each test Ray node has 1 CPU: ask for less, or Ray never starts the job.
         job = {"resources": {"gpus": 1, "cpus": 0.4, "memory_gb": 0.5}, "spot": "never"}
         with cp.client() as c:
-            low_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=40), "priority": "low"}
+            # Enough steps that the preemption lands mid-training: 40 took 1.6 s here, done before
+            # the high job was even scheduled, and the SIGTERM met a trainer already exiting (143).
+            low_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=400), "priority": "low"}
             low = c.post("/v1/jobs", json={"spec": low_spec, "team": "research"}).json()
             # Once it has checkpointed, the trainer is past start-up and has work to keep.
             cp.wait_job(low["id"], lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None)
