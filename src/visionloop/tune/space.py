@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from visionloop.core.errors import SpecError
 from visionloop.specs import TrainSpec, format_validation_error
+from visionloop.tune.rung_tpe import RungTPESampler
 from visionloop.tune.spec import (
     AnyDimension,
     Choice,
@@ -103,7 +104,9 @@ def make_sampler(spec: TuneSpec, asked: int = 0) -> optuna.samplers.BaseSampler:
     if name == "tpe":
         # With trials running side by side, the constant liar makes TPE treat the running ones
         # as bad results, so that it does not propose the same point to every free worker.
-        return optuna.samplers.TPESampler(seed=seed, constant_liar=spec.concurrency > 1)
+        # RungTPESampler: TPE that learns from the trials paused at a rung (most of them, under
+        # asha's promotion), not only from the finished ones (tune/rung_tpe.py).
+        return RungTPESampler(seed=seed, constant_liar=spec.concurrency > 1)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
