@@ -116,8 +116,10 @@ def main() -> None:
         default=None,
         help="jobs give visionloop a max_runtime of this multiple of their true duration (default: none)",
     )
+    ap.add_argument("--order", choices=("las", "fifo", "srpt"), default="las", help="within a team and class")
     args = ap.parse_args()
     policy = PolicyConfig(
+        order=args.order,
         same_node=False,
         easy_backfill=args.easy_backfill,
         reservation_tenants=args.tenants,
@@ -231,6 +233,10 @@ def main() -> None:
         {
             "config": {
                 "traces": traces,
+                "visionloop": {
+                    k: getattr(policy, k)
+                    for k in ("order", "easy_backfill", "reservation_tenants", "victim_order")
+                },
                 "sim": {k: v for k, v in vars(sim_cfg).items() if k != "priorities"},
                 "slurm": {k: v for k, v in vars(SlurmConfig()).items() if k != "priorities"},
             },

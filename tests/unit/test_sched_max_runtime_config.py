@@ -71,10 +71,27 @@ def test_durations_round_trip_as_people_read_them() -> None:
 
 def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
     t = parse_cluster_config({}).timings
-    assert (t.easy_backfill, t.reservation_tenants, t.victim_order) == (False, False, "least_lost")
-    doc = {"scheduler": {"easy_backfill": True, "reservation_tenants": True, "victim_order": "smallest"}}
+    assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order) == (
+        False,
+        False,
+        "least_lost",
+        "las",
+    )
+    doc = {
+        "scheduler": {
+            "easy_backfill": True,
+            "reservation_tenants": True,
+            "victim_order": "smallest",
+            "order": "srpt",
+        }
+    }
     t = parse_cluster_config(doc).timings
-    assert (t.easy_backfill, t.reservation_tenants, t.victim_order) == (True, True, "smallest")
+    assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order) == (
+        True,
+        True,
+        "smallest",
+        "srpt",
+    )
 
 
 @pytest.mark.parametrize(
@@ -88,6 +105,10 @@ def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
         (
             {"victim_order": "oldest"},
             'scheduler.victim_order must be "least_lost" or "smallest", got \'oldest\'',
+        ),
+        (
+            {"order": "sjf"},
+            'scheduler.order must be "las", "srpt" or "fifo", got \'sjf\' (e.g. order = "srpt")',
         ),
         ({"reservation_tenants": True}, "set easy_backfill = true too, or remove reservation_tenants"),
         (

@@ -476,6 +476,28 @@ def test_las_order_puts_fresh_jobs_before_ones_that_already_ran() -> None:
     assert set(placed(schedule(view(node_gpus("n0", 1), queue), fifo_cfg))) == {"ran"}
 
 
+def test_srpt_order_starts_the_job_with_the_least_gpu_time_left_by_its_limit() -> None:
+    srpt = PolicyConfig(order="srpt")
+    # Both fresh: the later job with the shorter limit goes first ("las" keeps submission order).
+    queue = [q("long", t=0, max_runtime_s=8 * 3600.0), q("short", t=10, max_runtime_s=3600.0)]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"short"}
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), CFG))) == {"long"}
+    # GPU-time, not hours: 2 GPUs x 1 h left is more than 1 GPU x 1.5 h.
+    queue = [q("wide", t=0, gpus=2, max_runtime_s=3600.0), q("narrow", t=10, max_runtime_s=5400.0)]
+    assert set(placed(schedule(view(node_gpus("n0", 2), queue), srpt))) == {"narrow"}
+    # What a job received counts down its limit: preempted 7 h into an 8 h limit, it has 1 h
+    # left, less than a fresh job's 2 h (under "las" the fresh one goes first).
+    queue = [
+        q("ran", t=0, attained_gpu_s=7 * 3600.0, max_runtime_s=8 * 3600.0),
+        q("fresh", t=10, max_runtime_s=7200.0),
+    ]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"ran"}
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), CFG))) == {"fresh"}
+    # Without limits it is "las": what a job received is its expected remaining time.
+    queue = [q("ran", t=0, attained_gpu_s=7200.0), q("fresh", t=10)]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"fresh"}
+
+
 def test_aging_lifts_order_and_protects_the_aged_job() -> None:
     cfg = PolicyConfig(aging_s=3600)
     queue = [q("old-low", prio=LOW, t=NOW - 3 * 3600), q("new-normal", prio=NORMAL, t=NOW - 10)]
@@ -491,7 +513,7 @@ def test_aging_lifts_order_and_protects_the_aged_job() -> None:
 
 
 def test_config_validation() -> None:
-    with pytest.raises(ConfigError, match="order must be 'fifo' or 'las'"):
+    with pytest.raises(ConfigError, match="order must be 'fifo', 'las' or 'srpt'"):
         PolicyConfig(order="sjf")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="min_runtime_s"):
         PolicyConfig(min_runtime_s=-1)

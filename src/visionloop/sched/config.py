@@ -23,7 +23,7 @@ priority classes.
     heartbeat_timeout_s = 60 # a running job silent for this long is declared lost
     retry_backoff_s = 30     # first retry delay after a failure; doubles per restart
     inventory_sync_s = 30    # re-read the executor's GPUs this often (Ray nodes come and go); 0: never
-    order = "las"            # or "fifo"
+    order = "las"            # or "srpt" (least remaining time by the jobs' max_runtime), "fifo"
     victim_order = "least_lost"  # or "smallest" (Slurm's: fewest GPUs, then youngest)
     easy_backfill = false    # reservations hold their free GPUs for jobs whose max_runtime ends first
     reservation_tenants = false  # with easy_backfill: others start there too, and step aside when due
@@ -107,7 +107,7 @@ class SchedulerTimings:
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
-    order: Literal["las", "fifo"] = "las"
+    order: Literal["las", "fifo", "srpt"] = "las"
     # Policy switches beside the timings (sched.policy.PolicyConfig has what each does and
     # BENCHMARKS.md what each measured; the defaults are PolicyConfig's).
     victim_order: Literal["least_lost", "smallest"] = "least_lost"
@@ -196,8 +196,11 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
     if unknown:
         raise ConfigError(f"{_where(path, '[scheduler]')} has unknown keys {sorted(unknown)}.")
     order = section.get("order", d.order)
-    if order not in ("las", "fifo"):
-        raise ConfigError(f'{_where(path, "scheduler.order")} must be "las" or "fifo", got {order!r}.')
+    if order not in ("las", "fifo", "srpt"):
+        raise ConfigError(
+            f'{_where(path, "scheduler.order")} must be "las", "srpt" or "fifo", got {order!r} '
+            '(e.g. order = "srpt").'
+        )
     victims = section.get("victim_order", d.victim_order)
     if victims not in ("least_lost", "smallest"):
         raise ConfigError(

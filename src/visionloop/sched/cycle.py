@@ -197,6 +197,8 @@ class Cycle(Reservations):
         """Order within a team and class (a C-level getter: it runs once per queued job)."""
         if self.cfg.order == "las":
             return operator.attrgetter("attained_gpu_s", "submitted_at", "id")
+        if self.cfg.order == "srpt":
+            return _remaining_gpu_s
         return operator.attrgetter("submitted_at", "id")
 
     def _saturated(self) -> bool:
@@ -405,3 +407,12 @@ class Cycle(Reservations):
         if same:
             return f"{fixed[0]}; behind {same} job{plural(same)} of equal priority{fixed[1]}"
         return fixed[0] + fixed[1]
+
+
+def _remaining_gpu_s(job: PendingJob) -> tuple[float, float, str]:
+    """The "srpt" order: the GPU-time a job has left by its time limit (GPUs x limit - received);
+    without a limit, what it has received ("las"), the expected remaining time of a job whose
+    length is heavy-tailed (policy.py's `order`)."""
+    if job.max_runtime_s is None:
+        return (job.attained_gpu_s, job.submitted_at, job.id)
+    return (max(0.0, job.gpus * job.max_runtime_s - job.attained_gpu_s), job.submitted_at, job.id)

@@ -12,7 +12,8 @@ Order of standing, in one cycle:
   3. Within a class and pass, teams take turns by weighted dominant-resource share (GPUs,
      CPUs or memory, whichever the team uses most of, divided by its weight).
   4. Within a team, least attained GPU-service first ("las", the default: jobs that already
-     ran, and were preempted or interrupted, go behind fresh ones), or submission order.
+     ran, and were preempted or interrupted, go behind fresh ones), or least remaining
+     GPU-time by their time limits ("srpt"), or submission order.
 A job starts on free GPUs if it fits (spot policy, one GPU type if possible, one node or
 the fewest nodes). If not, it claims GPUs still being released; else it may preempt lower
 classes or, under its nominal quota, reclaim borrowed GPUs (see `preemption.py`); the GPUs
@@ -38,7 +39,7 @@ from visionloop.sched.placement import capacities, free_pool, pick, take, usable
 from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus
 from visionloop.sched.view import DEFAULT_PRIORITIES, ClusterView, Decision, PendingJob, Placement
 
-Order = Literal["fifo", "las"]
+Order = Literal["fifo", "las", "srpt"]
 VictimOrder = Literal["least_lost", "smallest"]
 
 
@@ -53,7 +54,14 @@ class PolicyConfig:
     min_runtime_s: float = 600.0
     # Within a team and class: "las" (least attained GPU-service first: jobs that were
     # preempted or ran long wait behind fresh ones, which shortens completion times when job
-    # lengths are heavy-tailed) or "fifo" (submission order).
+    # lengths are heavy-tailed), "srpt" (least remaining GPU-time first, counted from the
+    # time limits jobs give, `max_runtime`: GPUs x limit - GPU-time received; a job without a
+    # limit counts what it has received, as under "las": with heavy-tailed lengths a job's
+    # expected remaining time grows with what it has run) or "fifo" (submission order).
+    # "srpt" is "las" exactly when no job gives a limit; with limits it is better
+    # (BENCHMARKS.md, "Shortest remaining limit first"). Not the default: a fresh job without
+    # a limit goes before every job with one, so a team whose jobs give limits should use it
+    # with all of them giving one.
     order: Order = "las"
     # Later jobs may start on GPUs an earlier, bigger job cannot use yet.
     backfill: bool = True
@@ -99,9 +107,9 @@ class PolicyConfig:
     priorities: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
 
     def __post_init__(self) -> None:
-        if self.order not in ("fifo", "las"):
+        if self.order not in ("fifo", "las", "srpt"):
             raise ConfigError(
-                f"scheduler order must be 'fifo' or 'las', not {self.order!r}; e.g. order = 'las'."
+                f"scheduler order must be 'fifo', 'las' or 'srpt', not {self.order!r}; e.g. order = 'las'."
             )
         if self.victim_order not in ("least_lost", "smallest"):
             raise ConfigError(
