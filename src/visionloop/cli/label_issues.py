@@ -91,7 +91,11 @@ def issues_command(
 
         settings = load_settings()
         runs: list[Any] = []
-        if refit or not _embeddings_judge(model, settings):
+        # The version is looked up once, and named by its number from here on: an alias that
+        # moves while the command runs (a promotion) must not split it between two versions.
+        info = _version(model, settings)
+        model = f"{info.name}/{info.version}"
+        if refit or not _embeddings_judge(info):
             from visionloop.label.refit import refit_issues
 
             if split != "train" or max_images is not None:
@@ -99,7 +103,7 @@ def issues_command(
                     "--refit judges the whole train split (every image is predicted by the fold that "
                     "left it out); leave --split and --max-images out."
                 )
-            folds_dir = work_dir or _default_work_dir(settings, model, folds, seed, overrides, dataset)
+            folds_dir = work_dir or _default_work_dir(settings, info, folds, seed, overrides, dataset)
             err.print(f"fold runs in {escape(str(folds_dir))}", soft_wrap=True)
             report, runs = refit_issues(
                 model,
@@ -188,23 +192,25 @@ def _why(issue: Any) -> str:
     return "\n".join(lines) or "-"
 
 
-def _embeddings_judge(ref: str, settings: Any) -> bool:
-    """Whether `ref`'s task can judge labels from its embeddings (one label per image); a
-    detector's boxes only --refit can judge."""
+def _version(ref: str, settings: Any) -> Any:
     from visionloop.registry import get_version
+
+    return get_version(ref, settings)
+
+
+def _embeddings_judge(info: Any) -> bool:
+    """Whether the version's task can judge labels from its embeddings (one label per image);
+    a detector's boxes only --refit can judge."""
     from visionloop.tasks import get_task
 
-    return get_task(get_version(ref, settings).card().task).labels_from_embeddings
+    return get_task(info.card().task).labels_from_embeddings
 
 
 def _default_work_dir(
-    settings: Any, ref: str, folds: int, seed: int, overrides: list[str], dataset: Path | None
+    settings: Any, info: Any, folds: int, seed: int, overrides: list[str], dataset: Path | None
 ) -> Path:
     """One folder per (version, folds, seed, overrides, dataset): the same command resumes it,
     a different one does not collide with it."""
-    from visionloop.registry import get_version
-
-    info = get_version(ref, settings)
     key = json.dumps([folds, seed, overrides, str(dataset or "")]).encode()
     tag = hashlib.sha256(key).hexdigest()[:8]
     return Path(settings.home) / "label-issues" / f"{info.name}-v{info.version}-{folds}fold-{tag}"
