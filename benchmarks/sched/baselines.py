@@ -117,9 +117,13 @@ def main() -> None:
         help="jobs give visionloop a max_runtime of this multiple of their true duration (default: none)",
     )
     ap.add_argument("--order", choices=("las", "fifo", "srpt"), default="las", help="within a team and class")
+    ap.add_argument(
+        "--srpt-preemption", action="store_true", help="with --order srpt: preempt within a class"
+    )
     args = ap.parse_args()
     policy = PolicyConfig(
         order=args.order,
+        srpt_preemption=args.srpt_preemption,
         same_node=False,
         easy_backfill=args.easy_backfill,
         reservation_tenants=args.tenants,

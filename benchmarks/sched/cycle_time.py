@@ -104,11 +104,17 @@ def main() -> None:
         action="store_true",
         help="reservations hold GPUs (EASY backfill) and every other queued job gives a time limit",
     )
+    ap.add_argument(
+        "--srpt",
+        action="store_true",
+        help='order = "srpt" with srpt_preemption, and every other queued and running job gives a time limit',
+    )
     args = ap.parse_args()
-    easy = args.easy_backfill
+    easy, srpt = args.easy_backfill, args.srpt
+    order: dict[str, Any] = {"order": "srpt", "srpt_preemption": True} if srpt else {}
     configs = {
-        "one node (control plane)": (PolicyConfig(easy_backfill=easy), 8),
-        "spanning nodes (simulator)": (PolicyConfig(same_node=False, easy_backfill=easy), 48),
+        "one node (control plane)": (PolicyConfig(easy_backfill=easy, **order), 8),
+        "spanning nodes (simulator)": (PolicyConfig(same_node=False, easy_backfill=easy, **order), 48),
     }
     results: dict[str, Any] = {}
     print(f"one scheduling cycle, {args.queued} queued jobs, 64 GPUs, {args.repeat} repetitions (ms)")
@@ -123,12 +129,20 @@ def main() -> None:
             "spot node down": make_view(args.queued, free=2, spot_down=True, seed=2, max_gpus=max_gpus),
         }
         for name, view in scenarios.items():
-            if easy:  # what EASY backfill reads: the queued jobs' limits (1-5 h)
+            if easy or srpt:  # what EASY backfill and "srpt" read: the queued jobs' limits (1-5 h)
                 limited = [
                     dataclasses.replace(j, max_runtime_s=3600.0 * (1 + k % 5)) if k % 2 else j
                     for k, j in enumerate(view.queued)
                 ]
                 view = dataclasses.replace(view, queued=limited)
+            if srpt:  # and the running jobs' (1-5 h beyond what they ran)
+                running = [
+                    dataclasses.replace(j, max_runtime_s=view.now - j.started_at + 3600.0 * (1 + k % 5))
+                    if k % 2
+                    else j
+                    for k, j in enumerate(view.running)
+                ]
+                view = dataclasses.replace(view, running=running)
             wall: list[float] = []
             cpu: list[float] = []
             base: list[float] = []
@@ -165,7 +179,7 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores"
     )
     path = write_result(
-        "sched_cycle_easy" if easy else "sched_cycle",
+        "sched_cycle" + ("_easy" if easy else "") + ("_srpt" if srpt else ""),
         {
             "config": vars(args) | {"gpus": 64, "policies": {k: repr(c) for k, (c, _) in configs.items()}},
             "target_ms": 50.0,

@@ -52,6 +52,8 @@ def r(
     ckpt: float | None = None,
     preemptible: bool = True,
     submitted: float | None = None,
+    limit: float | None = None,
+    attained: float = 0.0,
 ) -> ActiveJob:
     return ActiveJob(
         id,
@@ -62,6 +64,8 @@ def r(
         last_checkpoint_at=ckpt,
         preemptible=preemptible,
         submitted_at=submitted,
+        max_runtime_s=limit,
+        attained_gpu_s=attained,
     )
 
 
@@ -498,6 +502,36 @@ def test_srpt_order_starts_the_job_with_the_least_gpu_time_left_by_its_limit() -
     assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"fresh"}
 
 
+def test_srpt_preemption_evicts_a_job_of_the_same_class_with_far_more_time_left() -> None:
+    cfg = PolicyConfig(order="srpt", srpt_preemption=True, aging_s=None)
+    # 10 h limit, 1 h done: 9 GPU-hours left against the waiting job's 1 h (more than twice).
+    long = r("long", ["n0/0"], started=NOW - 3600, limit=36000.0, attained=3600.0)
+    short = q("short", t=NOW - 60, max_runtime_s=3600.0)
+    d = schedule(view(node_gpus("n0", 1), [short], [long]), cfg)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("long", "short")]
+    assert d.waiting["short"].startswith("preempting 1 job (long)")
+    # Not twice as much left (1.5 h against 1 h), no limit on either side, another team,
+    # or the switch off: it waits.
+    close = r("close", ["n0/0"], started=NOW - 3600, limit=9000.0, attained=3600.0)
+    unknown = r("unknown", ["n0/0"], started=NOW - 3600, attained=3600.0)
+    teams = [Team("a", 1), Team("b", 1)]
+    other = r("other", ["n0/0"], team="b", started=NOW - 3600, limit=36000.0, attained=3600.0)
+    for running, c, ts in (
+        (close, cfg, ()),
+        (unknown, cfg, ()),
+        (other, cfg, teams),
+        (long, PolicyConfig(order="srpt", aging_s=None), ()),
+    ):
+        assert schedule(view(node_gpus("n0", 1), [short], [running], ts), c).evictions == []
+    no_limit = q("short", t=NOW - 60)
+    assert schedule(view(node_gpus("n0", 1), [no_limit], [long]), cfg).evictions == []
+    # Once evicted, the long job does not take its GPU back: its 9 h left are never less
+    # than half of what the short one has left.
+    back = q("long", t=0, attained_gpu_s=3600.0, max_runtime_s=36000.0)
+    running = r("short", ["n0/0"], started=NOW - 700, limit=3600.0, attained=700.0)
+    assert schedule(view(node_gpus("n0", 1), [back], [running]), cfg).evictions == []
+
+
 def test_aging_lifts_order_and_protects_the_aged_job() -> None:
     cfg = PolicyConfig(aging_s=3600)
     queue = [q("old-low", prio=LOW, t=NOW - 3 * 3600), q("new-normal", prio=NORMAL, t=NOW - 10)]
@@ -549,6 +583,9 @@ def test_fifo_skips_backoff_and_impossible_jobs() -> None:
 # --------------------------------------------------------------------------- invariants
 
 
+LIMITS = [None, None, 600.0, 3600.0, 36000.0]
+
+
 @st.composite
 def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
     n_nodes = draw(st.integers(1, 4))
@@ -577,6 +614,8 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
                 started=NOW - draw(st.sampled_from([10, 700, 5000])),
                 ckpt=draw(st.sampled_from([None, NOW - 30, NOW - 900])),
                 preemptible=draw(st.booleans()),
+                limit=draw(st.sampled_from(LIMITS)),
+                attained=float(draw(st.integers(0, 3)) * 1000),
             )
         )
     queued = [
@@ -589,13 +628,15 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
             spot=draw(st.sampled_from(["never", "allowed", "preferred"])),
             not_before=draw(st.sampled_from([0.0, 0.0, NOW + 30])),
             attained_gpu_s=float(draw(st.integers(0, 3)) * 1000),
+            max_runtime_s=draw(st.sampled_from(LIMITS)),
         )
         for i in range(draw(st.integers(0, 12)))
     ]
     cfg = PolicyConfig(
         same_node=draw(st.booleans()),
         backfill=draw(st.booleans()),
-        order=draw(st.sampled_from(["las", "fifo"])),
+        order=(order := draw(st.sampled_from(["las", "fifo", "srpt"]))),
+        srpt_preemption=order == "srpt" and draw(st.booleans()),
         max_evictions_per_cycle=draw(st.integers(0, 3)),
         reserve_after_s=draw(st.sampled_from([None, 3600.0])),
     )
@@ -641,7 +682,14 @@ def test_invariants(vc: tuple[ClusterView, PolicyConfig]) -> None:
             and victim.started_at >= head.submitted_at
         )
         assert victim.preemptible and (v.now - victim.started_at >= cfg.min_runtime_s or tenant)
-        assert e.for_job in queued and e.reason
+        assert e.for_job in queued and e.reason and head is not None
+        if victim.team == head.team and victim.priority >= head.priority:
+            # Within a team and class only "srpt" preemption evicts, and only a job with more
+            # than twice the waiting job's GPU-time left by its limit.
+            assert cfg.order == "srpt" and cfg.srpt_preemption and victim.priority == head.priority
+            assert victim.max_runtime_s is not None and head.max_runtime_s is not None
+            left = len(victim.gpu_ids) * victim.max_runtime_s - victim.attained_gpu_s
+            assert left > 2 * max(0.0, head.gpus * head.max_runtime_s - head.attained_gpu_s)
     assert len(d.evictions) <= cfg.max_evictions_per_cycle
     # no team beyond nominal + borrow because of this cycle's placements
     for name, team in v.teams.items():

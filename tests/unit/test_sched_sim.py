@@ -231,11 +231,18 @@ def test_random_trace_completes_under_both_policies() -> None:
 
 @pytest.mark.parametrize("seed", [3, 17, 29, 41])
 @pytest.mark.parametrize(
-    ("easy", "tenants", "limit"),
-    [(False, False, None), (True, False, 2.0), (True, True, None), (True, True, 1.5)],
+    ("easy", "tenants", "limit", "srpt"),
+    [
+        (False, False, None, False),
+        (True, False, 2.0, False),
+        (True, True, None, False),
+        (True, True, 1.5, False),
+        (False, False, 2.0, True),
+        (True, False, 1.0, True),
+    ],
 )
 def test_no_livelock_on_random_clusters_and_configs(
-    seed: int, easy: bool, tenants: bool, limit: float | None
+    seed: int, easy: bool, tenants: bool, limit: float | None, srpt: bool
 ) -> None:
     """Whatever the quotas and knobs, every job that can run finishes, and no job is
     preempted without end (found: borrowers and reclaimers taking GPUs back and forth).
@@ -275,6 +282,8 @@ def test_no_livelock_on_random_clusters_and_configs(
         reserve_after_s=3600.0,
         easy_backfill=easy,
         reservation_tenants=tenants,
+        order="srpt" if srpt else "las",
+        srpt_preemption=srpt,
     )
     sim = SimConfig(max_time_s=10 * 86400, time_limit=limit, time_limit_share=0.5)
     r = simulate(trace, cluster, partial(schedule, config=cfg), sim)

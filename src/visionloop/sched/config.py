@@ -24,6 +24,7 @@ priority classes.
     retry_backoff_s = 30     # first retry delay after a failure; doubles per restart
     inventory_sync_s = 30    # re-read the executor's GPUs this often (Ray nodes come and go); 0: never
     order = "las"            # or "srpt" (least remaining time by the jobs' max_runtime), "fifo"
+    srpt_preemption = false  # with "srpt": evict a same-class job with over twice the time left
     victim_order = "least_lost"  # or "smallest" (Slurm's: fewest GPUs, then youngest)
     easy_backfill = false    # reservations hold their free GPUs for jobs whose max_runtime ends first
     reservation_tenants = false  # with easy_backfill: others start there too, and step aside when due
@@ -108,6 +109,7 @@ class SchedulerTimings:
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
     order: Literal["las", "fifo", "srpt"] = "las"
+    srpt_preemption: bool = False
     # Policy switches beside the timings (sched.policy.PolicyConfig has what each does and
     # BENCHMARKS.md what each measured; the defaults are PolicyConfig's).
     victim_order: Literal["least_lost", "smallest"] = "least_lost"
@@ -189,6 +191,7 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         "retry_backoff_s",
         "inventory_sync_s",
         "order",
+        "srpt_preemption",
         "victim_order",
         "easy_backfill",
         "reservation_tenants",
@@ -209,6 +212,12 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         )
     easy = _flag(section, "easy_backfill", d.easy_backfill, path)
     tenants = _flag(section, "reservation_tenants", d.reservation_tenants, path)
+    srpt_preemption = _flag(section, "srpt_preemption", d.srpt_preemption, path)
+    if srpt_preemption and order != "srpt":
+        raise ConfigError(
+            f"{_where(path, 'scheduler.srpt_preemption')} preempts by the remaining time that order "
+            '"srpt" ranks jobs by: set order = "srpt" too, or remove srpt_preemption.'
+        )
     if tenants and not easy:
         # Tenants start on GPUs a reservation holds, which only EASY backfill holds: alone it
         # would do nothing, silently.
@@ -225,6 +234,7 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         retry_backoff_s=_number(section, "retry_backoff_s", d.retry_backoff_s, path),
         inventory_sync_s=_number(section, "inventory_sync_s", d.inventory_sync_s, path),
         order=order,
+        srpt_preemption=srpt_preemption,
         victim_order=victims,
         easy_backfill=easy,
         reservation_tenants=tenants,

@@ -91,6 +91,17 @@ class CycleState:
             (j for j in view.running if j.preemptible and self.now - j.started_at >= cfg.min_runtime_s),
             key=self._victim_order,
         )
+        # "srpt" preemption: each victim's GPU-time left by its limit, and the most of it
+        # among a team's victims of each class (the cheap test before a search).
+        self.srpt_left: dict[str, float] = {}
+        self.srpt_most: dict[tuple[str, float], float] = {}
+        if cfg.order == "srpt" and cfg.srpt_preemption:
+            for j in self.victims:
+                if j.max_runtime_s is not None:
+                    left = len(j.gpu_ids) * j.max_runtime_s - j.attained_gpu_s
+                    self.srpt_left[j.id] = left
+                    k = (j.team, self._held_rank(j))
+                    self.srpt_most[k] = max(self.srpt_most.get(k, -math.inf), left)
         # The lowest class among jobs too young to preempt (for the reasons shown).
         self.young_min = min(
             (

@@ -16,7 +16,8 @@ Order of standing, in one cycle:
      GPU-time by their time limits ("srpt"), or submission order.
 A job starts on free GPUs if it fits (spot policy, one GPU type if possible, one node or
 the fewest nodes). If not, it claims GPUs still being released; else it may preempt lower
-classes or, under its nominal quota, reclaim borrowed GPUs (see `preemption.py`); the GPUs
+classes (with "srpt" preemption, also a job of its own team and class with more than twice its
+remaining time), or, under its nominal quota, reclaim borrowed GPUs (see `preemption.py`); the GPUs
 it frees are claimed for it, so a backfilled job cannot take them. A job that preemption
 will let in once its victims pass `min_runtime_s` holds the free GPUs it will use. Anything
 else waits, with a reason. Later, smaller jobs backfill around waiting ones.
@@ -63,6 +64,11 @@ class PolicyConfig:
     # a limit goes before every job with one, so a team whose jobs give limits should use it
     # with all of them giving one.
     order: Order = "las"
+    # With order "srpt": a waiting job may also preempt a job of its own team and class whose
+    # remaining GPU-time by its limit is more than twice its own (shortest remaining time
+    # first, with preemption). A preempted job's remaining time only falls as it runs, so two
+    # jobs never take turns evicting each other.
+    srpt_preemption: bool = False  # BENCHMARKS.md: "Shortest remaining limit first, with preemption"
     # Later jobs may start on GPUs an earlier, bigger job cannot use yet.
     backfill: bool = True
     preemption: bool = True
@@ -110,6 +116,10 @@ class PolicyConfig:
         if self.order not in ("fifo", "las", "srpt"):
             raise ConfigError(
                 f"scheduler order must be 'fifo', 'las' or 'srpt', not {self.order!r}; e.g. order = 'las'."
+            )
+        if self.srpt_preemption and self.order != "srpt":
+            raise ConfigError(
+                'srpt_preemption preempts by what order "srpt" ranks by: set order = "srpt" too.'
             )
         if self.victim_order not in ("least_lost", "smallest"):
             raise ConfigError(

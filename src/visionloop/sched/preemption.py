@@ -1,6 +1,9 @@
 """Preemption: which running jobs step aside for a waiting one, and only when that makes
 it fit. A job may preempt lower classes (within its team always; across teams only jobs
-on borrowed GPUs, unless it stays within its own nominal quota), and a team under its
+on borrowed GPUs, unless it stays within its own nominal quota), with `srpt_preemption` a
+job of its own team and class whose GPU-time left by its limit is more than twice its own
+(shortest remaining time first: the victim's remaining time only falls as it runs, so two
+jobs never take turns evicting each other), and a team under its
 nominal quota reclaims borrowed GPUs whatever their class. Victims lose the least work:
 lowest class first, then the least GPU-time since their last checkpoint; never a job that
 is already leaving or has run less than `min_runtime_s` — except a tenant: a job of a lower
@@ -20,6 +23,10 @@ from visionloop.sched.cycle_state import CycleState, TeamState
 from visionloop.sched.placement import held_by, merge, pick, usable
 from visionloop.sched.reasons import n_gpus, plural
 from visionloop.sched.view import ActiveJob, Eviction, Gpu, PendingJob, SpotPolicy
+
+# "srpt" preemption: a victim must have more than this many times the waiting job's
+# remaining GPU-time, so that a restart is paid only for a large gain.
+SRPT_FACTOR = 2.0
 
 
 class Preemption(CycleState):
@@ -137,11 +144,25 @@ class Preemption(CycleState):
           nominal without it; else `v` would be entitled to reclaim at once (a livelock)."""
         lower = self._held_rank(v) < job.priority
         if v.team == job.team:
-            return lower
+            return lower or self._srpt_yields(v, job)
         vt = self._team(v.team)
         if reclaim:
             return lower or vt.over_nominal(taken)
         return lower and vt.used - taken - len(v.gpu_ids) >= vt.team.nominal_gpus
+
+    def _srpt_yields(self, v: ActiveJob, job: PendingJob) -> bool:
+        """ "srpt" preemption: `v`, of `job`'s team and class, has more than twice the GPU-time
+        left by its limit that `job` has by its own."""
+        left = self.srpt_left.get(v.id)
+        if left is None or job.max_runtime_s is None or self._held_rank(v) != job.priority:
+            return False
+        return left > SRPT_FACTOR * max(0.0, job.gpus * job.max_runtime_s - job.attained_gpu_s)
+
+    def _srpt_could(self, job: PendingJob) -> bool:
+        if not self.srpt_most or job.max_runtime_s is None:
+            return False
+        most = self.srpt_most.get((job.team, job.priority), -math.inf)
+        return most > SRPT_FACTOR * max(0.0, job.gpus * job.max_runtime_s - job.attained_gpu_s)
 
     def _usable_gpus(self, v: ActiveJob, spot: SpotPolicy) -> int:
         return sum(1 for gid in v.gpu_ids if gid in self.gpu_by_id and usable(self.gpu_by_id[gid], spot))
@@ -196,11 +217,15 @@ class Preemption(CycleState):
         if self.evictions_left <= 0:
             return False
         lowest, borrowed = self._victim_summary()
-        return lowest < job.priority or (borrowed and ts.used + job.gpus <= ts.team.nominal_gpus)
+        return (
+            lowest < job.priority
+            or (borrowed and ts.used + job.gpus <= ts.team.nominal_gpus)
+            or self._srpt_could(job)
+        )
 
     def _preemption_possible(self, prio: int) -> bool:
         """Could any job of (effective) class `prio` or below still preempt?"""
         if self.evictions_left <= 0:
             return False
         lowest, borrowed = self._victim_summary()
-        return lowest < prio or borrowed
+        return lowest < prio or borrowed or bool(self.srpt_most)

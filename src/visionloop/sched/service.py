@@ -94,6 +94,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         self.policy = PolicyConfig(
             min_runtime_s=t.min_runtime_s,
             order=t.order,
+            srpt_preemption=t.srpt_preemption,
             same_node=True,
             victim_order=t.victim_order,
             easy_backfill=t.easy_backfill,
