@@ -8,9 +8,12 @@ Three arms search the same space with the same trial budget, in every repetition
   best 1/η of the trials that reached that rung (Li et al. 2020);
 - `asha_stop`: stop-only successive halving (`promotion: false`, Optuna's
   SuccessiveHalvingPruner): a trial is judged once, as it reaches a rung, against the
-  trials that got there before it, and pruned or continued at once.
+  trials that got there before it, and pruned or continued at once;
+- `asha_tpe`: what `visionloop tune` does by default: ASHA with promotion, sampling with TPE
+  (tune/rung_tpe.py: it learns from the trials paused at a rung). Its first 10 trials are
+  random search's first 10; after that it draws its own.
 
-All three sample with Optuna's random sampler under the same seed (ASHA is random sampling
+The first three sample with Optuna's random sampler under the same seed (ASHA is random sampling
 plus successive halving, as in Li et al.), so trial k has the same configuration in every
 arm; the script checks that it does. Training is deterministic, and a trial paused and
 continued ends bitwise where an unpaused one does, so the arms differ only in which trials
@@ -66,7 +69,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import write_result
 
-ARMS = ("random", "asha", "asha_stop")
+ARMS = ("random", "asha", "asha_stop", "asha_tpe")
+# The arms that sample with Optuna's random sampler: trial k is the same configuration in each.
+SAME_DRAWS = ("random", "asha", "asha_stop")
+TPE_STARTUP = 10  # Optuna's TPE draws its first 10 trials at random, from the seed's stream
 TOLERANCE_POINTS = 0.5
 METRIC = "accuracy"
 
@@ -130,14 +136,14 @@ def tune_doc(arm: str, dataset: Path, args: argparse.Namespace, seed: int) -> di
             "name": "asha",
             "min_epochs": args.min_epochs,
             "reduction_factor": args.eta,
-            "promotion": arm == "asha",
+            "promotion": arm != "asha_stop",
         }
     return {
         "name": f"se-{arm}-s{seed}",
         "train": train_doc(dataset, args.epochs, seed),
         "space": SPACE,
         "objective": {"metric": f"val/{METRIC}", "direction": "max"},
-        "sampler": {"name": "random", "seed": seed},
+        "sampler": {"name": "tpe" if arm == "asha_tpe" else "random", "seed": seed},
         "pruner": pruner,
         "trials": args.trials,
         "concurrency": 1,
@@ -351,7 +357,8 @@ def summarize_seed(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     target = best - TOLERANCE_POINTS / 100
     out: dict[str, Any] = {"random_best": best, "target": target, "arms": {}}
     for arm, run in runs.items():
-        if run["params"] != base["params"]:
+        same = run["params"] if arm in SAME_DRAWS else run["params"][:TPE_STARTUP]
+        if same != base["params"][: len(same)]:
             raise RuntimeError(f"{arm} drew other configurations than random search: the comparison is void")
         out["arms"][arm] = {
             **to_target(run["calls"], target),
@@ -366,7 +373,11 @@ def summarize_seed(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     # trial that finished in two arms must end at the same value (paused and continued or not).
     others = [arm for arm in ARMS[1:] if arm in runs]
     for arm in others:
-        both = [k for k in runs[arm]["finals"] if k in base["finals"]]
+        both = [
+            k
+            for k in runs[arm]["finals"]
+            if k in base["finals"] and runs[arm]["params"][int(k)] == base["params"][int(k)]
+        ]
         same = sum(runs[arm]["finals"][k] == base["finals"][k] for k in both)
         out["arms"][arm]["finals_equal_to_random"] = f"{same}/{len(both)}"
     ref = out["arms"]["random"]["reached"]
@@ -434,6 +445,23 @@ def write_summary(
     return path
 
 
+def recorded_random(args: argparse.Namespace) -> dict[str, Any]:
+    """Random search's runs by seed from `--random-from`, refused unless they searched the
+    same task and space with the same trial budget and epochs."""
+    from _common import RESULTS
+
+    found: dict[str, Any] = {}
+    for name in (args.random_from or "").split(",") if args.random_from else []:
+        doc = json.loads((RESULTS / f"{name}.json").read_text())
+        c = doc["config"]
+        mine = (args.val_fraction, args.noise, args.trials, args.epochs, SPACE)
+        theirs = (c["val_fraction"], c.get("noise", 0.0), c["trials"], c["epochs"], c["space"])
+        if mine != theirs:
+            raise SystemExit(f"{name} searched another task, space, budget or epochs than this run")
+        found.update({seed: runs["random"] for seed, runs in doc["runs"].items()})
+    return found
+
+
 def merge(args: argparse.Namespace) -> None:
     """Combine the results of one process per seed (`--merge a,b,c`: result names) into one."""
     from _common import RESULTS
@@ -484,6 +512,12 @@ def main() -> None:
         default=",".join(ARMS),
         help="the arms to train; `random` alone records the curves that replay.py replays the others on",
     )
+    p.add_argument(
+        "--random-from",
+        default=None,
+        help="take random search's runs from these results (comma-separated names) instead of training "
+        "them again: the same seeds draw the same configurations and training is deterministic",
+    )
     p.add_argument("--name", default=None, help="results file name (default from --val-fraction)")
     p.add_argument(
         "--merge",
@@ -516,10 +550,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vl-tune-bench-") as tmp:
         root = Path(tmp)
         dataset = build_dataset(root, args.val_fraction, args.noise)
+        recorded = recorded_random(args)
         for seed in seeds:
             runs = {}
             for arm in arms:
-                runs[arm] = run_arm(arm, dataset, root, args, seed)
+                if arm == "random" and recorded:
+                    if str(seed) not in recorded:
+                        raise SystemExit(f"--random-from has no random search of seed {seed}")
+                    runs[arm] = recorded[str(seed)]
+                else:
+                    runs[arm] = run_arm(arm, dataset, root, args, seed)
                 a = runs[arm]
                 print(
                     f"seed {seed} {arm:9s}: {len(a['calls'])} train calls, "
