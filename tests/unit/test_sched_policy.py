@@ -21,6 +21,7 @@ from visionloop.sched.view import (
     PriceClass,
     SpotPolicy,
     Team,
+    remaining_gpu_s,
 )
 
 LOW, NORMAL, HIGH = 10, 50, 100
@@ -480,6 +481,13 @@ def test_las_order_puts_fresh_jobs_before_ones_that_already_ran() -> None:
     assert set(placed(schedule(view(node_gpus("n0", 1), queue), fifo_cfg))) == {"ran"}
 
 
+def test_remaining_gpu_time_by_the_limit() -> None:
+    assert remaining_gpu_s(2, 3600.0, 1800.0) == 5400.0
+    assert remaining_gpu_s(1, None, 1800.0) is None
+    assert remaining_gpu_s(1, 600.0, 600.0) == 600.0  # its limit used up: what it received
+    assert remaining_gpu_s(1, 600.0, 5000.0) == 5000.0
+
+
 def test_srpt_order_starts_the_job_with_the_least_gpu_time_left_by_its_limit() -> None:
     srpt = PolicyConfig(order="srpt")
     # Both fresh: the later job with the shorter limit goes first ("las" keeps submission order).
@@ -499,6 +507,13 @@ def test_srpt_order_starts_the_job_with_the_least_gpu_time_left_by_its_limit() -
     assert set(placed(schedule(view(node_gpus("n0", 1), queue), CFG))) == {"fresh"}
     # Without limits it is "las": what a job received is its expected remaining time.
     queue = [q("ran", t=0, attained_gpu_s=7200.0), q("fresh", t=10)]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"fresh"}
+    # A limit understated (never enforced) does not keep a job first: past it, a job counts
+    # what it received (3 h), behind a fresh job with 2 h.
+    queue = [
+        q("overran", t=0, attained_gpu_s=3 * 3600.0, max_runtime_s=60.0),
+        q("fresh", t=10, max_runtime_s=7200.0),
+    ]
     assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"fresh"}
 
 
@@ -530,6 +545,11 @@ def test_srpt_preemption_evicts_a_job_of_the_same_class_with_far_more_time_left(
     back = q("long", t=0, attained_gpu_s=3600.0, max_runtime_s=36000.0)
     running = r("short", ["n0/0"], started=NOW - 700, limit=3600.0, attained=700.0)
     assert schedule(view(node_gpus("n0", 1), [back], [running]), cfg).evictions == []
+    # A running job past its limit counts as ending now: never an "srpt" victim (were it to
+    # count what it ran, it would be evicted again after every restart; the livelock test
+    # found that).
+    overran = r("overran", ["n0/0"], started=NOW - 3 * 3600, limit=60.0, attained=3 * 3600.0)
+    assert schedule(view(node_gpus("n0", 1), [short], [overran]), cfg).evictions == []
 
 
 def test_aging_lifts_order_and_protects_the_aged_job() -> None:
@@ -687,9 +707,10 @@ def test_invariants(vc: tuple[ClusterView, PolicyConfig]) -> None:
             # Within a team and class only "srpt" preemption evicts, and only a job with more
             # than twice the waiting job's GPU-time left by its limit.
             assert cfg.order == "srpt" and cfg.srpt_preemption and victim.priority == head.priority
-            assert victim.max_runtime_s is not None and head.max_runtime_s is not None
+            assert victim.max_runtime_s is not None
             left = len(victim.gpu_ids) * victim.max_runtime_s - victim.attained_gpu_s
-            assert left > 2 * max(0.0, head.gpus * head.max_runtime_s - head.attained_gpu_s)
+            own = remaining_gpu_s(head.gpus, head.max_runtime_s, head.attained_gpu_s)
+            assert own is not None and left > 2 * own
     assert len(d.evictions) <= cfg.max_evictions_per_cycle
     # no team beyond nominal + borrow because of this cycle's placements
     for name, team in v.teams.items():

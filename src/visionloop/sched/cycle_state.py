@@ -96,9 +96,13 @@ class CycleState:
         self.srpt_left: dict[str, float] = {}
         self.srpt_most: dict[tuple[str, float], float] = {}
         if cfg.order == "srpt" and cfg.srpt_preemption:
+            # A running job past its limit counts as ending now (nothing left), not as one that
+            # has run long: that would make it a victim again after every restart, for ever
+            # (the least-attained-service livelock); its place in the queue, once it is back
+            # there, is what `remaining_gpu_s` judges.
             for j in self.victims:
                 if j.max_runtime_s is not None:
-                    left = len(j.gpu_ids) * j.max_runtime_s - j.attained_gpu_s
+                    left = max(0.0, len(j.gpu_ids) * j.max_runtime_s - j.attained_gpu_s)
                     self.srpt_left[j.id] = left
                     k = (j.team, self._held_rank(j))
                     self.srpt_most[k] = max(self.srpt_most.get(k, -math.inf), left)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from visionloop.sched.cycle_state import CycleState, TeamState
 from visionloop.sched.placement import held_by, merge, pick, usable
 from visionloop.sched.reasons import n_gpus, plural
-from visionloop.sched.view import ActiveJob, Eviction, Gpu, PendingJob, SpotPolicy
+from visionloop.sched.view import ActiveJob, Eviction, Gpu, PendingJob, SpotPolicy, remaining_gpu_s
 
 # "srpt" preemption: a victim must have more than this many times the waiting job's
 # remaining GPU-time, so that a restart is paid only for a large gain.
@@ -154,15 +154,16 @@ class Preemption(CycleState):
         """ "srpt" preemption: `v`, of `job`'s team and class, has more than twice the GPU-time
         left by its limit that `job` has by its own."""
         left = self.srpt_left.get(v.id)
-        if left is None or job.max_runtime_s is None or self._held_rank(v) != job.priority:
+        own = remaining_gpu_s(job.gpus, job.max_runtime_s, job.attained_gpu_s)
+        if left is None or own is None or self._held_rank(v) != job.priority:
             return False
-        return left > SRPT_FACTOR * max(0.0, job.gpus * job.max_runtime_s - job.attained_gpu_s)
+        return left > SRPT_FACTOR * own
 
     def _srpt_could(self, job: PendingJob) -> bool:
-        if not self.srpt_most or job.max_runtime_s is None:
+        own = remaining_gpu_s(job.gpus, job.max_runtime_s, job.attained_gpu_s)
+        if not self.srpt_most or own is None:
             return False
-        most = self.srpt_most.get((job.team, job.priority), -math.inf)
-        return most > SRPT_FACTOR * max(0.0, job.gpus * job.max_runtime_s - job.attained_gpu_s)
+        return self.srpt_most.get((job.team, job.priority), -math.inf) > SRPT_FACTOR * own
 
     def _usable_gpus(self, v: ActiveJob, spot: SpotPolicy) -> int:
         return sum(1 for gid in v.gpu_ids if gid in self.gpu_by_id and usable(self.gpu_by_id[gid], spot))

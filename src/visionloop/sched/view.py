@@ -41,6 +41,18 @@ class Team:
     weight: float = 1.0  # fair-share weight
 
 
+def remaining_gpu_s(gpus: int, limit_s: float | None, attained_gpu_s: float) -> float | None:
+    """The GPU-time a queued job has left by its time limit ("srpt"): GPUs x limit - GPU-time
+    received. None without a limit. A job that has received its whole limit and is not done
+    said nothing true about its length: it counts what it has received, as a job without a
+    limit does under "las" (limits are never enforced, so an understated one must not keep a
+    job first in line for ever). Running jobs are judged as victims otherwise (cycle_state.py)."""
+    if limit_s is None:
+        return None
+    budget = gpus * limit_s
+    return budget - attained_gpu_s if attained_gpu_s < budget else attained_gpu_s
+
+
 @dataclass(frozen=True, slots=True)
 class PendingJob:
     id: str
