@@ -57,8 +57,8 @@ class PolicyConfig:
     # preempted or ran long wait behind fresh ones, which shortens completion times when job
     # lengths are heavy-tailed), "srpt" (least remaining GPU-time first, counted from the
     # time limits jobs give, `max_runtime`: GPUs x limit - GPU-time received; a job without a
-    # limit counts what it has received, as under "las": with heavy-tailed lengths a job's
-    # expected remaining time grows with what it has run) or "fifo" (submission order).
+    # limit, or past its limit, counts what it has received, as under "las": with heavy-tailed
+    # lengths a job's expected remaining time grows with what it has run) or "fifo".
     # "srpt" is "las" exactly when no job gives a limit; with limits it is better
     # (BENCHMARKS.md, "Shortest remaining limit first"). Not the default: a fresh job without
     # a limit goes before every job with one, so a team whose jobs give limits should use it
