@@ -78,6 +78,7 @@ def issues_command(
 
     from visionloop.core.settings import load_settings
     from visionloop.label.issues import find_issues, write_review
+    from visionloop.registry import get_version
 
     with Progress(
         TextColumn("{task.description:>16}"), BarColumn(), MofNCompleteColumn(), console=err
@@ -93,7 +94,7 @@ def issues_command(
         runs: list[Any] = []
         # The version is looked up once, and named by its number from here on: an alias that
         # moves while the command runs (a promotion) must not split it between two versions.
-        info = _version(model, settings)
+        info = get_version(model, settings)
         model = f"{info.name}/{info.version}"
         if refit or not _embeddings_judge(info):
             from visionloop.label.refit import refit_issues
@@ -190,12 +191,6 @@ def _why(issue: Any) -> str:
         else:
             lines.append(f"{f.kind} {f.given}{at}")
     return "\n".join(lines) or "-"
-
-
-def _version(ref: str, settings: Any) -> Any:
-    from visionloop.registry import get_version
-
-    return get_version(ref, settings)
 
 
 def _embeddings_judge(info: Any) -> bool:

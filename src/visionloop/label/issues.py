@@ -124,10 +124,9 @@ def find_issues(
     """The likely label errors of `split` of `dataset` (default: the version's own), judged
     from `ref`'s embeddings; with `top`, the `top` images whose given label is least likely,
     flagged or not (a review budget)."""
-    from cleanlab.filter import find_label_issues
-
     from visionloop.eval.api import dataset_for, split_reader, spread_positions
     from visionloop.label.scoring import Scorer
+    from visionloop.tasks.label_issues import rank_given_labels
 
     if not 2 <= folds <= 20:
         raise DataError(f"--folds must be 2 to 20, got {folds}.")
@@ -184,11 +183,7 @@ def find_issues(
     probs = out_of_fold_probabilities(x, dense, folds, seed)
     if progress is not None:
         progress("cross-validation", 1, 1)
-    if top is None:
-        ranked = find_label_issues(dense, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
-    else:
-        given_p = probs[np.arange(len(dense)), dense]
-        ranked = np.lexsort((np.arange(len(dense)), given_p))[:top]
+    ranked = rank_given_labels(dense, probs, top)
     names = [manifest.classes[int(c)] for c in in_split]
     y = dense
     issues = tuple(

@@ -17,7 +17,10 @@ nor numpy (the contract in `tasks/base.py` is imported by the inference server).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 FindingKind = Literal["wrong class", "overlooked", "swapped", "badly located"]
 Box = tuple[float, float, float, float]  # x1, y1, x2, y2
@@ -61,3 +64,23 @@ def summarize(classes: list[str]) -> str:
     for c in classes:
         counts[c] = counts.get(c, 0) + 1
     return ", ".join(f"{n} {c}" for c, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def rank_given_labels(
+    labels: npt.NDArray[Any], probs: npt.NDArray[Any], top: int | None = None
+) -> npt.NDArray[Any]:
+    """Positions of the labels `probs` (N, K) contradicts, lowest probability of the given
+    label first: confident learning's flags (cleanlab), or with `top`, the `top` least likely
+    labels, flagged or not (ties by position). `labels` are 0..K-1. Both recipes of `label
+    issues` (embeddings and --refit) rank through here."""
+    import numpy as np
+    from cleanlab.filter import find_label_issues as cl_find
+
+    if top is None:
+        ranked: npt.NDArray[Any] = cl_find(
+            labels, probs, return_indices_ranked_by="self_confidence", n_jobs=1
+        )
+        return ranked
+    given_p = probs[np.arange(len(labels)), labels]
+    chosen: npt.NDArray[Any] = np.lexsort((np.arange(len(labels)), given_p))[:top]
+    return chosen

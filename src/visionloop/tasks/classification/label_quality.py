@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from visionloop.tasks.label_issues import ImageLabelIssue, LabelFinding
+from visionloop.tasks.label_issues import ImageLabelIssue, LabelFinding, rank_given_labels
 
 
 def find_label_issues(
@@ -23,8 +23,6 @@ def find_label_issues(
     """The flagged images of `results` (one-image (logits (1, C), label (1,)) pairs, out of
     fold), lowest probability of the given label first; with `top`, the `top` images of
     lowest probability of the given label, flagged or not (a review budget)."""
-    from cleanlab.filter import find_label_issues as cl_find
-
     if not results:
         return []
     logits = np.concatenate([np.asarray(o, dtype=np.float64).reshape(1, -1) for o, _ in results])
@@ -36,11 +34,7 @@ def find_label_issues(
     z = np.exp(z - z.max(axis=1, keepdims=True))
     probs = z / z.sum(axis=1, keepdims=True)
     dense = np.searchsorted(present, y)
-    if top is None:
-        ranked = cl_find(dense, probs, return_indices_ranked_by="self_confidence", n_jobs=1)
-    else:
-        given_p = probs[np.arange(len(dense)), dense]
-        ranked = np.lexsort((np.arange(len(dense)), given_p))[:top]
+    ranked = rank_given_labels(dense, probs, top)
     names = [class_names[int(c)] for c in present]
     issues = []
     for i in (int(k) for k in ranked):
