@@ -10,6 +10,7 @@ and the cycle is run by the test, so every decision is the one asserted."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from _cpkit import CP, cluster_config, control_plane
 from _cpkit import train_doc as _train
 from _dbkit import fresh_database
 from _trainkit import cli
+from visionloop.core.durations import format_duration
 from visionloop.sched.policy import schedule
 from visionloop.sched.store import Job
 
@@ -44,7 +46,8 @@ def cp(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CP]:
 
 
 def _submit(cp: CP, dataset: Path, gpus: int, max_runtime: str | None, name: str) -> int:
-    spec = {"train": _train(dataset), "name": name, "team": "vision", "resources": {"gpus": gpus}}
+    train = {**_train(dataset), "seed": len(name)}  # the seed is not part of the history's keys
+    spec = {"train": train, "name": name, "team": "vision", "resources": {"gpus": gpus}}
     if max_runtime is not None:
         spec["max_runtime"] = max_runtime
     with cp.client() as c:
@@ -130,3 +133,51 @@ def test_bad_max_runtime_is_refused_naming_the_field_and_jobs_show_gives_it(
     assert "max runtime: 1h 30m (planned with for reservations and backfill; not enforced)" in shown.stdout
     with cp.client() as c:
         assert c.get(f"/v1/jobs/{jobs[1]}").json()["job"]["max_runtime_s"] == 21600.0
+
+
+def test_a_job_without_a_limit_is_planned_with_the_runs_of_its_spec_before_it(
+    cp: CP, digits_dataset: Path, tmp_path: Path
+) -> None:
+    if cp.plane.policy.easy_backfill:
+        pytest.skip("the same with either policy: run once")
+    plane = cp.plane
+
+    def command(job: Job) -> list[str]:  # "quick" jobs end by themselves, a second in
+        return [sys.executable, "-c", "import time; time.sleep(1)"] if job.name == "quick" else _sleeper(job)
+
+    plane._command = command  # type: ignore[method-assign]
+    first = _submit(cp, digits_dataset, 1, None, "quick")
+    plane.cycle()
+    deadline = time.monotonic() + 60
+    while plane.store.get_job(first).state.value != "succeeded":
+        assert time.monotonic() < deadline, plane.store.transitions(first)
+        time.sleep(0.2)
+        plane.cycle()
+    (attempt,) = plane.store.attempts(first)
+    ran = attempt.ended_at - attempt.started_at  # type: ignore[operator]
+
+    # The same spec again (another name and seed): planned with the first run's time, in the
+    # view and in a reservation, and shown by `jobs show`.
+    again = _submit(cp, digits_dataset, 1, None, "again")
+    other = _submit(cp, digits_dataset, 1, "2h", "limited")
+    view = plane._view(plane.clock(), None)
+    assert {p.id: p.expected_runtime_s for p in view.queued} == {
+        str(again): pytest.approx(ran),
+        str(other): pytest.approx(ran),
+    }
+    assert [p.max_runtime_s for p in view.queued] == [None, 7200.0]
+    env = {"VISIONLOOP_API_URL": cp.url, "VISIONLOOP_TOKEN": cp.admin_token}
+    for job, used in (
+        (again, "planned with, as no max runtime was given"),
+        (other, "the max runtime comes first"),
+    ):
+        shown = cli("jobs", "show", str(job), env=env)
+        assert shown.returncode == 0, shown.stderr
+        line = f"expected runtime: {format_duration(ran)}, the median of 1 earlier run of this spec ({used})"
+        assert line in shown.stdout, shown.stdout
+    with cp.client() as c:
+        assert c.get(f"/v1/jobs/{first}").json()["runtime_estimate"] is None  # it ran: a sample, not a plan
+
+    plane.cycle()  # both start (two GPUs): the running one plans with its history too
+    (active,) = [j for j in plane._view(plane.clock(), None).running if j.id == str(again)]
+    assert active.expected_runtime_s == pytest.approx(ran) and active.max_runtime_s is None

@@ -53,7 +53,7 @@ def _version(engine: Engine) -> str:
 def test_max_runtime_is_stored_and_0006_goes_down_and_up_keeping_the_jobs(
     db_url: str, engine: Engine, tmp_path: Path
 ) -> None:
-    assert db.head_revision() == "0006"
+    assert int(db.head_revision()) >= 6  # later revisions add other columns
     with Store.open(db_url, runs_dir=tmp_path) as store:
         store.upsert_team("vision", 2, 0, 1.0)
         limited, unlimited = _submit(store, max_runtime="6h"), _submit(store)
@@ -72,7 +72,7 @@ def test_max_runtime_is_stored_and_0006_goes_down_and_up_keeping_the_jobs(
 
     # Up again, as a release with 0006 opens a 0005 database: the old jobs have no limit.
     with Store.open(db_url, runs_dir=tmp_path) as store:
-        assert _version(engine) == "0006"
+        assert _version(engine) == db.head_revision()
         assert [store.get_job(j).max_runtime_s for j in (limited, unlimited)] == [None, None]
         again = _submit(store, max_runtime=5400)
         assert again == unlimited + 1  # the id counter survived the column's drop

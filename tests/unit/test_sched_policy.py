@@ -517,6 +517,27 @@ def test_srpt_order_starts_the_job_with_the_least_gpu_time_left_by_its_limit() -
     assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"fresh"}
 
 
+def test_srpt_plans_a_job_without_a_limit_with_its_history_and_a_limit_comes_first() -> None:
+    srpt = PolicyConfig(order="srpt")
+    # No limit, but the runs of its spec before it took an hour: ahead of a 2 h limit. With
+    # no history it would count what it received (nothing) and go first anyway, so the
+    # history job is the one that has run a while.
+    queue = [
+        q("limited", t=0, max_runtime_s=7200.0),
+        q("known", t=10, attained_gpu_s=1800.0, expected_runtime_s=3600.0),
+    ]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"known"}
+    # Its history says 4 h (3.5 h left): behind the 2 h limit.
+    queue[1] = q("known", t=10, attained_gpu_s=1800.0, expected_runtime_s=4 * 3600.0)
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"limited"}
+    # The owner's limit comes before the history: 1 h limit, 9 h history, 2 h for the other.
+    queue = [
+        q("other", t=0, max_runtime_s=7200.0),
+        q("both", t=10, max_runtime_s=3600.0, expected_runtime_s=9 * 3600.0),
+    ]
+    assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"both"}
+
+
 def test_srpt_preemption_evicts_a_job_of_the_same_class_with_far_more_time_left() -> None:
     cfg = PolicyConfig(order="srpt", srpt_preemption=True, aging_s=None)
     # 10 h limit, 1 h done: 9 GPU-hours left against the waiting job's 1 h (more than twice).

@@ -96,6 +96,35 @@ def test_a_running_job_with_no_pace_plans_with_its_time_limit_else_the_default()
     )
 
 
+def test_without_pace_or_limit_a_running_job_plans_with_its_history_and_backfill_too() -> None:
+    g = gpus(4)
+    head = PendingJob("head", "a", NORMAL, 4, submitted_at=0.0)
+    hist = running("r", [x.id for x in g[:2]], end=None, started=NOW - 600, expected_runtime_s=HOUR)
+    d = schedule(view(g, [head], [hist]), EASY)
+    assert d.starts == {"head": minute(NOW - 600 + HOUR)}
+    # A limit its owner gave comes first; a reported pace before both.
+    both = running(
+        "r",
+        [x.id for x in g[:2]],
+        end=None,
+        started=NOW - 600,
+        max_runtime_s=2 * HOUR,
+        expected_runtime_s=HOUR,
+    )
+    assert schedule(view(g, [head], [both]), EASY).starts == {"head": minute(NOW - 600 + 2 * HOUR)}
+    paced = running("r", [x.id for x in g[:2]], end=NOW + 60, expected_runtime_s=HOUR)
+    assert schedule(view(g, [head], [paced]), EASY).starts == {"head": minute(NOW + 60)}
+    # Backfill: a job whose history ends it before the head's start may use the head's free
+    # GPUs; one whose history runs past it, or with none, may not.
+    short = PendingJob("short", "a", NORMAL, 2, submitted_at=1.0, expected_runtime_s=HOUR / 4)
+    long_ = PendingJob("long", "a", NORMAL, 2, submitted_at=2.0, expected_runtime_s=2 * HOUR)
+    unknown = PendingJob("unknown", "a", NORMAL, 2, submitted_at=3.0)
+    for later, starts in ((short, True), (long_, False)):
+        d = schedule(view(g, [head, later], [hist]), EASY)
+        assert ({p.job_id for p in d.placements} == {later.id}) is starts, later.id
+    assert schedule(view(g, [head, long_, unknown], [hist]), EASY).placements == []
+
+
 def test_a_tenant_starts_on_reserved_gpus_and_steps_aside_when_the_reservation_falls_due() -> None:
     g = gpus(8)
     head = PendingJob("head", "a", NORMAL, 8, submitted_at=0.0)

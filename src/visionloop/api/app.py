@@ -311,6 +311,9 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
         job = plane.visible_job(who, job_id)
         return {
             "job": _job_doc(job, plane.clock()),
+            # What the runs of the same spec or architecture before it took (null: none ran,
+            # or it ended): what reservations plan it with when it gave no time limit.
+            "runtime_estimate": jsonable_encoder(plane.store.runtime_estimate(job_id)),
             "transitions": jsonable_encoder(plane.store.transitions(job_id)),
             "attempts": jsonable_encoder(plane.store.attempts(job_id)),
             "checkpoints": jsonable_encoder(plane.store.checkpoints(job_id)),

@@ -281,6 +281,10 @@ def jobs_show(
         + ("none given" if limit is None else format_duration(float(limit)))
         + " (planned with for reservations and backfill; not enforced)"
     )
+    est = data.get("runtime_estimate")
+    if est is not None:
+        used = "planned with, as no max runtime was given" if limit is None else "the max runtime comes first"
+        print_wide(f"expected runtime: {format_duration(float(est['seconds']))}, {est['basis']} ({used})")
     if j["state"] == "queued" and j.get("waiting_reason"):
         print_wide(f"waiting: {j['waiting_reason']}")
     if j["state"] == "running":

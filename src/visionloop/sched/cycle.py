@@ -20,7 +20,7 @@ from visionloop.sched.cycle_state import TeamState
 from visionloop.sched.placement import merge, pick
 from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus, plural
 from visionloop.sched.reservation import Reservations
-from visionloop.sched.view import PendingJob, remaining_gpu_s
+from visionloop.sched.view import PendingJob, planned_runtime_s, remaining_gpu_s
 
 
 class Cycle(Reservations):
@@ -413,5 +413,5 @@ def _remaining_gpu_s(job: PendingJob) -> tuple[float, float, str]:
     """The "srpt" order: the GPU-time a job has left by its time limit (`view.remaining_gpu_s`);
     without a limit, what it has received ("las"), the expected remaining time of a job whose
     length is heavy-tailed (policy.py's `order`)."""
-    left = remaining_gpu_s(job.gpus, job.max_runtime_s, job.attained_gpu_s)
+    left = remaining_gpu_s(job.gpus, planned_runtime_s(job), job.attained_gpu_s)
     return (job.attained_gpu_s if left is None else left, job.submitted_at, job.id)

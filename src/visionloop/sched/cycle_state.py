@@ -24,6 +24,7 @@ from visionloop.sched.view import (
     Placement,
     SpotPolicy,
     Team,
+    planned_runtime_s,
 )
 
 if TYPE_CHECKING:
@@ -101,8 +102,8 @@ class CycleState:
             # (the least-attained-service livelock); its place in the queue, once it is back
             # there, is what `remaining_gpu_s` judges.
             for j in self.victims:
-                if j.max_runtime_s is not None:
-                    left = max(0.0, len(j.gpu_ids) * j.max_runtime_s - j.attained_gpu_s)
+                if (runtime := planned_runtime_s(j)) is not None:
+                    left = max(0.0, len(j.gpu_ids) * runtime - j.attained_gpu_s)
                     self.srpt_left[j.id] = left
                     k = (j.team, self._held_rank(j))
                     self.srpt_most[k] = max(self.srpt_most.get(k, -math.inf), left)
@@ -253,9 +254,9 @@ class CycleState:
         self._account(job, ts, gpus)
         self.decision.placements.append(Placement(job.id, tuple(g.id for g in gpus)))
         if self.cfg.reservations:  # a later reservation this cycle plans with its end
-            limit = job.max_runtime_s
-            end = self.now + (limit or self.cfg.default_runtime_s)
-            self.placed_ends.append((end, job.id, limit is not None, gpus))
+            runtime = planned_runtime_s(job)
+            end = self.now + (runtime or self.cfg.default_runtime_s)
+            self.placed_ends.append((end, job.id, runtime is not None, gpus))
 
     def _account(self, job: PendingJob, ts: TeamState, gpus: Sequence[Gpu] | None) -> None:
         """Count a placed or claimed job against its team (quota, fair share) and, when

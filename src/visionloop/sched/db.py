@@ -152,6 +152,7 @@ class JobRow(Base):
         UniqueConstraint("team", "idempotency_key"),
         Index(None, "state", "submitted_at"),  # the queue: state = 'queued' in FIFO order
         Index(None, "team", "state"),
+        Index(None, "shape_key", "state"),  # the runtime history of a shape (sched/history.py)
         CheckConstraint(_one_of("state", JOB_STATES), name="state"),
         CheckConstraint(_one_of("spot", SPOT_POLICIES), name="spot"),
         CheckConstraint("gpus >= 0", name="gpus"),
@@ -205,6 +206,15 @@ class JobRow(Base):
     # none_as_null: None is stored as SQL NULL, not as the JSON value null, so that SQL can
     # tell training jobs apart (`workload_doc IS NULL`).
     workload_doc: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    # Its keys into the runtime history (sched/history.py): the same work (spec) and the same
+    # architecture on the same data and GPUs (shape), and its length in epochs or steps.
+    # NULL for jobs from before revision 0007: they neither get nor give an estimate.
+    spec_key: Mapped[str | None] = mapped_column(String(32))
+    shape_key: Mapped[str | None] = mapped_column(String(32))
+    run_length: Mapped[int | None]
+    # Seconds its attempts held GPUs, set when it ended after running its whole length
+    # (succeeded, or a trial paused at its rung): one sample of the history.
+    ran_s: Mapped[float | None]
 
 
 class TransitionRow(Base):

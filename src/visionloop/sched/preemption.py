@@ -22,7 +22,15 @@ from collections.abc import Mapping, Sequence
 from visionloop.sched.cycle_state import CycleState, TeamState
 from visionloop.sched.placement import held_by, merge, pick, usable
 from visionloop.sched.reasons import n_gpus, plural
-from visionloop.sched.view import ActiveJob, Eviction, Gpu, PendingJob, SpotPolicy, remaining_gpu_s
+from visionloop.sched.view import (
+    ActiveJob,
+    Eviction,
+    Gpu,
+    PendingJob,
+    SpotPolicy,
+    planned_runtime_s,
+    remaining_gpu_s,
+)
 
 # "srpt" preemption: a victim must have more than this many times the waiting job's
 # remaining GPU-time, so that a restart is paid only for a large gain.
@@ -154,13 +162,13 @@ class Preemption(CycleState):
         """ "srpt" preemption: `v`, of `job`'s team and class, has more than twice the GPU-time
         left by its limit that `job` has by its own."""
         left = self.srpt_left.get(v.id)
-        own = remaining_gpu_s(job.gpus, job.max_runtime_s, job.attained_gpu_s)
+        own = remaining_gpu_s(job.gpus, planned_runtime_s(job), job.attained_gpu_s)
         if left is None or own is None or self._held_rank(v) != job.priority:
             return False
         return left > SRPT_FACTOR * own
 
     def _srpt_could(self, job: PendingJob) -> bool:
-        own = remaining_gpu_s(job.gpus, job.max_runtime_s, job.attained_gpu_s)
+        own = remaining_gpu_s(job.gpus, planned_runtime_s(job), job.attained_gpu_s)
         if not self.srpt_most or own is None:
             return False
         return self.srpt_most.get((job.team, job.priority), -math.inf) > SRPT_FACTOR * own

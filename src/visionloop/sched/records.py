@@ -103,6 +103,10 @@ class ViewJob(NamedTuple):
     pace_rate: float | None
     pace_at: float | None
     max_runtime_s: float | None
+    # Its keys into the runtime history (sched/history.py); None for jobs from before them.
+    spec_key: str | None
+    shape_key: str | None
+    run_length: int | None
 
 
 @dataclass(frozen=True, slots=True)

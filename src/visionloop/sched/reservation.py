@@ -29,7 +29,7 @@ from visionloop.sched.cycle_state import TeamState
 from visionloop.sched.placement import group_by_node, merge, pick, take, usable
 from visionloop.sched.preemption import Preemption
 from visionloop.sched.reasons import clock, n_gpus, plural
-from visionloop.sched.view import ActiveJob, Gpu, PendingJob
+from visionloop.sched.view import ActiveJob, Gpu, PendingJob, planned_runtime_s
 
 
 class Reservations(Preemption):
@@ -54,8 +54,8 @@ class Reservations(Preemption):
         its pace or time limit) rather than the conservative default."""
         if j.expected_end is not None:
             return max(self.now, j.expected_end), True
-        if j.max_runtime_s is not None:
-            return max(self.now, j.started_at + j.max_runtime_s), True
+        if (runtime := planned_runtime_s(j)) is not None:  # its limit, else its history
+            return max(self.now, j.started_at + runtime), True
         return self.now + self.cfg.default_runtime_s, False
 
     def _is_tenant(self, v: ActiveJob, job: PendingJob) -> bool:
@@ -194,7 +194,7 @@ class Reservations(Preemption):
         if self.may_hold is None:
             cfg = self.cfg
             self.may_hold = cfg.easy_backfill and (
-                cfg.reservation_tenants or any(j.max_runtime_s is not None for j in self.view.queued)
+                cfg.reservation_tenants or any(planned_runtime_s(j) is not None for j in self.view.queued)
             )
         return self.may_hold
 
@@ -212,7 +212,7 @@ class Reservations(Preemption):
         """Start `job` on free GPUs plus lent ones: those whose reservation starts after its
         time limit ends, or, with tenants, any whose owner it is queued behind. (GPUs, as a
         tenant?) or None."""
-        n, limit = job.gpus, job.max_runtime_s
+        n, limit = job.gpus, planned_runtime_s(job)
         shape = (job.team, job.priority, job.spot, job.cpus / n, job.memory_gb / n, limit)
         if n >= self.fail_lend.get(shape, n + 1):
             return None

@@ -52,6 +52,7 @@ from visionloop.core.errors import ExecutorError, ExecutorUnavailableError, Visi
 from visionloop.core.settings import Settings
 from visionloop.sched.config import ClusterConfig
 from visionloop.sched.executors.base import Executor, LaunchRequest
+from visionloop.sched.history import RuntimeHistory, Sample
 from visionloop.sched.policy import PolicyConfig, schedule
 from visionloop.sched.prices import load_catalog
 from visionloop.sched.progress import ProgressReader
@@ -118,6 +119,9 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         self._rows: tuple[ViewJob, ...] | None = None  # the queue view last built from
         self._active_rows: dict[int, ViewJob] = {}  # job → its row, for the jobs not queued
         self._queued: list[PendingJob] = []  # the queued jobs of _rows, in queue order
+        # The runtime history of the shapes in the view (sched/history.py), and its samples.
+        self._history = RuntimeHistory(())
+        self._samples: tuple[Sample, ...] = ()
         self._sync_inventory()
         self._sync_teams()
 
@@ -231,6 +235,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         if rows is not self._rows:  # the queue changed since the last cycle
             self._rows = rows
             self._active_rows = {j.id: j for j in rows if j.state != QUEUED}
+            self._read_history(rows)
             self._queued = self._pending_jobs(rows)
         jobs = self._active_rows
         for attempt in self.store.active_attempts() if attempts is None else attempts:
@@ -255,10 +260,24 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                         job.pace_step, job.pace_total, job.pace_rate, job.pace_at, attempt.started_at, now
                     ),
                     max_runtime_s=job.max_runtime_s,
+                    expected_runtime_s=self._expected_runtime(job),
                 )
             )
         queued = self._queued  # shared between cycles while unchanged: the policy only reads it
         return ClusterView(now=now, gpus=gpus, teams=teams, running=running, queued=queued)
+
+    def _read_history(self, rows: tuple[ViewJob, ...]) -> None:
+        """Read the runtime history of the shapes in the view again (one indexed query; the
+        queue changed, and a job that just ran its whole length leaves it). When the samples
+        changed, every queued job is rebuilt with its new estimate."""
+        samples = self.store.runtime_samples({j.shape_key for j in rows if j.shape_key is not None})
+        if samples != self._samples:
+            self._samples, self._history = samples, RuntimeHistory(samples)
+            self._pending = {}
+
+    def _expected_runtime(self, j: ViewJob) -> float | None:
+        found = self._history.estimate(j.spec_key, j.shape_key, j.run_length)
+        return None if found is None else found.seconds
 
     def _pending_jobs(self, rows: tuple[ViewJob, ...]) -> list[PendingJob]:
         """The queued rows as the policy's PendingJobs. One is rebuilt only when its row
@@ -286,6 +305,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     j.not_before or 0.0,
                     j.nodes,
                     j.max_runtime_s,
+                    self._expected_runtime(j),
                 )
             pending[j.id] = (j, p)
             queued.append(p)

@@ -53,6 +53,12 @@ def remaining_gpu_s(gpus: int, limit_s: float | None, attained_gpu_s: float) -> 
     return budget - attained_gpu_s if attained_gpu_s < budget else attained_gpu_s
 
 
+def planned_runtime_s(job: PendingJob | ActiveJob) -> float | None:
+    """How long a job is planned to run: the time limit its owner gave, else what the runs
+    of the same spec or architecture before it took; None when neither is known."""
+    return job.max_runtime_s if job.max_runtime_s is not None else job.expected_runtime_s
+
+
 @dataclass(frozen=True, slots=True)
 class PendingJob:
     id: str
@@ -69,6 +75,9 @@ class PendingJob:
     # The time limit its owner gave (`max_runtime` in the job spec; None: none given). What
     # backfill judges it by: it may start on GPUs a reservation needs only if it ends first.
     max_runtime_s: float | None = None
+    # How long the runs of the same spec or architecture before it took (sched/history.py;
+    # None: none ran). Planned with where no limit was given (`planned_runtime_s`).
+    expected_runtime_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,8 @@ class ActiveJob:
     # Its owner's time limit for one allocation (None: none given): the end a reservation
     # plans with until the job reports a pace.
     max_runtime_s: float | None = None
+    # ...else what the runs of the same spec or architecture before it took (history.py).
+    expected_runtime_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from visionloop.core.fsutil import atomic_write_text
+from visionloop.sched.history import RuntimeProfile
 from visionloop.sched.records import Outcome
 from visionloop.sched.states import JobState
 from visionloop.specs import TrainSpec, spec_to_yaml
@@ -99,6 +100,11 @@ class TrainWorkload(BaseModel):
             cmd += ["--nproc-per-node", str(per_node)]
         return cmd
 
+    def runtime_profile(self) -> RuntimeProfile:
+        """What decides how long it runs (sched/history.py): its speed from the model, the
+        data and how they are run; its length in epochs or steps. Not its seed or tracking."""
+        return train_profile(self.train, None)
+
     def ending(self, ex: AttemptExit) -> Ending:
         code = ex.code
         if ex.state == JobState.CANCELLING:
@@ -150,6 +156,11 @@ class TrialWorkload(BaseModel):
             cmd += ["--until-epoch", str(self.until_epoch)]
         return cmd
 
+    def runtime_profile(self) -> RuntimeProfile:
+        """As training's, but as long as the rung it is heading for: a trial paused at epoch 3
+        ran 3 epochs, whatever its spec's `epochs`."""
+        return train_profile(self.train, self.until_epoch)
+
     def ending(self, ex: AttemptExit) -> Ending:
         if ex.code == EXIT_PAUSED and ex.state in (JobState.RUNNING, JobState.PREEMPTING):
             # At its rung (also when a preemption asked it to stop as it got there): the stop
@@ -161,6 +172,23 @@ class TrialWorkload(BaseModel):
                 "waiting for the study to promote or prune it",
             )
         return TrainWorkload(train=self.train).ending(ex)
+
+
+def train_profile(train: TrainSpec, until_epoch: int | None) -> RuntimeProfile:
+    """A training run's runtime profile, stopping after `until_epoch` epochs if given."""
+    doc = train.model_dump(mode="json")
+    ckpt = doc["checkpoint"]
+    shape = {
+        **{k: doc[k] for k in ("task", "data", "model", "precision", "device", "distributed")},
+        "deterministic": doc["deterministic"],  # deterministic kernels are slower
+        "eval": doc["eval"],  # how often it evaluates takes time too
+        "checkpoint": {k: ckpt[k] for k in ("every_steps", "every_minutes")},
+    }
+    detail = {k: doc[k] for k in ("optimizer", "schedule", "loss")}
+    if train.epochs is not None:
+        return RuntimeProfile(shape, detail, until_epoch or train.epochs, "epochs")
+    assert train.steps is not None  # TrainSpec asks for exactly one of them
+    return RuntimeProfile(shape, detail, train.steps, "steps")
 
 
 # Every kind of workload, told apart by `kind`.

@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session
 from visionloop.core.errors import ConfigError, NotFoundError, StoreError, VisionloopError
 from visionloop.core.settings import Settings, load_settings
 from visionloop.sched import db
-from visionloop.sched.db import JobRow, TransitionRow
+from visionloop.sched.db import AttemptRow, JobRow, TransitionRow
 from visionloop.sched.records import Job, ViewJob
 from visionloop.sched.states import JobState, TransitionError, check_transition
 
@@ -237,6 +237,12 @@ class StoreBase:
             row.waiting_reason = reason
         if dst.terminal:
             row.finished_at = now
+        if dst in (JobState.SUCCEEDED, JobState.PAUSED):
+            # It ran its whole length (a trial: to its rung): a sample of the runtime history.
+            # The attempts come from the session's identity map, so one closed in this
+            # transaction counts with its end (autoflush is off).
+            atts = s.scalars(select(AttemptRow).where(AttemptRow.job_id == row.id)).all()
+            row.ran_s = sum(a.ended_at - a.started_at for a in atts if a.ended_at is not None) or None
         s.add(TransitionRow(job_id=row.id, from_state=src.value, to_state=dst.value, at=now, reason=reason))
 
     @staticmethod

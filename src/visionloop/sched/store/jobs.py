@@ -8,12 +8,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, insert, or_, select, text, update
+from sqlalchemy import Table, bindparam, func, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from visionloop.core.errors import NotFoundError, StoreError
 from visionloop.sched.db import AttemptRow, JobRow, TeamRow, TransitionRow
+from visionloop.sched.history import SAMPLES_PER_SHAPE, Estimate, RuntimeHistory, Sample, runtime_key
 from visionloop.sched.records import Job, Transition, ViewJob
 from visionloop.sched.states import ACTIVE, JobState
 from visionloop.sched.store.base import (
@@ -26,13 +27,22 @@ from visionloop.sched.store.base import (
     _plain_json,
     _rowcount,
 )
-from visionloop.specs import JobSpec
+from visionloop.sched.workload import workload_of
+from visionloop.specs import JobSpec, TrainSpec
 
 _SET_RUN_DIR = (
     update(cast(Table, JobRow.__table__))
     .where(cast(Table, JobRow.__table__).c.id == bindparam("b_id"))
     .values(run_dir=bindparam("b_run_dir"))
 )
+
+
+def _history_keys(
+    train: TrainSpec, workload_doc: dict[str, Any] | None, gpus: int, nodes: int
+) -> dict[str, Any]:
+    """The job's keys into the runtime history (sched/history.py), as the columns store them."""
+    key = runtime_key(workload_of(train, workload_doc).runtime_profile(), gpus, nodes)
+    return {"spec_key": key.spec, "shape_key": key.shape, "run_length": key.length}
 
 
 class JobsMixin(StoreBase):
@@ -58,6 +68,7 @@ class JobsMixin(StoreBase):
         if idempotency_key is not None and not 0 < len(idempotency_key) <= 200:
             raise StoreError("an idempotency key is 1-200 characters, e.g. a UUID.")
         res = job.resources
+        workload_doc = None if job.trial is None else {"kind": "trial", **job.trial.model_dump()}
         # Everything is computed before the transaction: SQLite's write lock is held only for
         # the statements (plain Core ones: the ORM's unit of work costs milliseconds here).
         values: dict[str, Any] = {
@@ -94,9 +105,10 @@ class JobsMixin(StoreBase):
             "pace_rate": None,
             "pace_at": None,
             "max_runtime_s": job.max_runtime,
-            "workload_doc": None if job.trial is None else {"kind": "trial", **job.trial.model_dump()},
+            "workload_doc": workload_doc,
             "spec_doc": doc,
             "train_spec": job.train.model_dump(mode="json"),
+            **_history_keys(job.train, workload_doc, res.gpus, res.nodes),
         }
         jobs = cast(Table, JobRow.__table__)
         try:
@@ -220,6 +232,48 @@ class JobsMixin(StoreBase):
         with self._session(write=False) as s:
             return [ViewJob(*r) for r in s.execute(q.order_by(table.c.id))]
 
+    def runtime_samples(self, shape_keys: Iterable[str]) -> tuple[Sample, ...]:
+        """The runtime history of these shapes (sched/history.py): per shape, the latest
+        SAMPLES_PER_SHAPE jobs that ran their whole length (succeeded, or a trial paused at
+        its rung), newest first. One indexed query per 500 shapes."""
+        table = cast(Table, JobRow.__table__)
+        c = table.c
+        keys = sorted(set(shape_keys))
+        out: list[Sample] = []
+        for i in range(0, len(keys), 500):  # within every backend's bound-parameter limit
+            newest = (
+                func.row_number().over(partition_by=c.shape_key, order_by=(c.state_since.desc(), c.id.desc()))
+            ).label("newest")
+            inner = (
+                select(c.spec_key, c.shape_key, c.run_length, c.ran_s, c.state_since, c.id, newest)
+                .where(c.shape_key.in_(keys[i : i + 500]))
+                .where(c.state.in_([JobState.SUCCEEDED.value, JobState.PAUSED.value]))
+                .where(c.ran_s.is_not(None), c.run_length.is_not(None), c.spec_key.is_not(None))
+                .subquery()
+            )
+            q = (
+                select(inner.c.spec_key, inner.c.shape_key, inner.c.run_length, inner.c.ran_s)
+                .where(inner.c.newest <= SAMPLES_PER_SHAPE)
+                .order_by(inner.c.shape_key, inner.c.state_since.desc(), inner.c.id.desc())
+            )
+            with self._session(write=False) as s:
+                out.extend(Sample(*r) for r in s.execute(q))
+        return tuple(out)
+
+    def runtime_estimate(self, job_id: int) -> Estimate | None:
+        """What the runs before it say of a queued or running job's run time (history.py):
+        what reservations plan it with when it gave no time limit. None for a job that
+        ended or paused (it is a sample itself) or that nothing like ran before."""
+        c = cast(Table, JobRow.__table__).c
+        with self._session(write=False) as s:
+            self._exists(s, job_id)
+            state, spec, shape, length = s.execute(
+                select(c.state, c.spec_key, c.shape_key, c.run_length).where(c.id == job_id)
+            ).one()
+        if shape is None or not (state == JobState.QUEUED.value or JobState(state) in ACTIVE):
+            return None
+        return RuntimeHistory(self.runtime_samples([shape])).estimate(spec, shape, length)
+
     def transitions(self, job_id: int) -> list[Transition]:
         with self._session(write=False) as s:
             self._exists(s, job_id)
@@ -296,6 +350,10 @@ class JobsMixin(StoreBase):
                 )
             doc["until_epoch"] = until_epoch
             row.workload_doc = doc  # a new object, so the JSON column is written
+            # Heading for another rung: another length, so other history keys.
+            keys = _history_keys(TrainSpec.model_validate(row.train_spec), doc, row.gpus, row.nodes)
+            row.spec_key, row.shape_key = keys["spec_key"], keys["shape_key"]
+            row.run_length = keys["run_length"]
             self._enter(s, row, src, JobState.QUEUED, reason, now)
             s.flush()
             return _job(row, specs=False)
