@@ -116,6 +116,12 @@ def main() -> None:
         default=None,
         help="jobs give visionloop a max_runtime of this multiple of their true duration (default: none)",
     )
+    ap.add_argument(
+        "--history",
+        action="store_true",
+        help="visionloop plans a job without a time limit with the median run time of the finished "
+        "jobs of the same application and GPU count (the control plane's runtime history)",
+    )
     ap.add_argument("--order", choices=("las", "fifo", "srpt"), default="las", help="within a team and class")
     ap.add_argument(
         "--srpt-preemption", action="store_true", help="with --order srpt: preempt within a class"
@@ -135,6 +141,7 @@ def main() -> None:
         sigterm_checkpoint=args.sigterm_checkpoint,
         time_limit=args.time_limit,
         time_limit_share=args.time_limit_share,
+        history=args.history,
     )
     cluster = default_cluster(default_spot_traces(args.data))
     catalog = load_catalog(None)

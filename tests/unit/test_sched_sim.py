@@ -397,3 +397,35 @@ def test_quota_guarantee_hours_count_a_fitting_job_kept_waiting() -> None:
     s = summarize(r, cluster, load_catalog())
     assert s["quota_wait_h"] == {"a": pytest.approx(80 / 3600)}
     assert s["over_quota"] == {"jobs": 1, "avg_jct_s": 100.0, "avg_queue_s": 0.0, "max_queue_s": 0.0}
+
+
+@pytest.mark.parametrize("history", [True, False], ids=["history", "no-history"])
+def test_history_plans_a_job_with_the_runs_of_its_application_and_gpu_count_before_it(history: bool) -> None:
+    """With SimConfig.history, a job is planned with the median time that the finished jobs of
+    its application (the id's prefix) on as many GPUs held their GPUs; never its own duration
+    (5,000 s here, where the two before it ran 600 and 1,000 s)."""
+    seen: dict[str, set[float | None]] = {}
+
+    def watching(view: ClusterView) -> Decision:
+        for j in (*view.queued, *view.running):
+            seen.setdefault(j.id, set()).add(j.expected_runtime_s)
+        return VL(view)
+
+    trace = [
+        job("cifar10-0", 0, 1, 600.0),
+        job("cifar10-1", 0, 1, 1000.0),
+        job("cifar10-2", 5000.0, 1, 5000.0),  # after both finished: their median
+        job("cifar10-3", 5000.0, 2, 300.0),  # two GPUs: another key, nothing ran
+        job("resnet-4", 5000.0, 1, 300.0),  # another application
+    ]
+    result = simulate(
+        trace, ClusterSpec((NodeSpec("n0", 4),)), watching, SimConfig(tick_s=30.0, history=history)
+    )
+    held = {j.id: j.finish - j.first_start for j in result.jobs if j.id in ("cifar10-0", "cifar10-1")}  # type: ignore[operator]
+    assert seen["cifar10-0"] == seen["cifar10-1"] == {None}  # nothing finished before them
+    assert seen["cifar10-3"] == seen["resnet-4"] == {None}
+    if history:
+        (planned,) = seen["cifar10-2"]
+        assert planned == pytest.approx((held["cifar10-0"] + held["cifar10-1"]) / 2)
+    else:
+        assert seen["cifar10-2"] == {None}

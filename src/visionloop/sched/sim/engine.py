@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from visionloop.core.errors import VisionloopError
 from visionloop.sched.sim.cluster import ClusterSpec
-from visionloop.sched.sim.observe import cluster_view, last_checkpoint
+from visionloop.sched.sim.observe import cluster_view, history_key, last_checkpoint
 from visionloop.sched.sim.trace import TraceJob
 from visionloop.sched.view import (
     DEFAULT_PRIORITIES,
@@ -69,6 +69,11 @@ class SimConfig:
     # no job gives one, so the policy knows ends only from reported paces.
     time_limit: float | None = None
     time_limit_share: float = 1.0  # the share of jobs that give one (chosen by their id's CRC)
+    # Runtime history (sched/history.py): a job is planned with the median run time of the
+    # jobs of the same application (its id's prefix, e.g. "cifar10") and GPU count that
+    # finished before, as the control plane plans with the runs of the same spec. The run time
+    # counted is the time a job held GPUs, lost work included, as the control plane counts it.
+    history: bool = False
     pace_after_s: float = 60.0
     pace_error: float = 0.2
     seed: int = 0
@@ -169,6 +174,8 @@ class Simulation:
         if len(self.jobs) != len(trace):
             raise SimError("job ids in the trace are not unique")
         self.teams = {t.name: t for t in cluster.teams}
+        # The run times of the finished jobs by application and GPU count (SimConfig.history).
+        self.history: dict[tuple[str, int], list[float]] = {}
         self.node_of: dict[str, str] = {}
         self.gpu_meta: dict[str, tuple[str, PriceClass]] = {}
         for node in cluster.nodes:
@@ -252,6 +259,7 @@ class Simulation:
                 j.state = "running"
                 self._end_allocation(j, t, kept=j.spec.duration_s)
                 j.state, j.rec.finish = "done", t
+                self.history.setdefault(history_key(j.spec), []).append(j.attained / j.spec.gpus)
                 return 1
         elif kind == _RELEASE:
             j = self.jobs[key]

@@ -7,6 +7,7 @@ truth, so that what leaks into the view is in one short place."""
 from __future__ import annotations
 
 import math
+import statistics
 import zlib
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,20 @@ def time_limit(s: TraceJob, cfg: SimConfig) -> float | None:
     return s.duration_s * cfg.time_limit
 
 
+def history_key(s: TraceJob) -> tuple[str, int]:
+    """What counts as the same work in a trace (SimConfig.history): the application the job
+    id names ("cifar10-12": cifar10), on the same number of GPUs."""
+    return s.id.rsplit("-", 1)[0], s.gpus
+
+
+def expected_runtime(sim: Simulation, s: TraceJob) -> float | None:
+    """The median run time of the finished jobs of the same work, or None (SimConfig.history)."""
+    if not sim.cfg.history:
+        return None
+    runs = sim.history.get(history_key(s))
+    return statistics.median(runs) if runs else None
+
+
 def cluster_view(sim: Simulation, t: float) -> ClusterView:
     cfg = sim.cfg
     running, queued = [], []
@@ -64,6 +79,7 @@ def cluster_view(sim: Simulation, t: float) -> ClusterView:
                     submitted_at=s.submit_time,
                     expected_end=expected_end(j, t, cfg),
                     max_runtime_s=time_limit(s, cfg),
+                    expected_runtime_s=expected_runtime(sim, s),
                 )
             )
         elif j.state == "queued":
@@ -77,6 +93,7 @@ def cluster_view(sim: Simulation, t: float) -> ClusterView:
                     s.spot,
                     attained_gpu_s=j.attained,
                     max_runtime_s=time_limit(s, cfg),
+                    expected_runtime_s=expected_runtime(sim, s),
                 )
             )
     return ClusterView(t, sim._gpus(), sim.teams, running, queued)
