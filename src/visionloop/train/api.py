@@ -7,6 +7,7 @@ with a later or no `until_epoch`, to go on); errors raise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +39,11 @@ def _attach_log_file(path: Path) -> logging.Handler:
     root.setLevel(logging.INFO)
     root.addHandler(handler)
     return handler
+
+
+def _detach_log_file(handler: logging.Handler) -> None:
+    logging.getLogger("visionloop").removeHandler(handler)
+    handler.close()
 
 
 def train(
@@ -140,16 +146,20 @@ def train(
         _end_tracking(tracker, "FAILED", {"visionloop.state": "failed", "visionloop.error": str(e)[:500]})
         raise
     finally:
-        torch.set_num_threads(restore_threads)
-        stop.uninstall()
-        if loop is not None:
-            loop.close()
-        if handler is not None:
-            logging.getLogger("visionloop").removeHandler(handler)
-            handler.close()
-        rd.unlock()
-        if own_group:
-            dist.shutdown()
+        # Run from the bottom up (ExitStack), each one even if an earlier one raised (a failed
+        # last checkpoint write makes loop.close raise): the process group is destroyed last,
+        # after the pending checkpoint write is durable and the writer thread is joined, and
+        # on every way out (a process that exits with its group alive can abort at exit).
+        with contextlib.ExitStack() as cleanup:
+            if own_group:
+                cleanup.callback(dist.shutdown)
+            cleanup.callback(rd.unlock)
+            if handler is not None:
+                cleanup.callback(_detach_log_file, handler)
+            if loop is not None:
+                cleanup.callback(loop.close)
+            cleanup.callback(stop.uninstall)
+            cleanup.callback(torch.set_num_threads, restore_threads)
 
 
 def _end_tracking(tracker: Any, status: str, tags: Mapping[str, str]) -> None:

@@ -62,6 +62,12 @@ def init(info: DistInfo, device: torch.device) -> bool:
 
 
 def shutdown() -> None:
+    """Destroy the process group. Call it after the last collective (on a clean exit, after a
+    barrier) and once nothing else uses the group: the checkpoint writer's thread joined.
+
+    With gloo this does not end the backend's C++ threads while a DDP or FSDP wrapper still
+    refers to the group (torch 2.14 keeps such references until the interpreter exits), so
+    nothing may start a collective afterwards."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
