@@ -122,6 +122,12 @@ def main() -> None:
         help="visionloop plans a job without a time limit with the median run time of the finished "
         "jobs of the same application and GPU count (the control plane's runtime history)",
     )
+    ap.add_argument(
+        "--min-runtime",
+        type=float,
+        default=600.0,
+        help="visionloop's min_runtime_s: younger jobs are no victims (but for the top class)",
+    )
     ap.add_argument("--order", choices=("las", "fifo", "srpt"), default="las", help="within a team and class")
     ap.add_argument(
         "--srpt-preemption", action="store_true", help="with --order srpt: preempt within a class"
@@ -134,6 +140,7 @@ def main() -> None:
         easy_backfill=args.easy_backfill,
         reservation_tenants=args.tenants,
         victim_order=args.victims,
+        min_runtime_s=args.min_runtime,
     )
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(

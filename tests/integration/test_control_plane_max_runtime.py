@@ -37,8 +37,13 @@ def _sleeper(job: Job) -> list[str]:
 
 @pytest.fixture(params=[True, False], ids=["easy-backfill", "default"])
 def cp(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CP]:
-    # victim_order rides along: no eviction here, but the switch must reach the policy too.
-    scheduler: dict[str, Any] = {"easy_backfill": True, "victim_order": "smallest"} if request.param else {}
+    # victim_order and top_class_preempts_young ride along: no eviction here, but the switches
+    # must reach the policy too.
+    scheduler: dict[str, Any] = (
+        {"easy_backfill": True, "victim_order": "smallest", "top_class_preempts_young": False}
+        if request.param
+        else {}
+    )
     cfg = cluster_config(inventory=TWO_GPUS, teams=ONE_TEAM, scheduler=scheduler)
     with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg, run_scheduler=False) as plane:
         plane.plane._command = _sleeper  # type: ignore[method-assign]
@@ -61,8 +66,8 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
 ) -> None:
     plane = cp.plane
     easy = plane.policy.easy_backfill
-    assert (easy, plane.policy.victim_order) == (
-        (True, "smallest") if plane.config.timings.easy_backfill else (False, "least_lost")
+    assert (easy, plane.policy.victim_order, plane.policy.top_class_preempts_young) == (
+        (True, "smallest", False) if plane.config.timings.easy_backfill else (False, "least_lost", True)
     )
     running = _submit(cp, digits_dataset, 1, "1h", "running")
     plane.cycle()

@@ -71,11 +71,12 @@ def test_durations_round_trip_as_people_read_them() -> None:
 
 def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
     t = parse_cluster_config({}).timings
-    assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order) == (
+    assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order, t.top_class_preempts_young) == (
         False,
         False,
         "least_lost",
         "las",
+        True,
     )
     doc = {
         "scheduler": {
@@ -83,14 +84,16 @@ def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
             "reservation_tenants": True,
             "victim_order": "smallest",
             "order": "srpt",
+            "top_class_preempts_young": False,
         }
     }
     t = parse_cluster_config(doc).timings
-    assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order) == (
+    assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order, t.top_class_preempts_young) == (
         True,
         True,
         "smallest",
         "srpt",
+        False,
     )
 
 
@@ -116,6 +119,10 @@ def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
             "scheduler.reservation_tenants must be true or false",
         ),
         ({"easy_backfil": True}, "unknown keys ['easy_backfil']"),
+        (
+            {"top_class_preempts_young": "sometimes"},
+            "scheduler.top_class_preempts_young must be true or false, got 'sometimes'",
+        ),
     ],
 )
 def test_bad_reservation_switches_are_refused_naming_the_key(scheduler: dict[str, Any], message: str) -> None:

@@ -151,6 +151,30 @@ def test_reclaim_evicts_only_borrowed_jobs_least_work_lost_first() -> None:
     assert d.waiting["z"].startswith("waiting for 1 GPU: 0 free")  # b is back at nominal: no more
 
 
+def test_reclaim_takes_borrowed_gpus_from_the_lowest_classes_never_a_high_job_its_nominal_covers() -> None:
+    """Trace 6 in miniature: team r (nominal 13) runs a 12-GPU high job and, on borrowed GPUs,
+    an 8-GPU low job too young to preempt. Team d reclaims 8 GPUs of its nominal: it waits
+    for the low job to become preemptible rather than evicting the high one."""
+    teams = [Team("d", 12, borrow_limit=8), Team("r", 13, borrow_limit=8)]
+    gpus = node_gpus("n0", 20)
+    ids = [g.id for g in gpus]
+    high = r("high", ids[:12], team="r", prio=HIGH, started=NOW - 3600)
+    young_low = r("low", ids[12:20], team="r", prio=LOW, started=NOW - 120)
+    want = q("d-job", gpus=8, team="d", t=NOW - 10)
+    d = schedule(view(gpus, [want], [high, young_low], teams), CFG)
+    assert d.evictions == []
+    assert "lower-priority jobs become preemptible after 600 s of runtime" in d.waiting["d-job"]
+    # Once the low job has run 10 minutes, it is the one reclaimed.
+    old_low = r("low", ids[12:20], team="r", prio=LOW, started=NOW - 700)
+    d = schedule(view(gpus, [want], [high, old_low], teams), CFG)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("low", "d-job")]
+    # A high job beyond what its team's nominal covers still borrows, and is reclaimed.
+    wide = r("high", ids[:16], team="r", prio=HIGH, started=NOW - 3600)
+    rest = r("low", ids[16:20], team="r", prio=LOW, started=NOW - 120)
+    d = schedule(view(gpus, [q("d-job", gpus=4, team="d", t=NOW - 10)], [wide, rest], teams), CFG)
+    assert [e.job_id for e in d.evictions] == ["high"]
+
+
 # --------------------------------------------------------------------------- victims
 
 
@@ -194,11 +218,25 @@ def test_never_a_young_or_non_preemptible_victim() -> None:
     assert d.evictions == []
     # the releasing GPU of the leaving job is claimed for h instead
     assert d.waiting["h"] == "waiting for 1 GPU being released by jobs that are stopping; 1 GPU held for it"
-    d2 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], running), CFG)
+    # A normal job waits for the young low one to pass min_runtime_s...
+    d2 = schedule(view(node_gpus("n0", 2), [q("n", 2, prio=NORMAL)], running), CFG)
     assert d2.evictions == []
-    assert "lower-priority jobs become preemptible after 600 s of runtime" in d2.waiting["h"]
-    d3 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], running), PolicyConfig(min_runtime_s=500))
+    assert "lower-priority jobs become preemptible after 600 s of runtime" in d2.waiting["n"]
+    d3 = schedule(
+        view(node_gpus("n0", 2), [q("n", 2, prio=NORMAL)], running), PolicyConfig(min_runtime_s=500)
+    )
     assert [e.job_id for e in d3.evictions] == ["young"]
+    # ...the top class does not (`top_class_preempts_young`, on by default), unless it is off.
+    d4 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], running), CFG)
+    assert [(e.job_id, e.for_job) for e in d4.evictions] == [("young", "h")]
+    off = PolicyConfig(top_class_preempts_young=False)
+    d5 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], running), off)
+    assert d5.evictions == []
+    assert "lower-priority jobs become preemptible after 600 s of runtime" in d5.waiting["h"]
+    # Young jobs of its own class are no victims for it either way.
+    same = [r("young-high", ["n0/0"], prio=HIGH, started=NOW - 10), running[1]]
+    d6 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], same), CFG)
+    assert d6.evictions == [] and "become preemptible" not in d6.waiting["h"]
 
 
 def test_no_pointless_evictions_and_never_more_than_needed() -> None:
@@ -272,7 +310,10 @@ def test_own_team_lower_class_does_not_take_gpus_its_borrower_waits_for() -> Non
         r("b1", ["n0/5"], team="b", prio=HIGH),
     ]
     queue = [q("ah", 4, team="a", prio=HIGH), q("al", 1, team="a", prio=LOW)]
-    d = schedule(view(node_gpus("n0", 8), queue, running, teams), CFG)
+    # (The top class evicts young jobs by default: the case is one where it waits for them.)
+    d = schedule(
+        view(node_gpus("n0", 8), queue, running, teams), PolicyConfig(top_class_preempts_young=False)
+    )
     assert d.evictions == [] and placed(d) == {}
     assert d.waiting["ah"].endswith(
         "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
@@ -283,26 +324,31 @@ def test_own_team_lower_class_does_not_take_gpus_its_borrower_waits_for() -> Non
 def test_no_class_jumping_lower_classes_start_as_tenants_and_step_aside_for_their_teams_head() -> None:
     # a's high job needs all 8 GPUs of a's limit; a's low jobs hold 4, too young to preempt.
     teams = [Team("a", 6, borrow_limit=2), Team("b", 2, borrow_limit=6)]
+    # The case is one where the top class waits for young jobs: with `top_class_preempts_young`
+    # (the default) it would evict them all, as the end shows.
+    off = PolicyConfig(top_class_preempts_young=False)
     big = q("big", 8, team="a", prio=HIGH, t=NOW - 300)
     before = [r(f"a{i}", [f"n0/{i}"], team="a", prio=LOW, started=NOW - 400) for i in range(4)]
-    d = schedule(view(node_gpus("n0", 8), [big, q("low", 1, team="a", prio=LOW)], before, teams), CFG)
+    d = schedule(view(node_gpus("n0", 8), [big, q("low", 1, team="a", prio=LOW)], before, teams), off)
     # The low job uses an idle GPU meanwhile: a tenant of the GPUs big waits for.
     assert d.evictions == [] and placed(d) == {"low": ("n0/4",)}
     assert d.waiting["big"].startswith("waiting for 8 GPUs: team a is at its limit 8")
     # Later: the jobs that ran before big was submitted are gone; the tenants that started
     # since, young as they are, step aside for it (a job started before it is never one).
     tenants = [r(f"t{i}", [f"n0/{i}"], team="a", prio=LOW, started=NOW - 60) for i in range(3)]
-    d = schedule(view(node_gpus("n0", 8), [big], tenants, teams), CFG)
+    d = schedule(view(node_gpus("n0", 8), [big], tenants, teams), off)
     assert sorted((e.job_id, e.reason) for e in d.evictions) == [
         (f"t{i}", "preempted for job big (priority high)") for i in range(3)
     ]
     assert d.waiting["big"].startswith("preempting 3 jobs")
+    d = schedule(view(node_gpus("n0", 8), [big], [*tenants, before[0]], teams), off)
+    assert d.evictions == []  # a0 ran before big came and is too young: big waits for it...
     d = schedule(view(node_gpus("n0", 8), [big], [*tenants, before[0]], teams), CFG)
-    assert d.evictions == []  # a0 ran before big came and is too young: big waits for it
+    assert sorted(e.job_id for e in d.evictions) == ["a0", "t0", "t1", "t2"]  # ...but for the top class
     # Another team's young job, or one of a's own class, is no tenant either.
     others = [r("b0", ["n0/0"], team="b", prio=LOW, started=NOW - 60)]
     others.append(r("h0", ["n0/1"], team="a", prio=HIGH, started=NOW - 60))
-    d = schedule(view(node_gpus("n0", 8), [big], [*tenants, *others], teams), CFG)
+    d = schedule(view(node_gpus("n0", 8), [big], [*tenants, *others], teams), off)
     assert d.evictions == []
 
 
@@ -680,6 +726,7 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
         srpt_preemption=order == "srpt" and draw(st.booleans()),
         max_evictions_per_cycle=draw(st.integers(0, 3)),
         reserve_after_s=draw(st.sampled_from([None, 3600.0])),
+        top_class_preempts_young=draw(st.booleans()),
     )
     return view(gpus, queued, running, teams), cfg
 
@@ -714,7 +761,8 @@ def test_invariants(vc: tuple[ClusterView, PolicyConfig]) -> None:
     for e in d.evictions:
         victim = running[e.job_id]
         # Young victims only as tenants: a lower class of the preemptor's own team that
-        # started while it waited (no class jumping, preemption.py).
+        # started while it waited (no class jumping, preemption.py); or of a lower class
+        # than a preemptor of the top class, with `top_class_preempts_young`.
         head = queued.get(e.for_job or "")
         tenant = (
             head is not None
@@ -722,7 +770,13 @@ def test_invariants(vc: tuple[ClusterView, PolicyConfig]) -> None:
             and victim.priority < head.priority
             and victim.started_at >= head.submitted_at
         )
-        assert victim.preemptible and (v.now - victim.started_at >= cfg.min_runtime_s or tenant)
+        for_top = (
+            cfg.top_class_preempts_young
+            and head is not None
+            and head.priority == max(cfg.priorities.values())
+            and victim.priority < head.priority
+        )
+        assert victim.preemptible and (v.now - victim.started_at >= cfg.min_runtime_s or tenant or for_top)
         assert e.for_job in queued and e.reason and head is not None
         if victim.team == head.team and victim.priority >= head.priority:
             # Within a team and class only "srpt" preemption evicts, and only a job with more

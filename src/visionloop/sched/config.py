@@ -19,7 +19,8 @@ priority classes.
     [scheduler]
     cycle_s = 2.0            # how often the scheduler runs (it also runs on every event)
     grace_s = 120            # SIGTERM → this long to checkpoint and exit 75 → SIGKILL
-    min_runtime_s = 600      # a job younger than this is never preempted
+    min_runtime_s = 600      # a job younger than this is never preempted (but by the top class)
+    top_class_preempts_young = true  # the top class (e.g. high) need not wait for min_runtime_s
     heartbeat_timeout_s = 60 # a running job silent for this long is declared lost
     retry_backoff_s = 30     # first retry delay after a failure; doubles per restart
     inventory_sync_s = 30    # re-read the executor's GPUs this often (Ray nodes come and go); 0: never
@@ -105,6 +106,7 @@ class SchedulerTimings:
     cycle_s: float = 2.0
     grace_s: float = 120.0
     min_runtime_s: float = 600.0
+    top_class_preempts_young: bool = True
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
@@ -187,6 +189,7 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         "cycle_s",
         "grace_s",
         "min_runtime_s",
+        "top_class_preempts_young",
         "heartbeat_timeout_s",
         "retry_backoff_s",
         "inventory_sync_s",
@@ -230,6 +233,7 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         cycle_s=_number(section, "cycle_s", d.cycle_s, path, minimum=0.05),
         grace_s=_number(section, "grace_s", d.grace_s, path),
         min_runtime_s=_number(section, "min_runtime_s", d.min_runtime_s, path),
+        top_class_preempts_young=_flag(section, "top_class_preempts_young", d.top_class_preempts_young, path),
         heartbeat_timeout_s=_number(section, "heartbeat_timeout_s", d.heartbeat_timeout_s, path, minimum=1),
         retry_backoff_s=_number(section, "retry_backoff_s", d.retry_backoff_s, path),
         inventory_sync_s=_number(section, "inventory_sync_s", d.inventory_sync_s, path),

@@ -311,7 +311,7 @@ class Cycle(Reservations):
                 reserved_by_spot = {s: self._reserved_usable(s) for s in ("never", "allowed", "preferred")}
             reserved = reserved_by_spot[job.spot]
             reserved = reserved if reserved >= n else 0  # held GPUs that would have been enough
-            young = preemption and job.priority > young_min
+            young = preemption and young_min < job.priority < self.top
             key = (
                 n,
                 job.spot,
@@ -353,7 +353,7 @@ class Cycle(Reservations):
             if p > prio:
                 higher += k
         same = self.blocked.get(prio, 0)
-        young = self.cfg.preemption and job.priority > self.young_min
+        young = self.cfg.preemption and self.young_min < job.priority < self.top
         reserved = self._reserved_usable(job.spot)
         reserved = reserved if free + reserved >= n else 0  # held GPUs that would have been enough
         key = (higher, 0 if higher else same, young, reserved, len(self.claimants))

@@ -95,6 +95,9 @@ class CycleState:
         # "srpt" preemption: each victim's GPU-time left by its limit, and the most of it
         # among a team's victims of each class (the cheap test before a search).
         self.srpt_left: dict[str, float] = {}
+        # Each team's running jobs in the order its nominal quota covers them (preemption's
+        # `_borrowing`): built on first use.
+        self.team_stacks: dict[str, list[ActiveJob]] = {}
         self.srpt_most: dict[tuple[str, float], float] = {}
         if cfg.order == "srpt" and cfg.srpt_preemption:
             # A running job past its limit counts as ending now (nothing left), not as one that
@@ -107,6 +110,13 @@ class CycleState:
                     self.srpt_left[j.id] = left
                     k = (j.team, self._held_rank(j))
                     self.srpt_most[k] = max(self.srpt_most.get(k, -math.inf), left)
+        # Running jobs too young to be victims, in victim order: the top class's extra
+        # victims (`top_class_preempts_young`).
+        self.top = self.ranks[-1] if cfg.top_class_preempts_young and self.ranks else math.inf
+        self.young = sorted(
+            (j for j in view.running if j.preemptible and self.now - j.started_at < cfg.min_runtime_s),
+            key=self._victim_order,
+        )
         # The lowest class among jobs too young to preempt (for the reasons shown).
         self.young_min = min(
             (

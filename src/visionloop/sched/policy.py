@@ -51,8 +51,14 @@ class PolicyConfig:
     executor runs a job's processes on one machine."""
 
     # A job that has run less than this in its current allocation is never a victim: a
-    # restart costs minutes, so younger jobs would only thrash.
+    # restart costs minutes, so younger jobs would only thrash...
     min_runtime_s: float = 600.0
+    # ...except for a job of the top class (the highest rank in `priorities`), which evicts
+    # lower classes however young, as Slurm's QOS preemption does (its PreemptExemptTime is
+    # off by default): it is rare, and never evicted by a lower class, so it cannot start a
+    # thrash. The high class otherwise waited up to 10 minutes behind jobs that had just
+    # started (BENCHMARKS.md, "The high class without a wait").
+    top_class_preempts_young: bool = True
     # Within a team and class: "las" (least attained GPU-service first: jobs that were
     # preempted or ran long wait behind fresh ones, which shortens completion times when job
     # lengths are heavy-tailed), "srpt" (least remaining GPU-time first, counted from the

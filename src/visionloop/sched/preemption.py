@@ -4,11 +4,13 @@ on borrowed GPUs, unless it stays within its own nominal quota), with `srpt_pree
 job of its own team and class whose GPU-time left by its limit is more than twice its own
 (shortest remaining time first: the victim's remaining time only falls as it runs, so two
 jobs never take turns evicting each other), and a team under its
-nominal quota reclaims borrowed GPUs whatever their class. Victims lose the least work:
-lowest class first, then the least GPU-time since their last checkpoint; never a job that
-is already leaving or has run less than `min_runtime_s` — except a tenant: a job of a lower
-class that started while its own team's head waited for the team's limit (no class jumping:
-it may use the idle GPUs meanwhile, and steps aside as soon as they let the head start).
+nominal quota reclaims borrowed GPUs whatever their class: those of the lender's lowest
+classes, as its nominal covers its highest classes first (`_borrowing`). Victims lose the
+least work: lowest class first, then the least GPU-time since their last checkpoint; never a
+job that is already leaving or has run less than `min_runtime_s` — except for a job of the
+top class (`top_class_preempts_young`), and a tenant: a job of a lower class that started
+while its own team's head waited for the team's limit (no class jumping: it may use the
+idle GPUs meanwhile, and steps aside as soon as they let the head start).
 Greedy in that order until the job fits, then every victim it can do without is dropped
 again.
 """
@@ -57,16 +59,21 @@ class Preemption(CycleState):
             # first, so the shape memo above stays true for the team's other jobs.
             self.tenant_teams.add(job.team)
             tenants = self._tenants(job)
+        # The top class may also evict lower-class jobs too young to be victims, after
+        # the others (policy.py's `top_class_preempts_young`).
+        extra = (
+            [v for v in self.young if self._held_rank(v) < job.priority] if job.priority >= self.top else []
+        )
         if quota_gap > 0 and quota_gap > sum(
             len(v.gpu_ids)
-            for v in itertools.chain(tenants, self.victims)
-            if v.team == job.team and self._held_rank(v) < job.priority
+            for v in {v.id: v for v in itertools.chain(tenants, self.victims, extra)}.values()
+            if v.team == job.team and self._held_rank(v) < job.priority and v.id not in self.evicted
         ):
             self.fail_evict[shape] = n
             return False
         cands = tenants + [
             v
-            for v in self.victims
+            for v in itertools.chain(self.victims, extra)
             if v.id not in self.evicted
             and v not in tenants
             and self._may_evict(v, job, reclaim)
@@ -155,8 +162,24 @@ class Preemption(CycleState):
             return lower or self._srpt_yields(v, job)
         vt = self._team(v.team)
         if reclaim:
-            return lower or vt.over_nominal(taken)
+            return lower or (vt.over_nominal(taken) and self._borrowing(v))
         return lower and vt.used - taken - len(v.gpu_ids) >= vt.team.nominal_gpus
+
+    def _borrowing(self, v: ActiveJob) -> bool:
+        """Does `v` hold borrowed GPUs? A team's nominal quota covers its highest classes
+        first: `v` borrows if its team's jobs of its class and above hold more than the
+        nominal (which of a class's jobs step aside is the victim order's choice: the least
+        work lost). So a reclaim takes back borrowed GPUs from a team's lowest classes, never
+        from its high-class job that the nominal covers (a reclaim evicted one five times in
+        one trace while a low-class job of its team, too young to preempt, kept its GPUs)."""
+        stack = self.team_stacks.get(v.team)
+        if stack is None:
+            stack = self.team_stacks[v.team] = [
+                j for j in self.view.running if j.team == v.team and j.preemptible
+            ]
+        rank = self._held_rank(v)
+        held = sum(len(j.gpu_ids) for j in stack if j.id not in self.evicted and self._held_rank(j) >= rank)
+        return held > self._team(v.team).team.nominal_gpus
 
     def _srpt_yields(self, v: ActiveJob, job: PendingJob) -> bool:
         """ "srpt" preemption: `v`, of `job`'s team and class, has more than twice the GPU-time

@@ -94,6 +94,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         t = config.timings
         self.policy = PolicyConfig(
             min_runtime_s=t.min_runtime_s,
+            top_class_preempts_young=t.top_class_preempts_young,
             order=t.order,
             srpt_preemption=t.srpt_preemption,
             same_node=True,
