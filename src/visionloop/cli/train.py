@@ -98,7 +98,28 @@ def train(
     if is_main:
         extra = [f"--nproc-per-node {os.environ['WORLD_SIZE']}"] if "WORLD_SIZE" in os.environ else []
         _summary(result, spec, overrides, extra + (["--no-track"] if no_track else []))
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        _exit_distributed_worker(result.exit_code)
     raise typer.Exit(result.exit_code)
+
+
+def _exit_distributed_worker(code: int) -> None:
+    """End a rank of a distributed run without the interpreter's and C++ runtime's teardown.
+
+    torch (2.14) keeps gloo's C++ threads running after the process group is destroyed: the
+    DDP and FSDP wrappers hold references to it that outlive the model. About one run in 15
+    then aborted at exit ("terminate called without an active exception", exit 134) after
+    its work was done and saved, and the launcher reported the run as failed. By now train()
+    has written its checkpoints and closed its tracked run and the process group; the
+    `atexit` handlers still run, then the process exits with its own code."""
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()  # what a normal exit runs first (CPython's own hook; multiprocessing uses it)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def resume_command(spec: Path, run_dir: Path, overrides: list[str], flags: list[str] | None = None) -> str:
