@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,11 @@ def test_a_job_without_a_limit_is_planned_with_the_runs_of_its_spec_before_it(
     plane.cycle()  # both start (two GPUs): the running one plans with its history too
     (active,) = [j for j in plane._view(plane.clock(), None).running if j.id == str(again)]
     assert active.expected_runtime_s == pytest.approx(ran) and active.max_runtime_s is None
+    # Before its first pace report, `jobs show` gives the end planned with, and from what.
+    for job, by in ((again, "its history"), (other, "its max runtime")):
+        shown = cli("jobs", "show", str(job), env=env)
+        (att,) = plane.store.attempts(job)
+        planned = att.started_at + (ran if job == again else 7200.0)
+        when = datetime.fromtimestamp(planned).strftime("%Y-%m-%d %H:%M:%S")
+        line = f"progress: no pace reported yet in this attempt; planned end {when} by {by}"
+        assert line in shown.stdout, shown.stdout
