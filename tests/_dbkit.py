@@ -110,3 +110,21 @@ def _drop(psycopg: Any, sql: Any, admin: str, name: str) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def submit_doc(
+    store: Any, doc: dict[str, Any], *, now: float, team: str = "vision", key: str | None = None
+) -> Any:
+    """Queue a job spec document straight through the store (no control plane), as the
+    admission path would after validating it: the job (a `visionloop.sched.store.Job`)."""
+    from visionloop.specs import JobSpec
+
+    return store.submit(
+        doc,
+        JobSpec.model_validate(doc),
+        team=team,
+        priority_rank=50,
+        run_dir=None,
+        idempotency_key=key,
+        now=now,
+    )

@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from _dbkit import BACKENDS, fresh_database
+from _dbkit import BACKENDS, fresh_database, submit_doc
 from visionloop.sched.states import JobState
 from visionloop.sched.store import Store
 from visionloop.sched.view import Gpu
-from visionloop.specs import JobSpec
 
 GPU = Gpu("n0/0", "n0", "A100-80GB")
 TRAIN: dict[str, Any] = {"epochs": 10, "model": {"arch": "resnet18"}, "data": {"dataset": "/data/digits"}}
@@ -31,16 +30,7 @@ def submit(store: Store, now: float, trial_until: int | None = None, **train: An
     doc: dict[str, Any] = {"train": {**TRAIN, **train}}
     if trial_until is not None:
         doc["trial"] = {"study": "st", "number": int(now), "until_epoch": trial_until}
-    job = store.submit(
-        doc,
-        JobSpec.model_validate(doc),
-        team="vision",
-        priority_rank=50,
-        run_dir=None,
-        idempotency_key=None,
-        now=now,
-    )
-    return job.id
+    return int(submit_doc(store, doc, now=now).id)
 
 
 def run(store: Store, job_id: int, start: float, seconds: float, end: JobState = JobState.SUCCEEDED) -> None:

@@ -23,7 +23,7 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError
 
-from _dbkit import BACKENDS, fresh_database
+from _dbkit import BACKENDS, fresh_database, submit_doc
 from visionloop.core.errors import ConfigError, NotFoundError, StoreError
 from visionloop.core.settings import load_settings
 from visionloop.sched import db
@@ -72,16 +72,8 @@ def submit(
     now: float = 10.0,
     team: str = "vision",
 ) -> Job:
-    doc = spec_doc(name, gpus)
-    return s.submit(
-        doc,
-        JobSpec.model_validate(doc),
-        team=team,
-        priority_rank=50,
-        run_dir=None,
-        idempotency_key=key,
-        now=now,
-    )
+    job: Job = submit_doc(s, spec_doc(name, gpus), now=now, team=team, key=key)
+    return job
 
 
 GPUS = [
@@ -840,15 +832,8 @@ def trial_job(s: Store, number: int, until_epoch: int | None) -> Job:
         "trial": {"study": "st", "number": number, "until_epoch": until_epoch},
     }
     doc["train"]["epochs"] = 3
-    return s.submit(
-        doc,
-        JobSpec.model_validate(doc),
-        team="vision",
-        priority_rank=50,
-        run_dir=None,
-        idempotency_key=None,
-        now=10.0,
-    )
+    job: Job = submit_doc(s, doc, now=10.0)
+    return job
 
 
 def test_a_paused_trial_is_promoted_with_its_next_rung_or_pruned_for_good(store: Store) -> None:

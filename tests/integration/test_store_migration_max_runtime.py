@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, inspect, text
 
-from _dbkit import BACKENDS, fresh_database
+from _dbkit import BACKENDS, fresh_database, submit_doc
 from visionloop.sched import db
 from visionloop.sched.store import Store
-from visionloop.specs import JobSpec
 
 TRAIN = {"epochs": 2, "model": {"arch": "resnet18"}, "data": {"dataset": "/data/digits"}}
 
@@ -32,17 +31,7 @@ def engine(db_url: str) -> Iterator[Engine]:
 
 
 def _submit(store: Store, **fields: Any) -> int:
-    doc = {"train": TRAIN, **fields}
-    job = store.submit(
-        doc,
-        JobSpec.model_validate(doc),
-        team="vision",
-        priority_rank=50,
-        run_dir=None,
-        idempotency_key=None,
-        now=1.0,
-    )
-    return job.id
+    return int(submit_doc(store, {"train": TRAIN, **fields}, now=1.0).id)
 
 
 def _version(engine: Engine) -> str:

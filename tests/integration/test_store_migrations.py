@@ -21,7 +21,7 @@ from optuna.storages._rdb import models as optuna_models
 from sqlalchemy import JSON, Engine, bindparam, create_engine, inspect, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from _dbkit import BACKENDS, fresh_database
+from _dbkit import BACKENDS, fresh_database, submit_doc
 from visionloop.core.errors import ConfigError
 from visionloop.core.migration_lock import MIGRATION_LOCK
 from visionloop.sched import db
@@ -158,16 +158,7 @@ def queue_schema_diff(engine: Engine) -> list[Any]:
 
 
 def submit(store: Store) -> int:
-    job = store.submit(
-        SPEC_DOC,
-        JobSpec.model_validate(SPEC_DOC),
-        team="vision",
-        priority_rank=50,
-        run_dir=None,
-        idempotency_key=None,
-        now=10.0,
-    )
-    return job.id
+    return int(submit_doc(store, SPEC_DOC, now=10.0).id)
 
 
 @pytest.mark.parametrize("with_optuna", [True, False], ids=["with-study", "queue-only"])
