@@ -18,13 +18,12 @@ from typing import Any
 import pytest
 
 from _cpkit import CP, cluster_config, control_plane
-from _dbkit import BACKENDS, fresh_database
+from _dbkit import BACKENDS, fresh_database, submit_doc
 from visionloop.sched.cost import CostLine, CostReport, cost_report
 from visionloop.sched.prices import PriceCatalog, load_catalog, parse_catalog
 from visionloop.sched.states import JobState
 from visionloop.sched.store import Job, Store
 from visionloop.sched.view import Gpu
-from visionloop.specs import JobSpec
 
 H = 3600.0
 
@@ -68,15 +67,8 @@ def _submit(store: Store, team: str, gpus: int, now: float) -> Job:
         "resources": {"gpus": gpus},
         "train": {"epochs": 1, "model": {"arch": "resnet18"}, "data": {"dataset": "/data/digits"}},
     }
-    return store.submit(
-        doc,
-        JobSpec.model_validate(doc),
-        team=team,
-        priority_rank=50,
-        run_dir=None,
-        idempotency_key=None,
-        now=now,
-    )
+    job: Job = submit_doc(store, doc, now=now, team=team)
+    return job
 
 
 _NEXT = {
