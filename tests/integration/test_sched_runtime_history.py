@@ -53,6 +53,7 @@ def test_runs_to_the_end_are_samples_and_a_queued_job_of_the_same_spec_gets_thei
     est = store.runtime_estimate(queued)
     assert est is not None
     assert (est.seconds, est.runs, est.basis) == (130.0, 3, "the median of 3 earlier runs of this spec")
+    assert (est.shortest, est.longest) == (100.0, 400.0)
     (row,) = store.view_jobs()
     assert row.id == queued and row.run_length == 10 and row.spec_key and row.shape_key
     samples = store.runtime_samples([row.shape_key])  # type: ignore[list-item]

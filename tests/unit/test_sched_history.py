@@ -82,6 +82,7 @@ def test_same_spec_gives_the_median_of_its_runs() -> None:
     found = h.estimate(k.spec, k.shape, k.length)
     assert found is not None
     assert (found.seconds, found.runs, found.basis) == (130.0, 3, "the median of 3 earlier runs of this spec")
+    assert (found.shortest, found.longest) == (100.0, 400.0)
 
 
 def test_same_shape_scales_the_median_time_per_epoch_to_the_length() -> None:
@@ -90,6 +91,7 @@ def test_same_shape_scales_the_median_time_per_epoch_to_the_length() -> None:
     h = RuntimeHistory([Sample(k.spec, k.shape, 10, s) for s in (120.0, 100.0, 500.0)])
     found = h.estimate(longer.spec, longer.shape, longer.length)
     assert found is not None and found.seconds == pytest.approx(1080.0) and found.runs == 3
+    assert (found.shortest, found.longest) == (pytest.approx(900.0), pytest.approx(4500.0))
     assert found.basis.startswith("3 earlier runs of this architecture on the same data and GPUs")
 
 

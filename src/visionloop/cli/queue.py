@@ -298,7 +298,12 @@ def jobs_show(
     est = data.get("runtime_estimate")
     if est is not None:
         used = "planned with, as no max runtime was given" if limit is None else "the max runtime comes first"
-        print_wide(f"expected runtime: {format_duration(float(est['seconds']))}, {est['basis']} ({used})")
+        spread = ""
+        if est["runs"] > 1:
+            spread = f"; they took {format_duration(est['shortest'])} to {format_duration(est['longest'])}"
+        print_wide(
+            f"expected runtime: {format_duration(float(est['seconds']))}, {est['basis']} ({used}{spread})"
+        )
     if j["state"] == "queued" and j.get("waiting_reason"):
         print_wide(f"waiting: {j['waiting_reason']}")
     if j["state"] == "running":

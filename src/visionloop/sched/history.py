@@ -84,6 +84,10 @@ class Estimate:
     seconds: float
     runs: int  # how many earlier runs it rests on
     basis: str  # shown to users: "the median of 3 earlier runs of this spec"
+    # The shortest and longest of those runs (scaled to this run's length): how far to
+    # trust the median. Runs of one spec that range from 1 h to 9 h say little.
+    shortest: float
+    longest: float
 
 
 class RuntimeHistory:
@@ -113,13 +117,15 @@ class RuntimeHistory:
         same = self._by_spec.get(spec_key)
         if same:
             basis = f"the median of {_runs(len(same))} of this spec"
-            found = Estimate(statistics.median(same), len(same), basis)
+            found = Estimate(statistics.median(same), len(same), basis, min(same), max(same))
         elif per := self._per_unit.get(shape_key):
             found = Estimate(
                 statistics.median(per) * length,
                 len(per),
                 f"{_runs(len(per))} of this architecture on the same data and GPUs, "
                 "at their median time per epoch (or step), times this run's length",
+                min(per) * length,
+                max(per) * length,
             )
         self._memo[memo_key] = found
         return found
