@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -36,18 +37,30 @@ def _sleeper(job: Job) -> list[str]:
     return [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
-@pytest.fixture(params=[True, False], ids=["easy-backfill", "default"])
-def cp(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CP]:
+@contextmanager
+def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
     # victim_order and top_class_preempts_young ride along: no eviction here, but the switches
     # must reach the policy too.
     scheduler: dict[str, Any] = (
-        {"easy_backfill": True, "victim_order": "smallest", "top_class_preempts_young": False}
-        if request.param
-        else {}
+        {"easy_backfill": True, "victim_order": "smallest", "top_class_preempts_young": False} if easy else {}
     )
     cfg = cluster_config(inventory=TWO_GPUS, teams=ONE_TEAM, scheduler=scheduler)
     with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg, run_scheduler=False) as plane:
         plane.plane._command = _sleeper  # type: ignore[method-assign]
+        yield plane
+
+
+@pytest.fixture(params=[True, False], ids=["easy-backfill", "default"])
+def cp_both(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CP]:
+    """The control plane with and without EASY backfill (its switches in cluster.toml)."""
+    with _plane(tmp_path, request.param) as plane:
+        yield plane
+
+
+@pytest.fixture
+def cp(tmp_path: Path) -> Iterator[CP]:
+    """The control plane with the default policy: for what does not depend on it."""
+    with _plane(tmp_path, False) as plane:
         yield plane
 
 
@@ -63,8 +76,9 @@ def _submit(cp: CP, dataset: Path, gpus: int, max_runtime: str | None, name: str
 
 
 def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_gpu_for_a_job_ending_first(
-    cp: CP, digits_dataset: Path
+    cp_both: CP, digits_dataset: Path
 ) -> None:
+    cp = cp_both
     plane = cp.plane
     easy = plane.policy.easy_backfill
     assert (easy, plane.policy.victim_order, plane.policy.top_class_preempts_young) == (
@@ -105,8 +119,6 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
 def test_bad_max_runtime_is_refused_naming_the_field_and_jobs_show_gives_it(
     cp: CP, digits_dataset: Path, tmp_path: Path
 ) -> None:
-    if cp.plane.policy.easy_backfill:
-        pytest.skip("the same with either policy: run once")
     train = _train(digits_dataset)
     with cp.client() as c:
         for bad in ("soon", "6", -60, "400d"):
@@ -144,8 +156,6 @@ def test_bad_max_runtime_is_refused_naming_the_field_and_jobs_show_gives_it(
 def test_a_job_without_a_limit_is_planned_with_the_runs_of_its_spec_before_it(
     cp: CP, digits_dataset: Path, tmp_path: Path
 ) -> None:
-    if cp.plane.policy.easy_backfill:
-        pytest.skip("the same with either policy: run once")
     plane = cp.plane
 
     def command(job: Job) -> list[str]:  # "quick" and "slower" end by themselves, after 1 and 3 s
