@@ -95,8 +95,7 @@ class CycleState:
         # "srpt" preemption: each victim's GPU-time left by its limit, and the most of it
         # among a team's victims of each class (the cheap test before a search).
         self.srpt_left: dict[str, float] = {}
-        # Each team's running jobs in the order its nominal quota covers them (preemption's
-        # `_borrowing`): built on first use.
+        # Each team's preemptible running jobs (preemption's `_borrowing`): built on first use.
         self.team_stacks: dict[str, list[ActiveJob]] = {}
         self.srpt_most: dict[tuple[str, float], float] = {}
         if cfg.order == "srpt" and cfg.srpt_preemption:
@@ -111,11 +110,15 @@ class CycleState:
                     k = (j.team, self._held_rank(j))
                     self.srpt_most[k] = max(self.srpt_most.get(k, -math.inf), left)
         # Running jobs too young to be victims, in victim order: the top class's extra
-        # victims (`top_class_preempts_young`).
+        # victims (`top_class_preempts_young`); not sorted when nothing would read them.
         self.top = self.ranks[-1] if cfg.top_class_preempts_young and self.ranks else math.inf
-        self.young = sorted(
-            (j for j in view.running if j.preemptible and self.now - j.started_at < cfg.min_runtime_s),
-            key=self._victim_order,
+        self.young = (
+            sorted(
+                (j for j in view.running if j.preemptible and self.now - j.started_at < cfg.min_runtime_s),
+                key=self._victim_order,
+            )
+            if self.top < math.inf and cfg.preemption
+            else []
         )
         # The lowest class among jobs too young to preempt (for the reasons shown).
         self.young_min = min(

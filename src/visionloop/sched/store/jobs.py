@@ -14,7 +14,14 @@ from sqlalchemy.orm import Session
 
 from visionloop.core.errors import NotFoundError, StoreError
 from visionloop.sched.db import AttemptRow, JobRow, TeamRow, TransitionRow
-from visionloop.sched.history import SAMPLES_PER_SHAPE, Estimate, RuntimeHistory, Sample, runtime_key
+from visionloop.sched.history import (
+    SAMPLES_PER_SHAPE,
+    Estimate,
+    RuntimeHistory,
+    RuntimeKey,
+    Sample,
+    runtime_key,
+)
 from visionloop.sched.records import Job, Transition, ViewJob
 from visionloop.sched.states import ACTIVE, JobState
 from visionloop.sched.store.base import (
@@ -37,12 +44,9 @@ _SET_RUN_DIR = (
 )
 
 
-def _history_keys(
-    train: TrainSpec, workload_doc: dict[str, Any] | None, gpus: int, nodes: int
-) -> dict[str, Any]:
-    """The job's keys into the runtime history (sched/history.py), as the columns store them."""
-    key = runtime_key(workload_of(train, workload_doc).runtime_profile(), gpus, nodes)
-    return {"spec_key": key.spec, "shape_key": key.shape, "run_length": key.length}
+def _history_key(train: TrainSpec, workload_doc: dict[str, Any] | None, gpus: int, nodes: int) -> RuntimeKey:
+    """The job's keys into the runtime history (sched/history.py)."""
+    return runtime_key(workload_of(train, workload_doc).runtime_profile(), gpus, nodes)
 
 
 class JobsMixin(StoreBase):
@@ -108,8 +112,9 @@ class JobsMixin(StoreBase):
             "workload_doc": workload_doc,
             "spec_doc": doc,
             "train_spec": job.train.model_dump(mode="json"),
-            **_history_keys(job.train, workload_doc, res.gpus, res.nodes),
         }
+        key = _history_key(job.train, workload_doc, res.gpus, res.nodes)
+        values.update(spec_key=key.spec, shape_key=key.shape, run_length=key.length)
         jobs = cast(Table, JobRow.__table__)
         try:
             with self._session(write=True) as s:
@@ -351,9 +356,8 @@ class JobsMixin(StoreBase):
             doc["until_epoch"] = until_epoch
             row.workload_doc = doc  # a new object, so the JSON column is written
             # Heading for another rung: another length, so other history keys.
-            keys = _history_keys(TrainSpec.model_validate(row.train_spec), doc, row.gpus, row.nodes)
-            row.spec_key, row.shape_key = keys["spec_key"], keys["shape_key"]
-            row.run_length = keys["run_length"]
+            key = _history_key(TrainSpec.model_validate(row.train_spec), doc, row.gpus, row.nodes)
+            row.spec_key, row.shape_key, row.run_length = key.spec, key.shape, key.length
             self._enter(s, row, src, JobState.QUEUED, reason, now)
             s.flush()
             return _job(row, specs=False)
