@@ -27,6 +27,7 @@ from visionloop.cli import loop as loop_cli
 from visionloop.cli import models as models_cli
 from visionloop.cli import monitor as monitor_cli
 from visionloop.cli import queue as queue_cli
+from visionloop.cli import queue_admin
 from visionloop.cli import runs as runs_cli
 from visionloop.cli import serve as serve_cli
 from visionloop.cli import size as size_cli
@@ -57,8 +58,8 @@ app.command("archs", context_settings={"help_option_names": ["-h", "--help"]})(a
 for _name, _fn in (("up", queue_cli.up), ("down", queue_cli.down), ("submit", queue_cli.submit)):
     app.command(_name, context_settings={"help_option_names": ["-h", "--help"]})(_fn)
 app.add_typer(queue_cli.jobs_app, name="jobs")
-app.add_typer(queue_cli.admin_app, name="admin")
-app.add_typer(queue_cli.cost_app, name="cost")
+app.add_typer(queue_admin.admin_app, name="admin")
+app.add_typer(queue_admin.cost_app, name="cost")
 app.add_typer(models_cli.app, name="models")
 app.add_typer(alerts_cli.app, name="alerts")
 app.add_typer(label_cli.app, name="label")
