@@ -132,10 +132,22 @@ def main() -> None:
     ap.add_argument(
         "--srpt-preemption", action="store_true", help="with --order srpt: preempt within a class"
     )
+    ap.add_argument(
+        "--las-preemption",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a job below the threshold of attained GPU-service preempts one of its team and class above "
+        "it (the default; --no-las-preemption: the policy before it)",
+    )
+    ap.add_argument(
+        "--las-threshold", type=float, default=3250.0, help="that threshold, GPU-seconds (Tiresias': 3,250)"
+    )
     args = ap.parse_args()
     policy = PolicyConfig(
         order=args.order,
         srpt_preemption=args.srpt_preemption,
+        las_preemption=args.las_preemption,
+        las_threshold_gpu_s=args.las_threshold,
         same_node=False,
         easy_backfill=args.easy_backfill,
         reservation_tenants=args.tenants,

@@ -65,6 +65,7 @@ def make_view(queued: int, free: int, spot_down: bool, seed: int = 0, max_gpus: 
                 attained_gpu_s=n * (now - started),
                 preemptible=rng.random() > 0.05,
                 submitted_at=started - rng.uniform(0, 7200),
+                checkpoints_at_stop=True,  # the trainer does, as the control plane tells the policy
             )
         )
         i += n

@@ -69,6 +69,13 @@ def test_durations_round_trip_as_people_read_them() -> None:
         parse_duration("")
 
 
+def test_las_preemption_and_its_threshold_come_from_the_scheduler_section() -> None:
+    t = parse_cluster_config({}).timings
+    assert (t.las_preemption, t.las_threshold_gpu_s) == (True, 3250.0)
+    t = parse_cluster_config({"scheduler": {"las_preemption": False, "las_threshold_gpu_s": 7200}}).timings
+    assert (t.las_preemption, t.las_threshold_gpu_s) == (False, 7200.0)
+
+
 def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
     t = parse_cluster_config({}).timings
     assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order, t.top_class_preempts_young) == (
@@ -119,6 +126,12 @@ def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
             "scheduler.reservation_tenants must be true or false",
         ),
         ({"easy_backfil": True}, "unknown keys ['easy_backfil']"),
+        ({"las_preemption": "on"}, "scheduler.las_preemption must be true or false, got 'on'"),
+        (
+            {"las_threshold_gpu_s": 0},
+            "las_threshold_gpu_s must be a number >= 1, got 0 (e.g. las_threshold_gpu_s = 3250.0)",
+        ),
+        ({"las_threshold_gpu_s": "1h"}, "las_threshold_gpu_s must be a number >= 1, got '1h'"),
         (
             {"top_class_preempts_young": "sometimes"},
             "scheduler.top_class_preempts_young must be true or false, got 'sometimes'",

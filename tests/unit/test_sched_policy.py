@@ -55,6 +55,7 @@ def r(
     submitted: float | None = None,
     limit: float | None = None,
     attained: float = 0.0,
+    ckpt_at_stop: bool = False,
 ) -> ActiveJob:
     return ActiveJob(
         id,
@@ -67,6 +68,7 @@ def r(
         submitted_at=submitted,
         max_runtime_s=limit,
         attained_gpu_s=attained,
+        checkpoints_at_stop=ckpt_at_stop,
     )
 
 
@@ -584,8 +586,120 @@ def test_srpt_plans_a_job_without_a_limit_with_its_history_and_a_limit_comes_fir
     assert set(placed(schedule(view(node_gpus("n0", 1), queue), srpt))) == {"both"}
 
 
+def test_las_preemption_evicts_a_job_of_its_team_and_class_past_the_threshold_for_a_fresh_one() -> None:
+    """Tiresias' two queues within a team and class: a job that has had less than
+    `las_threshold_gpu_s` GPU-seconds evicts one that has had more, and says why."""
+    cfg = PolicyConfig(aging_s=None)
+    assert cfg.las_preemption and cfg.las_threshold_gpu_s == 3250.0  # on by default
+    old = r("old", ["n0/0"], started=NOW - 3600, attained=3600.0, ckpt_at_stop=True)
+    fresh = q("fresh", t=NOW - 60)
+    d = schedule(view(node_gpus("n0", 1), [fresh], [old]), cfg)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("old", "fresh")]
+    assert d.evictions[0].reason == (
+        "preempted for job fresh of its team and class: this job has had over 0.9 GPU-hours and "
+        "that one less (least attained service first); it resumes from its checkpoint"
+    )
+    assert d.waiting["fresh"].startswith("preempting 1 job (old)")
+    # At its team's limit too: the team gives its own GPU to the fresh job.
+    limited = [Team("a", 1)]
+    d = schedule(view(node_gpus("n0", 1), [fresh], [old], limited), cfg)
+    assert [e.job_id for e in d.evictions] == ["old"]
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "teams", "cfg", "why"),
+    [
+        (
+            r("old", ["n0/0"], attained=3600.0, ckpt_at_stop=True),
+            q("f"),
+            (),
+            PolicyConfig(aging_s=None, las_preemption=False),
+            "switched off",
+        ),
+        (
+            r("old", ["n0/0"], attained=3000.0, ckpt_at_stop=True),
+            q("f"),
+            (),
+            PolicyConfig(aging_s=None),
+            "the victim is under the threshold",
+        ),
+        (
+            r("old", ["n0/0"], attained=9000.0, ckpt_at_stop=True),
+            q("f", attained_gpu_s=3300.0),
+            (),
+            PolicyConfig(aging_s=None),
+            "the waiting job is past it too",
+        ),
+        (
+            r("old", ["n0/0"], team="b", attained=9000.0, ckpt_at_stop=True),
+            q("f"),
+            (Team("a", 0, 1), Team("b", 1)),
+            PolicyConfig(aging_s=None),
+            "another team's, within its quota",
+        ),
+        (
+            r(
+                "old",
+                ["n0/0"],
+                prio=LOW,
+                attained=9000.0,
+                ckpt_at_stop=True,
+                submitted=NOW - 12000,
+                started=NOW - 4000,
+            ),
+            q("f"),
+            (),
+            PolicyConfig(aging_s=3600.0),
+            "a low job that aging let in defends with normal",
+        ),
+        (
+            r("old", ["n0/0"], started=NOW - 3000, attained=9000.0, ckpt_at_stop=True),
+            q("f"),
+            (),
+            PolicyConfig(aging_s=None),
+            "under the threshold in this allocation",
+        ),
+        (
+            r("old", ["n0/0"], attained=9000.0, ckpt=NOW - 3400),
+            q("f"),
+            (),
+            PolicyConfig(aging_s=None),
+            "it would lose more than the threshold",
+        ),
+        (
+            r("old", ["n0/0"], attained=9000.0, ckpt_at_stop=True, submitted=NOW - 9000),
+            q("f"),
+            (),
+            PolicyConfig(aging_s=None, reserve_after_s=7200.0),
+            "the starvation guard would restart it first",
+        ),
+    ],
+)
+def test_las_preemption_leaves_alone(
+    running: ActiveJob, waiting: PendingJob, teams: tuple[Team, ...], cfg: PolicyConfig, why: str
+) -> None:
+    d = schedule(view(node_gpus("n0", 1), [waiting], [running], teams), cfg)
+    assert d.evictions == [], why
+    assert placed(d) == {}, why
+
+
+def test_las_preemption_loses_little_without_a_checkpoint_at_stop() -> None:
+    # No checkpoint at SIGTERM: evicted 200 s after its last periodic checkpoint, it loses
+    # 200 GPU-seconds, under the threshold: it may go.
+    recent = r("old", ["n0/0"], attained=9000.0, ckpt=NOW - 200)
+    d = schedule(view(node_gpus("n0", 1), [q("f")], [recent]), PolicyConfig(aging_s=None))
+    assert [e.job_id for e in d.evictions] == ["old"]
+    # Once it has run, the evicted job waits: it is past the threshold, so it evicts nothing.
+    back = q("old", t=0, attained_gpu_s=9000.0)
+    now_running = r("f", ["n0/0"], started=NOW - 4000, attained=4000.0, ckpt_at_stop=True)
+    d = schedule(view(node_gpus("n0", 1), [back], [now_running]), PolicyConfig(aging_s=None))
+    assert d.evictions == [] and placed(d) == {}
+
+
 def test_srpt_preemption_evicts_a_job_of_the_same_class_with_far_more_time_left() -> None:
-    cfg = PolicyConfig(order="srpt", srpt_preemption=True, aging_s=None)
+    # "las" preemption off: the long job has run past its threshold, which alone would let
+    # any fresh job of its class evict it (tested on its own below).
+    cfg = PolicyConfig(order="srpt", srpt_preemption=True, aging_s=None, las_preemption=False)
     # 10 h limit, 1 h done: 9 GPU-hours left against the waiting job's 1 h (more than twice).
     long = r("long", ["n0/0"], started=NOW - 3600, limit=36000.0, attained=3600.0)
     short = q("short", t=NOW - 60, max_runtime_s=3600.0)
@@ -602,7 +716,7 @@ def test_srpt_preemption_evicts_a_job_of_the_same_class_with_far_more_time_left(
         (close, cfg, ()),
         (unknown, cfg, ()),
         (other, cfg, teams),
-        (long, PolicyConfig(order="srpt", aging_s=None), ()),
+        (long, PolicyConfig(order="srpt", aging_s=None, las_preemption=False), ()),
     ):
         assert schedule(view(node_gpus("n0", 1), [short], [running], ts), c).evictions == []
     no_limit = q("short", t=NOW - 60)
@@ -703,6 +817,7 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
                 preemptible=draw(st.booleans()),
                 limit=draw(st.sampled_from(LIMITS)),
                 attained=float(draw(st.integers(0, 3)) * 1000),
+                ckpt_at_stop=draw(st.booleans()),
             )
         )
     queued = [
@@ -727,6 +842,8 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
         max_evictions_per_cycle=draw(st.integers(0, 3)),
         reserve_after_s=draw(st.sampled_from([None, 3600.0])),
         top_class_preempts_young=draw(st.booleans()),
+        las_preemption=draw(st.booleans()),
+        las_threshold_gpu_s=draw(st.sampled_from([1500.0, 3250.0])),
     )
     return view(gpus, queued, running, teams), cfg
 
@@ -780,12 +897,27 @@ def test_invariants(vc: tuple[ClusterView, PolicyConfig]) -> None:
         assert e.for_job in queued and e.reason and head is not None
         if victim.team == head.team and victim.priority >= head.priority:
             # Within a team and class only "srpt" preemption evicts, and only a job with more
-            # than twice the waiting job's GPU-time left by its limit.
-            assert cfg.order == "srpt" and cfg.srpt_preemption and victim.priority == head.priority
-            assert victim.max_runtime_s is not None
-            left = len(victim.gpu_ids) * victim.max_runtime_s - victim.attained_gpu_s
-            own = remaining_gpu_s(head.gpus, head.max_runtime_s, head.attained_gpu_s)
-            assert own is not None and left > 2 * own
+            # than twice the waiting job's GPU-time left by its limit; or "las" preemption,
+            # and only a job that has received the threshold's GPU-time, that much in this
+            # allocation, for a job that has not.
+            assert victim.priority == head.priority
+            t = cfg.las_threshold_gpu_s
+            since = victim.started_at if victim.last_checkpoint_at is None else victim.last_checkpoint_at
+            las = (
+                cfg.las_preemption
+                and head.attained_gpu_s < t <= victim.attained_gpu_s
+                and len(victim.gpu_ids) * (v.now - victim.started_at) >= t
+                and (
+                    victim.checkpoints_at_stop
+                    or len(victim.gpu_ids) * (v.now - max(since, victim.started_at)) <= t
+                )
+            )
+            if not las:
+                assert cfg.order == "srpt" and cfg.srpt_preemption
+                assert victim.max_runtime_s is not None
+                left = len(victim.gpu_ids) * victim.max_runtime_s - victim.attained_gpu_s
+                own = remaining_gpu_s(head.gpus, head.max_runtime_s, head.attained_gpu_s)
+                assert own is not None and left > 2 * own
     assert len(d.evictions) <= cfg.max_evictions_per_cycle
     # no team beyond nominal + borrow because of this cycle's placements
     for name, team in v.teams.items():

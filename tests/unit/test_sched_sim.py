@@ -229,7 +229,9 @@ def test_random_trace_completes_under_both_policies() -> None:
         assert r.useful_gpu_s == pytest.approx(sum(j.gpus * j.duration_s for j in trace))
 
 
-@pytest.mark.parametrize("seed", [3, 17, 29, 41])
+# Seed 101 once had a job evicted 50 times for one that never started: the GPUs it freed were
+# held for an earlier reservation, and it backfilled back onto them (preemption._victim_gpus).
+@pytest.mark.parametrize("seed", [3, 17, 29, 41, 101])
 @pytest.mark.parametrize(
     ("easy", "tenants", "limit", "srpt"),
     [
@@ -342,7 +344,8 @@ def test_the_policy_sees_expected_ends_from_the_pace_with_an_error_never_the_tru
             seen.setdefault(view.now, []).extend(v.expected_end for v in view.running)
         return VL(view)
 
-    trace = [job("a", 0, 1, 3600.0), job("b", 0, 1, 3600.0)]  # b waits for a's GPU
+    # b waits for a's GPU: of a lower class, it may not preempt a.
+    trace = [job("a", 0, 1, 3600.0), job("b", 0, 1, 3600.0, prio="low")]
     cluster = ClusterSpec((NodeSpec("n0", 1),))
     simulate(trace, cluster, watching, SimConfig(pace_error=0.0, tick_s=30.0))
     early = [e for t, ends in seen.items() if t < 60.0 for e in ends]

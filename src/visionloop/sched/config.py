@@ -26,6 +26,8 @@ priority classes.
     inventory_sync_s = 30    # re-read the executor's GPUs this often (Ray nodes come and go); 0: never
     order = "las"            # or "srpt" (least remaining time by the jobs' max_runtime), "fifo"
     srpt_preemption = false  # with "srpt": evict a same-class job with over twice the time left
+    las_preemption = true    # a job under las_threshold_gpu_s of GPU-time evicts a same-class one past it
+    las_threshold_gpu_s = 3250  # Tiresias' threshold between its two queues
     victim_order = "least_lost"  # or "smallest" (Slurm's: fewest GPUs, then youngest)
     easy_backfill = false    # reservations hold their free GPUs for jobs whose max_runtime ends first
     reservation_tenants = false  # with easy_backfill: others start there too, and step aside when due
@@ -112,6 +114,8 @@ class SchedulerTimings:
     inventory_sync_s: float = 30.0
     order: Literal["las", "fifo", "srpt"] = "las"
     srpt_preemption: bool = False
+    las_preemption: bool = True
+    las_threshold_gpu_s: float = 3250.0
     # Policy switches beside the timings (sched.policy.PolicyConfig has what each does and
     # BENCHMARKS.md what each measured; the defaults are PolicyConfig's).
     victim_order: Literal["least_lost", "smallest"] = "least_lost"
@@ -195,6 +199,8 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         "inventory_sync_s",
         "order",
         "srpt_preemption",
+        "las_preemption",
+        "las_threshold_gpu_s",
         "victim_order",
         "easy_backfill",
         "reservation_tenants",
@@ -239,6 +245,8 @@ def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
         inventory_sync_s=_number(section, "inventory_sync_s", d.inventory_sync_s, path),
         order=order,
         srpt_preemption=srpt_preemption,
+        las_preemption=_flag(section, "las_preemption", d.las_preemption, path),
+        las_threshold_gpu_s=_number(section, "las_threshold_gpu_s", d.las_threshold_gpu_s, path, minimum=1),
         victim_order=victims,
         easy_backfill=easy,
         reservation_tenants=tenants,

@@ -75,6 +75,14 @@ class PolicyConfig:
     # first, with preemption). A preempted job's remaining time only falls as it runs, so two
     # jobs never take turns evicting each other.
     srpt_preemption: bool = False  # BENCHMARKS.md: "Shortest remaining limit first, with preemption"
+    # Least attained service with preemption, discretized as Tiresias does (Gu et al.,
+    # NSDI'19): a waiting job that has received less than `las_threshold_gpu_s` GPU-seconds
+    # may preempt a running job of its own team and class that has received at least that
+    # much (and ran `min_runtime_s` in this allocation). Two jobs never take turns: the
+    # victim has crossed the threshold for good, and the job that evicted it can evict
+    # nothing more once it crosses it too. BENCHMARKS.md: "Fresh jobs first, with preemption".
+    las_preemption: bool = True
+    las_threshold_gpu_s: float = 3250.0
     # Later jobs may start on GPUs an earlier, bigger job cannot use yet.
     backfill: bool = True
     preemption: bool = True
@@ -126,6 +134,10 @@ class PolicyConfig:
         if self.srpt_preemption and self.order != "srpt":
             raise ConfigError(
                 'srpt_preemption preempts by what order "srpt" ranks by: set order = "srpt" too.'
+            )
+        if self.las_threshold_gpu_s <= 0:
+            raise ConfigError(
+                f"las_threshold_gpu_s must be > 0 GPU-seconds, not {self.las_threshold_gpu_s}; e.g. 3250."
             )
         if self.victim_order not in ("least_lost", "smallest"):
             raise ConfigError(

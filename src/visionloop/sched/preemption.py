@@ -3,7 +3,8 @@ it fit. A job may preempt lower classes (within its team always; across teams on
 on borrowed GPUs, unless it stays within its own nominal quota), with `srpt_preemption` a
 job of its own team and class whose GPU-time left by its limit is more than twice its own
 (shortest remaining time first: the victim's remaining time only falls as it runs, so two
-jobs never take turns evicting each other), and a team under its
+jobs never take turns evicting each other), with `las_preemption` a job of its own team and
+class that has received the threshold's GPU-time while it has not, and a team under its
 nominal quota reclaims borrowed GPUs whatever their class: those of the lender's lowest
 classes, as its nominal covers its highest classes first (`_borrowing`). Victims lose the
 least work: lowest class first, then the least GPU-time since their last checkpoint; never a
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from visionloop.sched.cycle_state import CycleState, TeamState
 from visionloop.sched.placement import held_by, merge, pick, usable
@@ -67,7 +68,7 @@ class Preemption(CycleState):
         if quota_gap > 0 and quota_gap > sum(
             len(v.gpu_ids)
             for v in {v.id: v for v in itertools.chain(tenants, self.victims, extra)}.values()
-            if v.team == job.team and self._held_rank(v) < job.priority and v.id not in self.evicted
+            if v.team == job.team and v.id not in self.evicted and self._may_evict(v, job, reclaim)
         ):
             self.fail_evict[shape] = n
             return False
@@ -104,12 +105,7 @@ class Preemption(CycleState):
         got = self._fits(job, ts, pool, chosen, cap)
         assert got is not None
         for v in chosen:
-            if self._held_rank(v) < job.priority:
-                reason = f"preempted for job {job.id} (priority {self._prio(job.priority)})"
-            else:
-                nominal = ts.team.nominal_gpus
-                reason = f"team {job.team} reclaims its nominal quota ({nominal} GPUs) for job {job.id}"
-            self._evict(v, job, reason)
+            self._evict(v, job, self._eviction_reason(v, job, ts))
         victim_ids = {gid for v in chosen for gid in v.gpu_ids}
         pending = [g for g in got if g.id not in victim_ids]
         self._claim(job, ts, pending)
@@ -120,6 +116,21 @@ class Preemption(CycleState):
             "starts once they have checkpointed and stopped"
         )
         return True
+
+    def _eviction_reason(self, v: ActiveJob, job: PendingJob, ts: TeamState) -> str:
+        """Why `v` steps aside for `job`, in the words its owner reads in `jobs show`."""
+        if self._held_rank(v) < job.priority:
+            return f"preempted for job {job.id} (priority {self._prio(job.priority)})"
+        if v.team != job.team:
+            nominal = ts.team.nominal_gpus
+            return f"team {job.team} reclaims its nominal quota ({nominal} GPUs) for job {job.id}"
+        if self._srpt_yields(v, job):
+            return f"preempted for job {job.id} of its team and class, with less GPU-time left by its limit"
+        hours = self.cfg.las_threshold_gpu_s / 3600
+        return (
+            f"preempted for job {job.id} of its team and class: this job has had over {hours:.2g} "
+            "GPU-hours and that one less (least attained service first); it resumes from its checkpoint"
+        )
 
     def _evict(self, v: ActiveJob, job: PendingJob, reason: str) -> None:
         """Take running job `v` off its GPUs for `job`: its team's standing gives back what it
@@ -159,7 +170,8 @@ class Preemption(CycleState):
           nominal without it; else `v` would be entitled to reclaim at once (a livelock)."""
         lower = self._held_rank(v) < job.priority
         if v.team == job.team:
-            return lower or self._srpt_yields(v, job)
+            # Within a class, never a job the starvation guard would start first again.
+            return lower or (not self._starved(v) and (self._srpt_yields(v, job) or self._las_yields(v, job)))
         vt = self._team(v.team)
         if reclaim:
             return lower or (vt.over_nominal(taken) and self._borrowing(v))
@@ -190,6 +202,31 @@ class Preemption(CycleState):
             return False
         return left > SRPT_FACTOR * own
 
+    def _las_yields(self, v: ActiveJob, job: PendingJob) -> bool:
+        """ "las" preemption: `v`, of `job`'s team and class (its own, not one aging gave
+        it), has received the threshold's GPU-time, that much in this allocation (so every
+        allocation makes progress), and `job` has not. It must lose little: it checkpoints
+        when asked to stop, or has run less than the threshold since its last checkpoint
+        (evicting jobs that lose their work since a periodic checkpoint cost 1,469 GPU-hours
+        in the benchmark, against 127 without "las" preemption)."""
+        t = self.cfg.las_threshold_gpu_s
+        return (
+            self.cfg.las_preemption
+            and job.attained_gpu_s < t <= v.attained_gpu_s
+            and v.priority == job.priority == self._held_rank(v)
+            and len(v.gpu_ids) * (self.now - v.started_at) >= t
+            and (v.checkpoints_at_stop or self._lost_gpu_s(v) <= t)
+        )
+
+    def _starved(self, v: ActiveJob) -> bool:
+        """Was `v` submitted longer ago than the starvation guard's `reserve_after_s`? Back in
+        the queue, the guard would start it first again, on the GPUs its evictor waits for."""
+        after = self.cfg.reserve_after_s
+        return after is not None and v.submitted_at is not None and self.now - v.submitted_at >= after
+
+    def _las_could(self, job: PendingJob) -> bool:
+        return job.attained_gpu_s < self.cfg.las_threshold_gpu_s and (job.team, job.priority) in self.las_old
+
     def _srpt_could(self, job: PendingJob) -> bool:
         own = remaining_gpu_s(job.gpus, planned_runtime_s(job), job.attained_gpu_s)
         if not self.srpt_most or own is None:
@@ -210,8 +247,22 @@ class Preemption(CycleState):
         own = sum(len(v.gpu_ids) for v in victims if v.team == job.team)
         if ts.used - own + job.gpus > ts.limit:
             return None
-        freed = merge(pool, held_by(victims, self.gpu_by_id))
+        freed = merge(pool, self._victim_gpus(victims, job))
         return pick(freed, job.gpus, job.spot, self.cfg.same_node, cap, job.nodes)
+
+    def _victim_gpus(self, victims: Iterable[ActiveJob], job: PendingJob) -> dict[str, list[Gpu]]:
+        """The GPUs evicting `victims` frees for `job`, by node. Where reservations hold GPUs
+        (EASY backfill), not those an earlier job's reservation is promised, unless `job`
+        would end before that reservation starts: held for it once free, they would go to a
+        job that may backfill there, very likely the victim itself, to be evicted again (found
+        in the simulator: one job evicted 53 times by the same job, which never started)."""
+        held = held_by(victims, self.gpu_by_id)
+        if self.promised and self._may_hold():
+            runtime = planned_runtime_s(job)
+            end = math.inf if runtime is None else self.now + runtime
+            promised = self.promised
+            held = {n: [g for g in gs if promised.get(g.id, math.inf) >= end] for n, gs in held.items()}
+        return held
 
     def _soon(self, job: PendingJob, ts: TeamState) -> list[Gpu] | None:
         """Where the job would run if every job it may preempt (young ones included) were
@@ -229,7 +280,7 @@ class Preemption(CycleState):
             for v in self.view.running
             if v.preemptible and v.id not in self.evicted and self._may_evict(v, job, reclaim)
         )
-        pool = merge(self.free, self.releasing, held_by(victims, self.gpu_by_id))
+        pool = merge(self.free, self.releasing, self._victim_gpus(victims, job))
         got = pick(pool, job.gpus, job.spot, self.cfg.same_node, None, job.nodes)
         if got is None:
             self.fail_soon[shape] = job.gpus
@@ -253,6 +304,7 @@ class Preemption(CycleState):
             lowest < job.priority
             or (borrowed and ts.used + job.gpus <= ts.team.nominal_gpus)
             or self._srpt_could(job)
+            or self._las_could(job)
         )
 
     def _preemption_possible(self, prio: int) -> bool:
@@ -260,4 +312,4 @@ class Preemption(CycleState):
         if self.evictions_left <= 0:
             return False
         lowest, borrowed = self._victim_summary()
-        return lowest < prio or borrowed or bool(self.srpt_most)
+        return lowest < prio or borrowed or bool(self.srpt_most) or bool(self.las_old)

@@ -142,7 +142,7 @@ class Reservations(Preemption):
         if tenants and start <= self.now and len(tenants) <= self.evictions_left:
             self._evict_tenants(tenants, job)
             self._claim(job, ts, [g for g in got if g.id in self._free_ids() or self._releasing(g)])
-            self.promised |= ids
+            self.promised.update(dict.fromkeys(ids, start))
             names = ", ".join(v.id for v in tenants)
             waiting[job.id] = (
                 f"its reservation is due: job{plural(len(tenants))} {names}, started on its GPUs "
@@ -163,7 +163,7 @@ class Reservations(Preemption):
                 before = sum(len(gs) for gs in self.releasing.values())
                 take(self.releasing, coming)
                 self.releasing_left -= before - sum(len(gs) for gs in self.releasing.values())
-        self.promised |= ids
+        self.promised.update(dict.fromkeys(ids, start))
         self.version += 1
         # Minutes are enough for an estimate, and keep the stored reason from changing
         # every cycle as the running jobs' paces move.
@@ -184,19 +184,6 @@ class Reservations(Preemption):
                 f"{waits_for[-1]} reports its pace"
             )
         return True
-
-    def _may_hold(self) -> bool:
-        """Does a reservation keep its free GPUs from jobs that would delay it? Only if some
-        queued job could still use them: one with a time limit (it may end first), or any
-        job when tenants are on. Else holding them only idles them (with no time limits in
-        the benchmark's traces, average completion time rose 34% on one trace): the plan is
-        still made, for the expected start users see, and the cycle runs as without it."""
-        if self.may_hold is None:
-            cfg = self.cfg
-            self.may_hold = cfg.easy_backfill and (
-                cfg.reservation_tenants or any(planned_runtime_s(j) is not None for j in self.view.queued)
-            )
-        return self.may_hold
 
     def _releasing(self, g: Gpu) -> bool:
         return any(x.id == g.id for x in self.releasing.get(g.node, ()))

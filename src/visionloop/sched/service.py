@@ -64,7 +64,7 @@ from visionloop.sched.service_reconcile import ReconcileMixin
 from visionloop.sched.states import JobState, TransitionError
 from visionloop.sched.store import Attempt, Job, Store
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
-from visionloop.sched.workload import CommandContext
+from visionloop.sched.workload import ALL_CHECKPOINT_AT_SIGTERM, CommandContext
 from visionloop.train.progress import ENV as PROGRESS_ENV
 
 QUEUED, RUNNING = JobState.QUEUED.value, JobState.RUNNING.value
@@ -97,6 +97,8 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             top_class_preempts_young=t.top_class_preempts_young,
             order=t.order,
             srpt_preemption=t.srpt_preemption,
+            las_preemption=t.las_preemption,
+            las_threshold_gpu_s=t.las_threshold_gpu_s,
             same_node=True,
             victim_order=t.victim_order,
             easy_backfill=t.easy_backfill,
@@ -254,7 +256,9 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     cpus=job.cpus,
                     memory_gb=job.memory_gb,
                     last_checkpoint_at=job.last_checkpoint_at,
-                    attained_gpu_s=job.attained_gpu_s,
+                    # Its ended attempts and this one so far, as the policy reads it.
+                    attained_gpu_s=job.attained_gpu_s
+                    + len(attempt.allocations) * max(0.0, now - attempt.started_at),
                     preemptible=job.state == RUNNING,
                     submitted_at=job.submitted_at,
                     expected_end=pace_end(
@@ -262,6 +266,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     ),
                     max_runtime_s=job.max_runtime_s,
                     expected_runtime_s=self._expected_runtime(job),
+                    checkpoints_at_stop=ALL_CHECKPOINT_AT_SIGTERM,
                 )
             )
         queued = self._queued  # shared between cycles while unchanged: the policy only reads it

@@ -91,6 +91,7 @@ class ActiveJob:
     cpus: float = 0.0
     memory_gb: float = 0.0
     last_checkpoint_at: float | None = None
+    # GPU-seconds received so far, this allocation included (what "las" and "srpt" judge).
     attained_gpu_s: float = 0.0
     # False once the job is already on its way out (preempting, cancelling): it still holds
     # its GPUs but must not be chosen as a victim again.
@@ -106,6 +107,9 @@ class ActiveJob:
     max_runtime_s: float | None = None
     # ...else what the runs of the same spec or architecture before it took (history.py).
     expected_runtime_s: float | None = None
+    # It writes a checkpoint when asked to stop (SIGTERM), so an eviction loses only the
+    # grace period, not the work since `last_checkpoint_at` ("las" preemption reads it).
+    checkpoints_at_stop: bool = False
 
 
 @dataclass(frozen=True, slots=True)

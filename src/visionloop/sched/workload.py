@@ -86,6 +86,9 @@ class TrainWorkload(BaseModel):
     kind: Literal["train"] = "train"
     train: TrainSpec
 
+    # The trainer writes a checkpoint when SIGTERM asks it to stop (visionloop.train.signals),
+    # so an eviction costs only the grace period and a restart.
+    CHECKPOINTS_AT_SIGTERM: ClassVar[bool] = True
     # Where the spec goes in the job's folder; written once, so every attempt runs the same spec.
     SPEC_FILE: ClassVar[str] = "train.yaml"
 
@@ -146,6 +149,7 @@ class TrialWorkload(BaseModel):
 
     kind: Literal["trial"] = "trial"
     train: TrainSpec
+    CHECKPOINTS_AT_SIGTERM: ClassVar[bool] = True  # it is the trainer
     study: str
     number: int
     until_epoch: int | None = None
@@ -193,6 +197,10 @@ def train_profile(train: TrainSpec, until_epoch: int | None) -> RuntimeProfile:
 
 # Every kind of workload, told apart by `kind`.
 Workload = Annotated[TrainWorkload | TrialWorkload, Field(discriminator="kind")]
+# Does every kind checkpoint at SIGTERM? The scheduler's view tells the policy so for each
+# running job (`ActiveJob.checkpoints_at_stop`); a kind that does not would have to be read
+# per job from its workload document there.
+ALL_CHECKPOINT_AT_SIGTERM = all(k.CHECKPOINTS_AT_SIGTERM for k in (TrainWorkload, TrialWorkload))
 WORKLOAD: TypeAdapter[TrainWorkload | TrialWorkload] = TypeAdapter(Workload)
 
 
@@ -204,6 +212,7 @@ def workload_of(train: TrainSpec, doc: dict[str, Any] | None) -> TrainWorkload |
 
 
 __all__ = [
+    "ALL_CHECKPOINT_AT_SIGTERM",
     "WORKLOAD",
     "AttemptExit",
     "CommandContext",

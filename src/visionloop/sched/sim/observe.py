@@ -80,6 +80,7 @@ def cluster_view(sim: Simulation, t: float) -> ClusterView:
                     expected_end=expected_end(j, t, cfg),
                     max_runtime_s=time_limit(s, cfg),
                     expected_runtime_s=expected_runtime(sim, s),
+                    checkpoints_at_stop=cfg.sigterm_checkpoint,
                 )
             )
         elif j.state == "queued":
