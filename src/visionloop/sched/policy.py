@@ -16,8 +16,10 @@ Order of standing, in one cycle:
      GPU-time by their time limits ("srpt"), or submission order.
 A job starts on free GPUs if it fits (spot policy, one GPU type if possible, one node or
 the fewest nodes). If not, it claims GPUs still being released; else it may preempt lower
-classes (with "srpt" preemption, also a job of its own team and class with more than twice its
-remaining time), or, under its nominal quota, reclaim borrowed GPUs (see `preemption.py`); the GPUs
+classes, a job of its own team and class that has had `las_threshold_gpu_s` of GPU-time
+while it has not ("las" preemption, on by default; with "srpt" preemption, also one with
+more than twice its remaining time), or, under its nominal quota, reclaim borrowed GPUs
+(see `preemption.py`); the GPUs
 it frees are claimed for it, so a backfilled job cannot take them. A job that preemption
 will let in once its victims pass `min_runtime_s` holds the free GPUs it will use. Anything
 else waits, with a reason. Later, smaller jobs backfill around waiting ones.
