@@ -786,7 +786,9 @@ def test_opening_waits_for_a_writer_that_holds_a_database_not_yet_in_wal_mode(
     # so the two overlap on any machine (a fixed delay could fire before the opener starts).
     refused: list[str] = []
     ran_into_the_lock = threading.Event()
-    real_enable_wal = db._enable_wal
+    from visionloop.sched.db import engine as db_engine
+
+    real_enable_wal = db_engine._enable_wal
 
     class Cursor:
         def __init__(self, cursor: Any) -> None:
@@ -800,7 +802,7 @@ def test_opening_waits_for_a_writer_that_holds_a_database_not_yet_in_wal_mode(
                 ran_into_the_lock.set()
                 raise
 
-    monkeypatch.setattr(db, "_enable_wal", lambda cursor: real_enable_wal(Cursor(cursor)))
+    monkeypatch.setattr(db_engine, "_enable_wal", lambda cursor: real_enable_wal(Cursor(cursor)))
     holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         holder.execute("CREATE TABLE other (x)")  # a database in rollback-journal mode

@@ -3,7 +3,7 @@
 Optuna's RDB storage creates its tables (`studies`, `trials`, `trial_params`, ...) next to
 the job store's (`jobs`, `attempts`, ...), and no name is shared: each Alembic history has
 its own version table, Optuna's the default `alembic_version`, the queue's
-`visionloop_alembic_version` (sched/db.py). Optuna therefore runs its own compatibility
+`visionloop_alembic_version` (sched/db/migrate.py). Optuna therefore runs its own compatibility
 check (a study written by an Optuna with another schema is refused with Optuna's advice,
 `optuna storage upgrade`), and either side may open a fresh database first.
 
@@ -18,7 +18,7 @@ is not made safe against a second process doing the same at that moment; the tun
 process per study.
 
 SQLite: every Optuna transaction takes the write lock up front (BEGIN IMMEDIATE) and waits
-for it, as the job store's do (sched/db.py says why): the control plane writes to the same
+for it, as the job store's do (sched/db/__init__.py says why): the control plane writes to the same
 file every cycle, and a deferred transaction that reads and then writes would fail at once
 with "database is locked" instead of waiting.
 

@@ -160,7 +160,7 @@ class StoreBase:
 
     @contextmanager
     def _session(self, *, write: bool) -> Iterator[Session]:
-        """One transaction. Writes take SQLite's lock up front (BEGIN IMMEDIATE, see db.py);
+        """One transaction. Writes take SQLite's lock up front (BEGIN IMMEDIATE, see sched/db/engine.py);
         commit on success, roll back on any exception."""
         try:
             with self._engine.connect() as conn:

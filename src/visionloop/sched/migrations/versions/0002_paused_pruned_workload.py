@@ -7,7 +7,7 @@ moves a release's 0001 out of `alembic_version`, which Optuna's history uses).
 SQLite cannot change a CHECK constraint in place: batch mode copies `jobs` and `attempts`
 into new tables (`db.migrate` turns foreign keys off for it, or dropping the old `jobs`
 would cascade-delete every attempt). The value lists are written out here, not imported
-from db.py: a migration must keep meaning what it meant when it was released.
+from sched/db: a migration must keep meaning what it meant when it was released.
 
 Revision ID: 0002
 Revises: 0001
