@@ -9,25 +9,32 @@ mistake never gets a 500.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-import anyio.to_thread
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 
+from visionloop.api.bodies import (
+    LabellingBody,
+    PruneBody,
+    ResumeBody,
+    SpotBody,
+    SubmitBody,
+    TeamBody,
+    TokenBody,
+)
+from visionloop.api.guard import Admin, BodyLimit, Who
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.sched.cost import cost_report
 from visionloop.sched.records import Job
-from visionloop.sched.service import ControlPlane, Principal, SubmitError
+from visionloop.sched.service import ControlPlane, SubmitError
 from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
 from visionloop.sched.states import JobState, TransitionError
 
@@ -35,185 +42,6 @@ log = logging.getLogger(__name__)
 
 # A job spec is a few KiB; anything near this is a mistake or an attack.
 MAX_BODY_BYTES = 1024 * 1024
-
-
-class SubmitBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    spec: dict[str, Any] = Field(description="a job spec, or a bare train spec (absolute paths)")
-    team: str | None = None
-    priority: str | None = None
-    gpus: int | None = Field(None, ge=0, le=1024)
-    spot: Literal["never", "allowed", "preferred"] | None = None
-    # Overrides the spec's `max_runtime` (6h, 90m, 2d or seconds); checked with the spec.
-    max_runtime: str | float | None = None
-    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
-
-
-class ResumeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    until_epoch: int | None = Field(None, ge=1, le=1_000_000, description="the next rung; null: the end")
-    reason: str | None = Field(None, max_length=500)
-
-
-class PruneBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reason: str | None = Field(None, max_length=500)
-
-
-class TeamBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    nominal_gpus: int = Field(ge=0, le=100_000)
-    borrow_limit: int = Field(0, ge=0, le=100_000)
-    weight: float = Field(1.0, gt=0, le=1000)
-
-
-class TokenBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    team: str | None = Field(None, min_length=1, max_length=64)
-    admin: bool = False
-    label: str = Field("", max_length=200)
-
-
-class LabellingBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    dataset_version: str = Field(pattern=r"^[0-9a-f]{64}$", description="the version the labels produced")
-    dataset_path: str = Field(min_length=1, max_length=4096)
-    parent_version: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
-    images: int = Field(ge=0, le=1_000_000_000, description="images labelled")
-    cost: float = Field(ge=0, le=1e9, allow_inf_nan=False, description="in the price catalog's currency")
-    team: str | None = Field(None, min_length=1, max_length=64, description="who paid (admin tokens only)")
-
-
-class SpotBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    target: str = Field(min_length=1, max_length=200, description="a GPU id or a node name")
-    reason: str | None = Field(None, max_length=500)
-
-
-_MISSING_TOKEN = (
-    "missing bearer token: send `Authorization: Bearer <token>` "
-    "(`visionloop admin token create --team T` makes one)."
-)
-_UNKNOWN_TOKEN = "unknown or revoked token."
-
-
-def _authenticate(plane: ControlPlane, authorization: str | None) -> Principal | str:
-    """The bearer token's principal, or what is wrong with the header."""
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return _MISSING_TOKEN
-    found = plane.store.authenticate(token.strip())
-    if found is None:
-        return _UNKNOWN_TOKEN
-    return Principal(team=found.team, admin=found.admin)
-
-
-def _principal(request: Request, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    # A request with a body was authenticated by BodyLimit before its body was read.
-    who = request.scope.get("state", {}).get(_PRINCIPAL)
-    if isinstance(who, Principal):
-        return who
-    result = _authenticate(request.app.state.plane, authorization)
-    if isinstance(result, str):
-        raise HTTPException(401, result, headers={"WWW-Authenticate": "Bearer"})
-    return result
-
-
-_PRINCIPAL = "visionloop.principal"
-
-
-class BodyLimit:
-    """Pure ASGI middleware for requests with a body (a Content-Length above 0, or chunked):
-    the bearer token is checked before any body byte is read (no token or a bad one: 401, the
-    body unread, the connection closed), and the body is limited by the bytes actually
-    received, chunked bodies too: past `limit`, 413. Before, an unauthenticated chunked POST of
-    400 MiB was read whole (2.5 GB of process memory) to be answered 422."""
-
-    def __init__(self, app: Any, plane: ControlPlane, limit: int) -> None:
-        self.app = app
-        self.plane = plane
-        self.limit = limit
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.lower(): v for k, v in scope["headers"]}
-        length = headers.get(b"content-length")
-        if length is None and b"transfer-encoding" not in headers:
-            await self.app(scope, receive, send)  # no body: routes authenticate as they did
-            return
-        if length is not None and length.strip() == b"0":
-            await self.app(scope, receive, send)
-            return
-        authorization = headers.get(b"authorization", b"").decode("latin-1")
-        who = await anyio.to_thread.run_sync(_authenticate, self.plane, authorization)
-        if isinstance(who, str):
-            await _refuse(send, 401, who, {"WWW-Authenticate": "Bearer"})
-            return
-        scope.setdefault("state", {})[_PRINCIPAL] = who
-        if length is not None and (not length.strip().isdigit() or int(length) > self.limit):
-            await _refuse(send, 413, self._too_big())
-            return
-        received = 0
-        refused = False
-        started = False
-
-        async def limited_receive() -> Any:
-            nonlocal received, refused
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    if not started and not refused:
-                        refused = True
-                        await _refuse(send, 413, self._too_big())
-                    raise _BodyTooLargeError
-            return message
-
-        async def guarded_send(message: Any) -> None:
-            nonlocal started
-            if refused:
-                return  # the 413 went out; the app's own answer to the cut body is dropped
-            started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, guarded_send)
-        except _BodyTooLargeError:
-            if not refused:
-                raise
-
-    def _too_big(self) -> str:
-        return f"request body over {self.limit} bytes; a job spec is a few KiB."
-
-
-class _BodyTooLargeError(Exception):
-    """Raised out of `receive` once the body is over the limit (the 413 is already sent)."""
-
-
-async def _refuse(send: Any, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
-    """An answer before (or instead of) reading the body; `Connection: close`, so the server
-    stops reading what the client still sends (uvicorn drains a kept-alive request's body)."""
-    body = json.dumps({"detail": detail}).encode()
-    raw = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _admin(who: Annotated[Principal, Depends(_principal)]) -> Principal:
-    if not who.admin:
-        raise HTTPException(403, "this needs an admin token.")
-    return who
-
-
-Who = Annotated[Principal, Depends(_principal)]
-Admin = Annotated[Principal, Depends(_admin)]
 
 
 def _job_doc(job: Job, now: float) -> dict[str, Any]:
