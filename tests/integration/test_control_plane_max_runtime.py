@@ -200,7 +200,9 @@ def test_a_job_without_a_limit_is_planned_with_the_runs_of_its_spec_before_it(
         line = f"expected runtime: {median}, the median of 2 earlier runs of this spec ({used}; {spread})"
         assert line in shown.stdout, shown.stdout
     with cp.client() as c:
-        assert c.get(f"/v1/jobs/{first}").json()["runtime_estimate"] is None  # it ran: a sample, not a plan
+        done_doc = c.get(f"/v1/jobs/{first}").json()
+    assert done_doc["runtime_estimate"] is None  # it ran: a sample, not a plan
+    assert done_doc["planned_end"] is None  # and it is not running
 
     plane.cycle()  # both start (two GPUs): the running one plans with its history too
     (active,) = [j for j in plane._view(plane.clock(), None).running if j.id == str(again)]
@@ -213,3 +215,7 @@ def test_a_job_without_a_limit_is_planned_with_the_runs_of_its_spec_before_it(
         when = datetime.fromtimestamp(planned).strftime("%Y-%m-%d %H:%M:%S")
         line = f"progress: no pace reported yet in this attempt; planned end {when} by {by}"
         assert line in shown.stdout, shown.stdout
+        # The API serves it, so that a client need not repeat the rule (limit, else history).
+        with cp.client() as c:
+            served = c.get(f"/v1/jobs/{job}").json()["planned_end"]
+        assert served == {"at": pytest.approx(planned), "by": "history" if job == again else "max_runtime"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -33,10 +33,12 @@ from visionloop.api.bodies import (
 from visionloop.api.guard import Admin, BodyLimit, Who
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.sched.cost import cost_report
-from visionloop.sched.records import Job
+from visionloop.sched.history import Estimate
+from visionloop.sched.records import Attempt, Job
 from visionloop.sched.service import ControlPlane, SubmitError
 from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
 from visionloop.sched.states import JobState, TransitionError
+from visionloop.sched.view import planned_runtime
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,21 @@ def _job_doc(job: Job, now: float) -> dict[str, Any]:
     doc: dict[str, Any] = jsonable_encoder(job)
     doc["expected_end"] = job.expected_end(now)
     return doc
+
+
+def _planned_end(
+    job: Job, now: float, estimate: Estimate | None, attempts: Sequence[Attempt]
+) -> dict[str, Any] | None:
+    """The end reservations plan a running job with before it reports a pace: its attempt's
+    start plus its max runtime, else its history (`by`: which). None when it is not running,
+    has reported a pace (then `expected_end` says when), or neither is known."""
+    if job.state != JobState.RUNNING or job.expected_end(now) is not None or not attempts:
+        return None
+    planned = planned_runtime(job.max_runtime_s, None if estimate is None else estimate.seconds)
+    if planned is None or attempts[-1].ended_at is not None:
+        return None
+    seconds, by = planned
+    return {"at": attempts[-1].started_at + seconds, "by": by}
 
 
 def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
@@ -137,13 +154,17 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
     @app.get("/v1/jobs/{job_id}")
     def show_job(job_id: int, who: Who) -> dict[str, Any]:
         job = plane.visible_job(who, job_id)
+        now = plane.clock()
+        estimate = plane.store.runtime_estimate(job_id)
+        attempts = plane.store.attempts(job_id)
         return {
-            "job": _job_doc(job, plane.clock()),
+            "job": _job_doc(job, now),
             # What the runs of the same spec or architecture before it took (null: none ran,
             # or it ended): what reservations plan it with when it gave no time limit.
-            "runtime_estimate": jsonable_encoder(plane.store.runtime_estimate(job_id)),
+            "runtime_estimate": jsonable_encoder(estimate),
+            "planned_end": _planned_end(job, now, estimate, attempts),
             "transitions": jsonable_encoder(plane.store.transitions(job_id)),
-            "attempts": jsonable_encoder(plane.store.attempts(job_id)),
+            "attempts": jsonable_encoder(attempts),
             "checkpoints": jsonable_encoder(plane.store.checkpoints(job_id)),
             "cost": jsonable_encoder(
                 cost_report(plane.store, plane.catalog, job_id=job_id, now=plane.clock())

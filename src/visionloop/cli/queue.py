@@ -62,18 +62,13 @@ def _pace(j: dict[str, Any]) -> str:
     )
 
 
-def _planned_end(j: dict[str, Any], est: dict[str, Any] | None, attempts: list[dict[str, Any]]) -> str:
-    """A running job without a pace yet: the end reservations plan with, from its max
-    runtime or else its history, counted from this attempt's start."""
-    start = attempts[-1]["started_at"] if attempts else None
-    runtime: float | None = j.get("max_runtime_s")
-    by = "its max runtime"
-    if runtime is None and est is not None:
-        runtime, by = float(est["seconds"]), "its history"
-    if runtime is None or start is None:
+def _planned_end(planned: dict[str, Any] | None) -> str:
+    """A running job without a pace yet: the end reservations plan with (the API's
+    `planned_end`: from its max runtime, else its history)."""
+    if planned is None:
         return "no pace reported yet in this attempt"
-    end = float(start) + runtime
-    return f"no pace reported yet in this attempt; planned end {_when(end)} by {by}"
+    by = "its max runtime" if planned["by"] == "max_runtime" else "its history"
+    return f"no pace reported yet in this attempt; planned end {_when(float(planned['at']))} by {by}"
 
 
 def _money(x: float, currency: str = "USD") -> str:
@@ -298,7 +293,7 @@ def jobs_show(
     if j["state"] == "queued" and j.get("waiting_reason"):
         print_wide(f"waiting: {j['waiting_reason']}")
     if j["state"] == "running":
-        print_wide(f"progress: {_pace(j) or _planned_end(j, est, data['attempts'])}")
+        print_wide(f"progress: {_pace(j) or _planned_end(data.get('planned_end'))}")
     t = Table(title="state history")
     for col in ("at", "from", "to", "reason"):
         t.add_column(col)

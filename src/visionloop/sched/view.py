@@ -59,6 +59,18 @@ def planned_runtime_s(job: PendingJob | ActiveJob) -> float | None:
     return job.max_runtime_s if job.max_runtime_s is not None else job.expected_runtime_s
 
 
+def planned_runtime(
+    max_runtime_s: float | None, expected_runtime_s: float | None
+) -> tuple[float, Literal["max_runtime", "history"]] | None:
+    """`planned_runtime_s`'s rule on a job's two fields, with which one it used (what
+    `jobs show` tells a user)."""
+    if max_runtime_s is not None:
+        return max_runtime_s, "max_runtime"
+    if expected_runtime_s is not None:
+        return expected_runtime_s, "history"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class PendingJob:
     id: str
