@@ -683,6 +683,23 @@ def test_las_preemption_leaves_alone(
     assert placed(d) == {}, why
 
 
+def test_within_a_class_a_job_evicts_only_if_it_starts_before_its_victims_start_again() -> None:
+    """A victim of the job's own team and class goes back to the queue in the pass its
+    team's quota puts it in. Within the nominal quota it would start again, in the entitled
+    pass, before a job that borrows: the eviction would only be repeated (in the benchmark a
+    32-GPU job evicted 129 jobs that way before it started)."""
+    old = r("old", ["n0/0", "n0/1"], attained=9000.0, ckpt_at_stop=True)
+    big = q("big", 4, t=NOW - 60)
+    cfg = PolicyConfig(aging_s=None)
+    # Nominal 2: without its victim the team holds 0, so `big` (4) would borrow, while the
+    # victim (2) would be back within the nominal, first.
+    borrowing = schedule(view(node_gpus("n0", 4), [big], [old], [Team("a", 2, 8)]), cfg)
+    assert borrowing.evictions == [] and placed(borrowing) == {}
+    # Nominal 4: `big` is entitled too, and goes first (least attained service).
+    entitled = schedule(view(node_gpus("n0", 4), [big], [old], [Team("a", 4, 8)]), cfg)
+    assert [e.job_id for e in entitled.evictions] == ["old"]
+
+
 def test_las_preemption_loses_little_without_a_checkpoint_at_stop() -> None:
     # No checkpoint at SIGTERM: evicted 200 s after its last periodic checkpoint, it loses
     # 200 GPU-seconds, under the threshold: it may go.

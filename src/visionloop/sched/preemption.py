@@ -100,6 +100,9 @@ class Preemption(CycleState):
             rest = [c for c in chosen if c is not v]
             if self._fits(job, ts, pool, rest, cap):
                 chosen = rest
+        if not self._starts_first(job, ts, chosen):
+            self.fail_evict[shape] = n
+            return False
         if len(chosen) > self.evictions_left:
             return False
         got = self._fits(job, ts, pool, chosen, cap)
@@ -116,6 +119,19 @@ class Preemption(CycleState):
             "starts once they have checkpointed and stopped"
         )
         return True
+
+    def _starts_first(self, job: PendingJob, ts: TeamState, chosen: Sequence[ActiveJob]) -> bool:
+        """Will `job` start before its victims of its own team and class start again? Back in
+        the queue they go in the pass their team's quota puts them in: a victim that fits in
+        the team's nominal quota goes in the entitled pass, before `job` if `job` would
+        borrow, and takes back the GPUs it was evicted for. (In the benchmark a 32-GPU job
+        evicted 129 jobs that way before it started, 21 hours late.)"""
+        same = [v for v in chosen if v.team == job.team and self._held_rank(v) >= job.priority]
+        if not same:
+            return True
+        nominal = ts.team.nominal_gpus
+        rest = ts.used - sum(len(v.gpu_ids) for v in chosen if v.team == job.team)
+        return rest + job.gpus <= nominal or all(rest + len(v.gpu_ids) > nominal for v in same)
 
     def _eviction_reason(self, v: ActiveJob, job: PendingJob, ts: TeamState) -> str:
         """Why `v` steps aside for `job`, in the words its owner reads in `jobs show`."""
