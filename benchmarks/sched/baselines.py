@@ -219,15 +219,29 @@ def main() -> None:
     )
     over = {k: [j for j in jobs[k] if j.gpus > cluster.nominal_gpus(j.team)] for k in names}
     table(
-        "per scheduler, all traces: makespan (mean h), preemptions, GPU-h lost to preemption / spot, "
-        "jobs over their team's quota: mean and max wait (h), team-hours a fitting job waited in "
-        "unused quota",
-        ["scheduler", "makespan", "preemptions", "lost GPU-h", "over-quota jobs", "wait", "max", "quota h"],
+        "per scheduler, all traces: makespan (mean h), preemptions, of them wasted (the job they were "
+        "for did not start within the grace + 5 min; '-': its evictions name no job), GPU-h lost to "
+        "preemption / spot, jobs over their team's quota: mean and max wait (h), team-hours a fitting "
+        "job waited in unused quota",
+        [
+            "scheduler",
+            "makespan",
+            "preemptions",
+            "wasted",
+            "lost GPU-h",
+            "over-quota jobs",
+            "wait",
+            "max",
+            "quota h",
+        ],
         [
             [
                 k,
                 f"{statistics.fmean(per[n][k]['makespan_s'] for n in traces) / 3600:.1f}",
                 str(sum(per[n][k]["preemptions"] for n in traces)),
+                str(sum(per[n][k]["wasted_evictions"] for n in traces))
+                if any(per[n][k]["named_evictions"] for n in traces)
+                else "-",
                 f"{sum(per[n][k]['lost_gpu_h']['preempted'] for n in traces):.0f} / "
                 f"{sum(per[n][k]['lost_gpu_h']['interrupted'] for n in traces):.0f}",
                 str(len(over[k])),

@@ -28,7 +28,7 @@ from visionloop.sched.sim import (
     spot_trace,
     summarize,
 )
-from visionloop.sched.view import ClusterView, Decision, Placement, Team
+from visionloop.sched.view import ClusterView, Decision, Eviction, Placement, Team
 
 VL = partial(schedule, config=PolicyConfig(same_node=False))
 FIFO = partial(fifo, same_node=False)
@@ -363,6 +363,40 @@ def test_the_policy_sees_expected_ends_from_the_pace_with_an_error_never_the_tru
     # One error per allocation: the remaining time is off by the same factor all along.
     factors = {round((e - t) / (3600.0 - t), 9) for (t, _), e in zip(late, first, strict=True)}
     assert len(factors) == 1 and factors != {1.0} and 0.3 < factors.pop() < 3.0
+
+
+def test_an_eviction_is_wasted_when_the_job_it_was_for_does_not_start_soon_after() -> None:
+    # high arrives at 1,500 s and preempts low, then starts after the 60 s grace: not wasted.
+    trace = [job("low", 0, 1, 3600.0, prio="low"), job("high", 1500.0, 1, 100.0, prio="high")]
+    one_gpu = ClusterSpec((NodeSpec("n0", 1),))
+    r = simulate(trace, one_gpu, VL, SimConfig(tick_s=30.0))
+    assert (r.named_evictions, r.wasted_evictions) == (1, 0)
+    assert (summarize(r, one_gpu, load_catalog(None))["wasted_evictions"]) == 0
+
+    # A scheduler that evicts a for b, then gives the GPU back to a: b starts only when a
+    # ends, long after the grace period. Wasted.
+    evicted: list[float] = []
+
+    def fickle(view: ClusterView) -> Decision:
+        d = Decision()
+        queued = [j.id for j in view.queued]
+        held = {g for r in view.running for g in r.gpu_ids}
+        free = [g.id for g in view.gpus if g.id not in held]
+        if not evicted and "b" in queued and [r.id for r in view.running] == ["a"]:
+            evicted.append(view.now)
+            d.evictions.append(Eviction("a", "for b", for_job="b"))
+        for jid in sorted(queued):  # a first: it takes its GPU back
+            if free:
+                d.placements.append(Placement(jid, (free.pop(),)))
+            else:
+                d.waiting[jid] = "waiting for a GPU"
+        return d
+
+    trace = [job("a", 0, 1, 3600.0), job("b", 600.0, 1, 100.0)]
+    r = simulate(trace, one_gpu, fickle, SimConfig(tick_s=30.0))
+    b = next(j for j in r.jobs if j.id == "b")
+    assert evicted and b.first_start is not None and b.first_start > evicted[0] + 60 + 300
+    assert (r.named_evictions, r.wasted_evictions) == (1, 1)
 
 
 @pytest.mark.parametrize(("sigterm", "kept"), [(False, 1200.0), (True, 1500.0)])

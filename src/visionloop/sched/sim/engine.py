@@ -118,6 +118,15 @@ class SimResult:
     # The quota guarantee: seconds per team during which one of its queued jobs would have
     # fit in the team's unused nominal quota, yet waited.
     quota_wait_s: dict[str, float] = field(default_factory=dict)
+    # Evictions that named the job they were for, and those of them after which that job
+    # did not start within the grace period plus WASTED_AFTER_S: the victim lost its place
+    # for nothing (a scheduler whose evictions name no job counts none).
+    named_evictions: int = 0
+    wasted_evictions: int = 0
+
+
+# An eviction is wasted when the job it was for has not started this long after the grace.
+WASTED_AFTER_S = 300.0
 
 
 class _Job:
@@ -195,6 +204,9 @@ class Simulation:
         self.contended: dict[str, float] = {}
         self.contended_s = 0.0
         self.quota_wait: dict[str, float] = {}
+        self.evicted_for: dict[str, list[float]] = {}  # job -> when evictions were made for it
+        self.named_evictions = 0
+        self.wasted_evictions = 0
         self._gpus_cache: list[Gpu] | None = None
         self.rng = random.Random(self.cfg.seed)
 
@@ -288,6 +300,8 @@ class Simulation:
         j.rec.queued_s += t - j.queued_since
         if j.rec.first_start is None:
             j.rec.first_start = t
+        late = t - self.cfg.grace_s - WASTED_AFTER_S
+        self.wasted_evictions += sum(1 for at in self.evicted_for.pop(j.spec.id, ()) if at < late)
         j.state, j.gpus, j.t0, j.p0 = "running", gpus, t, j.progress
         j.overhead = self.cfg.restart_overhead_s if j.restarts else 0.0
         j.epoch += 1
@@ -357,6 +371,9 @@ class Simulation:
                 raise SimError(f"t={t}: evicted job {e.job_id}, which is not running")
         for e in decision.evictions:
             self._stop(self.jobs[e.job_id], t, "preempted")
+            if e.for_job is not None:
+                self.evicted_for.setdefault(e.for_job, []).append(t)
+                self.named_evictions += 1
         for p in decision.placements:
             self._start(self.jobs[p.job_id], p.gpu_ids, t)
         placed = {p.job_id for p in decision.placements}
@@ -412,6 +429,9 @@ class Simulation:
             contended_team_gpu_s=self.contended,
             contended_s=self.contended_s,
             quota_wait_s=self.quota_wait,
+            named_evictions=self.named_evictions,
+            # Those whose job never started count as wasted too.
+            wasted_evictions=self.wasted_evictions + sum(len(v) for v in self.evicted_for.values()),
         )
 
 

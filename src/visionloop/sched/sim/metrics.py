@@ -97,6 +97,10 @@ def summarize(result: SimResult, cluster: ClusterSpec, catalog: PriceCatalog) ->
         # Jobs larger than their team's nominal quota: how long they waited.
         "over_quota": _group([j for j in jobs if j.gpus > cluster.nominal_gpus(j.team)]),
         "preemptions": sum(j.preemptions for j in jobs),
+        # Evictions naming the job they were for, and those after which it did not start
+        # within the grace period plus engine.WASTED_AFTER_S.
+        "named_evictions": result.named_evictions,
+        "wasted_evictions": result.wasted_evictions,
         "interruptions": sum(j.interruptions for j in jobs),
         "lost_gpu_h": {cause: gpu_s / 3600 for cause, gpu_s in result.lost_gpu_s.items()},
         "cost_usd": sum(cost_by_class.values()),
