@@ -109,17 +109,10 @@ class CycleState:
                     self.srpt_left[j.id] = left
                     k = (j.team, self._held_rank(j))
                     self.srpt_most[k] = max(self.srpt_most.get(k, -math.inf), left)
-        # "las" preemption: the (team, class) pairs with a victim past the threshold.
-        self.las_old: set[tuple[str, int]] = (
-            {
-                (j.team, j.priority)
-                for j in self.victims
-                if len(j.gpu_ids) * (self.now - j.started_at) >= cfg.las_threshold_gpu_s
-                and j.priority == self._held_rank(j)
-            }
-            if cfg.las_preemption
-            else set()
-        )
+        # "las" preemption: the (team, class) pairs with a victim for it.
+        self.las_old: set[tuple[str, int]] = set()
+        if cfg.las_preemption:
+            self.las_old = {(j.team, j.priority) for j in self.victims if self._las_victim(j)}
         # Running jobs too young to be victims, in victim order: the top class's extra
         # victims (`top_class_preempts_young`); not sorted when nothing would read them.
         self.top = self.ranks[-1] if cfg.top_class_preempts_young and self.ranks else math.inf
@@ -192,6 +185,22 @@ class CycleState:
                 cfg.reservation_tenants or any(planned_runtime_s(j) is not None for j in self.view.queued)
             )
         return self.may_hold
+
+    def _las_victim(self, v: ActiveJob) -> bool:
+        """May `v` step aside for a fresh job of its team and class ("las" preemption)? It
+        holds that class as its own, not one aging gave it; it has received the threshold's
+        GPU-time, that much in this allocation (so every allocation makes progress); and it
+        loses little: it checkpoints when asked to stop, or has run less than the threshold
+        since its last checkpoint (evicting jobs that lose their work since a periodic
+        checkpoint cost 1,469 GPU-hours in the benchmark, against 127 without "las"
+        preemption)."""
+        t = self.cfg.las_threshold_gpu_s
+        return (
+            v.priority == self._held_rank(v)
+            and v.attained_gpu_s >= t
+            and len(v.gpu_ids) * (self.now - v.started_at) >= t
+            and (v.checkpoints_at_stop or self._lost_gpu_s(v) <= t)
+        )
 
     def _victim_order(self, j: ActiveJob) -> tuple[float, float, float, str]:
         """Victims are tried lowest class first, then least work lost (or fewest GPUs, with

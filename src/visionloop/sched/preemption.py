@@ -219,19 +219,13 @@ class Preemption(CycleState):
         return left > SRPT_FACTOR * own
 
     def _las_yields(self, v: ActiveJob, job: PendingJob) -> bool:
-        """ "las" preemption: `v`, of `job`'s team and class (its own, not one aging gave
-        it), has received the threshold's GPU-time, that much in this allocation (so every
-        allocation makes progress), and `job` has not. It must lose little: it checkpoints
-        when asked to stop, or has run less than the threshold since its last checkpoint
-        (evicting jobs that lose their work since a periodic checkpoint cost 1,469 GPU-hours
-        in the benchmark, against 127 without "las" preemption)."""
-        t = self.cfg.las_threshold_gpu_s
+        """ "las" preemption: `v`, of `job`'s team and class, may step aside for it
+        (`_las_victim`), and `job` has received less than the threshold."""
         return (
             self.cfg.las_preemption
-            and job.attained_gpu_s < t <= v.attained_gpu_s
-            and v.priority == job.priority == self._held_rank(v)
-            and len(v.gpu_ids) * (self.now - v.started_at) >= t
-            and (v.checkpoints_at_stop or self._lost_gpu_s(v) <= t)
+            and job.attained_gpu_s < self.cfg.las_threshold_gpu_s
+            and v.priority == job.priority
+            and self._las_victim(v)
         )
 
     def _starved(self, v: ActiveJob) -> bool:
