@@ -94,6 +94,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from visionloop.core.errors import ConfigError
+from visionloop.sched.config_scheduler import SchedulerTimings, parse_scheduler
+from visionloop.sched.config_values import number, where, whole_number
 from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
 
 DEFAULT_TEAM = "default"
@@ -101,26 +103,6 @@ DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"  # Ray's dashboard on a head node 
 EXECUTOR_KINDS = ("local", "ray")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RAY_PREFIX = re.compile(r"[a-z0-9][a-z0-9-]*")  # as RayExecutor checks it
-
-
-@dataclass(frozen=True)
-class SchedulerTimings:
-    cycle_s: float = 2.0
-    grace_s: float = 120.0
-    min_runtime_s: float = 600.0
-    top_class_preempts_young: bool = True
-    heartbeat_timeout_s: float = 60.0
-    retry_backoff_s: float = 30.0
-    inventory_sync_s: float = 30.0
-    order: Literal["las", "fifo", "srpt"] = "las"
-    srpt_preemption: bool = False
-    las_preemption: bool = True
-    las_threshold_gpu_s: float = 3250.0
-    # Policy switches beside the timings (sched.policy.PolicyConfig has what each does and
-    # BENCHMARKS.md what each measured; the defaults are PolicyConfig's).
-    victim_order: Literal["least_lost", "smallest"] = "least_lost"
-    easy_backfill: bool = False
-    reservation_tenants: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,7 +119,7 @@ class ExecutorConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     executor: ExecutorConfig = ExecutorConfig()
-    timings: SchedulerTimings = SchedulerTimings()
+    timings: SchedulerTimings = field(default_factory=SchedulerTimings)
     priorities: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
     teams: tuple[Team, ...] = ()
     inventory: tuple[Gpu, ...] | None = None  # None: discover with NVML
@@ -163,119 +145,20 @@ class ClusterConfig:
             raise ConfigError(f"unknown priority class {name!r}; the classes are: {known}.") from None
 
 
-def _where(path: Path | None, key: str) -> str:
-    return f"{path}: {key}" if path else key
-
-
-def _number(
-    section: Mapping[str, Any], key: str, default: float, path: Path | None, minimum: float = 0
-) -> float:
-    v = section.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
-        raise ConfigError(
-            f"{_where(path, key)} must be a number >= {minimum}, got {v!r} (e.g. {key} = {default})."
-        )
-    return float(v)
-
-
-def _int(entry: Mapping[str, Any], key: str, default: int | None, path: Path | None, example: int) -> int:
-    v = entry.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(
-            f"{_where(path, key)} must be a whole number >= 0, got {v!r} (e.g. {key} = {example})."
-        )
-    return v
-
-
-def _timings(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
-    d = SchedulerTimings()
-    unknown = set(section) - {
-        "cycle_s",
-        "grace_s",
-        "min_runtime_s",
-        "top_class_preempts_young",
-        "heartbeat_timeout_s",
-        "retry_backoff_s",
-        "inventory_sync_s",
-        "order",
-        "srpt_preemption",
-        "las_preemption",
-        "las_threshold_gpu_s",
-        "victim_order",
-        "easy_backfill",
-        "reservation_tenants",
-    }
-    if unknown:
-        raise ConfigError(f"{_where(path, '[scheduler]')} has unknown keys {sorted(unknown)}.")
-    order = section.get("order", d.order)
-    if order not in ("las", "fifo", "srpt"):
-        raise ConfigError(
-            f'{_where(path, "scheduler.order")} must be "las", "srpt" or "fifo", got {order!r} '
-            '(e.g. order = "srpt").'
-        )
-    victims = section.get("victim_order", d.victim_order)
-    if victims not in ("least_lost", "smallest"):
-        raise ConfigError(
-            f'{_where(path, "scheduler.victim_order")} must be "least_lost" or "smallest", got {victims!r} '
-            '(e.g. victim_order = "smallest").'
-        )
-    easy = _flag(section, "easy_backfill", d.easy_backfill, path)
-    tenants = _flag(section, "reservation_tenants", d.reservation_tenants, path)
-    srpt_preemption = _flag(section, "srpt_preemption", d.srpt_preemption, path)
-    if srpt_preemption and order != "srpt":
-        raise ConfigError(
-            f"{_where(path, 'scheduler.srpt_preemption')} preempts by the remaining time that order "
-            '"srpt" ranks jobs by: set order = "srpt" too, or remove srpt_preemption.'
-        )
-    if tenants and not easy:
-        # Tenants start on GPUs a reservation holds, which only EASY backfill holds: alone it
-        # would do nothing, silently.
-        raise ConfigError(
-            f"{_where(path, 'scheduler.reservation_tenants')} lets jobs start as tenants on the GPUs a "
-            "reservation holds, which only easy_backfill holds: set easy_backfill = true too, or "
-            "remove reservation_tenants."
-        )
-    return SchedulerTimings(
-        cycle_s=_number(section, "cycle_s", d.cycle_s, path, minimum=0.05),
-        grace_s=_number(section, "grace_s", d.grace_s, path),
-        min_runtime_s=_number(section, "min_runtime_s", d.min_runtime_s, path),
-        top_class_preempts_young=_flag(section, "top_class_preempts_young", d.top_class_preempts_young, path),
-        heartbeat_timeout_s=_number(section, "heartbeat_timeout_s", d.heartbeat_timeout_s, path, minimum=1),
-        retry_backoff_s=_number(section, "retry_backoff_s", d.retry_backoff_s, path),
-        inventory_sync_s=_number(section, "inventory_sync_s", d.inventory_sync_s, path),
-        order=order,
-        srpt_preemption=srpt_preemption,
-        las_preemption=_flag(section, "las_preemption", d.las_preemption, path),
-        las_threshold_gpu_s=_number(section, "las_threshold_gpu_s", d.las_threshold_gpu_s, path, minimum=1),
-        victim_order=victims,
-        easy_backfill=easy,
-        reservation_tenants=tenants,
-    )
-
-
-def _flag(section: Mapping[str, Any], key: str, default: bool, path: Path | None) -> bool:
-    v = section.get(key, default)
-    if not isinstance(v, bool):
-        raise ConfigError(
-            f"{_where(path, f'scheduler.{key}')} must be true or false, got {v!r} (e.g. {key} = true)."
-        )
-    return v
-
-
 def _executor(section: Any, path: Path | None) -> ExecutorConfig:
     if not isinstance(section, dict):
-        raise ConfigError(f'{_where(path, "[executor]")} must be a table, e.g. [executor] kind = "ray".')
+        raise ConfigError(f'{where(path, "[executor]")} must be a table, e.g. [executor] kind = "ray".')
     kind = section.get("kind", "local")
     if kind not in EXECUTOR_KINDS:
         raise ConfigError(
-            f'{_where(path, "executor.kind")} must be "local" or "ray", got {kind!r} '
+            f'{where(path, "executor.kind")} must be "local" or "ray", got {kind!r} '
             '(e.g. kind = "ray" with address = "http://HEAD:8265").'
         )
     ray_keys = {"address", "prefix", "request_timeout_s"}
     unknown = set(section) - {"kind"} - ray_keys
     if unknown:
         raise ConfigError(
-            f"{_where(path, '[executor]')} has unknown keys {sorted(unknown)}; known: kind, "
+            f"{where(path, '[executor]')} has unknown keys {sorted(unknown)}; known: kind, "
             + ", ".join(sorted(ray_keys))
             + "."
         )
@@ -283,7 +166,7 @@ def _executor(section: Any, path: Path | None) -> ExecutorConfig:
         extra = sorted(set(section) & ray_keys)
         if extra:
             raise ConfigError(
-                f'{_where(path, "[executor]")}: {", ".join(extra)} only apply to kind = "ray"; remove '
+                f'{where(path, "[executor]")}: {", ".join(extra)} only apply to kind = "ray"; remove '
                 'them, or set kind = "ray" to run jobs on a Ray cluster.'
             )
         return ExecutorConfig()
@@ -295,20 +178,20 @@ def _executor(section: Any, path: Path | None) -> ExecutorConfig:
         if url is not None and url.scheme == "ray":
             hint = " (ray:// is the Ray Client's address; visionloop uses the job submission API)"
         raise ConfigError(
-            f"{_where(path, 'executor.address')} must be the Ray dashboard's URL, got {address!r}{hint}; "
+            f"{where(path, 'executor.address')} must be the Ray dashboard's URL, got {address!r}{hint}; "
             'e.g. address = "http://HEAD:8265" (8265 is the dashboard port, not the GCS port 6379).'
         )
     prefix = section.get("prefix", d.prefix)
     if not isinstance(prefix, str) or not _RAY_PREFIX.fullmatch(prefix) or len(prefix) > 32:
         raise ConfigError(
-            f"{_where(path, 'executor.prefix')} must be lower-case letters, digits and '-' (at most 32), "
+            f"{where(path, 'executor.prefix')} must be lower-case letters, digits and '-' (at most 32), "
             f'got {prefix!r} (e.g. prefix = "vl-detection").'
         )
     return ExecutorConfig(
         kind="ray",
         address=address.rstrip("/"),
         prefix=prefix,
-        request_timeout_s=_number(section, "request_timeout_s", d.request_timeout_s, path, minimum=1),
+        request_timeout_s=number(section, "request_timeout_s", d.request_timeout_s, path, minimum=1),
     )
 
 
@@ -316,7 +199,7 @@ def _known(entry: Mapping[str, Any], what: str, keys: tuple[str, ...], path: Pat
     unknown = set(entry) - set(keys)
     if unknown:
         raise ConfigError(
-            f"{_where(path, what)} has unknown keys {sorted(unknown)}; known: {', '.join(keys)}. "
+            f"{where(path, what)} has unknown keys {sorted(unknown)}; known: {', '.join(keys)}. "
             "(In TOML, a top-level key such as `prices` written after a [[table]] belongs to that "
             "table: move it to the top of the file.)"
         )
@@ -325,7 +208,7 @@ def _known(entry: Mapping[str, Any], what: str, keys: tuple[str, ...], path: Pat
 def _name(v: Any, what: str, path: Path | None) -> str:
     if not isinstance(v, str) or not v or not all(c.isalnum() or c in "-_." for c in v) or len(v) > 64:
         raise ConfigError(
-            f"{_where(path, what)} must be a name of letters, digits, '-', '_' or '.', got {v!r}."
+            f"{where(path, what)} must be a name of letters, digits, '-', '_' or '.', got {v!r}."
         )
     return v
 
@@ -334,20 +217,20 @@ def _roots(v: Any, what: str, path: Path | None) -> tuple[Path, ...]:
     example = 'allowed_roots = ["/data/detection"]'
     if not isinstance(v, list) or not v or not all(isinstance(r, str) and r for r in v):
         raise ConfigError(
-            f"{_where(path, what)} must be a non-empty list of folders, got {v!r} (e.g. {example})."
+            f"{where(path, what)} must be a non-empty list of folders, got {v!r} (e.g. {example})."
         )
     roots = tuple(Path(r).expanduser() for r in v)
     relative = [str(r) for r in roots if not r.is_absolute()]
     if relative:
         raise ConfigError(
-            f"{_where(path, what)}: {', '.join(relative)} must be absolute folders (e.g. {example})."
+            f"{where(path, what)}: {', '.join(relative)} must be absolute folders (e.g. {example})."
         )
     return roots
 
 
 def _jobs(section: Any, path: Path | None) -> tuple[tuple[Path, ...] | None, tuple[str, ...]]:
     if not isinstance(section, dict):
-        raise ConfigError(f'{_where(path, "[jobs]")} must be a table, e.g. [jobs] env_allow = ["HF_HOME"].')
+        raise ConfigError(f'{where(path, "[jobs]")} must be a table, e.g. [jobs] env_allow = ["HF_HOME"].')
     _known(section, "[jobs]", ("allowed_roots", "env_allow"), path)
     roots = None
     if "allowed_roots" in section:
@@ -355,7 +238,7 @@ def _jobs(section: Any, path: Path | None) -> tuple[tuple[Path, ...] | None, tup
     names = section.get("env_allow", [])
     if not isinstance(names, list) or not all(isinstance(n, str) and _ENV_NAME.fullmatch(n) for n in names):
         raise ConfigError(
-            f"{_where(path, 'jobs.env_allow')} must be a list of environment variable names, got "
+            f"{where(path, 'jobs.env_allow')} must be a list of environment variable names, got "
             f'{names!r} (e.g. env_allow = ["HF_HOME", "WANDB_MODE"]).'
         )
     return roots, tuple(dict.fromkeys(names))
@@ -371,64 +254,64 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
     executor = _executor(doc.get("executor", {}), path)
     if executor.kind == "ray" and "inventory" in doc:
         raise ConfigError(
-            f"{_where(path, '[[inventory]]')} lists GPUs for the local executor, but executor.kind is "
+            f"{where(path, '[[inventory]]')} lists GPUs for the local executor, but executor.kind is "
             '"ray": the GPUs are the Ray cluster\'s. Remove [[inventory]]; set GPU types and price '
             "classes as Ray node labels (`ray start ... --labels "
             "visionloop.io/gpu-type=A100-80GB,visionloop.io/price-class=spot`)."
         )
-    timings = _timings(doc.get("scheduler", {}), path)
+    timings = parse_scheduler(doc.get("scheduler", {}), path)
     priorities = dict(DEFAULT_PRIORITIES)
     if "priorities" in doc:
         raw = doc["priorities"]
         if not isinstance(raw, dict) or not raw:
             raise ConfigError(
-                f"{_where(path, '[priorities]')} must map class names to ranks, e.g. high = 100."
+                f"{where(path, '[priorities]')} must map class names to ranks, e.g. high = 100."
             )
-        priorities = {_name(k, "priorities", path): _int(raw, k, None, path, 50) for k in raw}
+        priorities = {_name(k, "priorities", path): whole_number(raw, k, None, path, 50) for k in raw}
     allowed_roots, env_allow = _jobs(doc.get("jobs", {}), path)
     teams: list[Team] = []
     team_roots: dict[str, tuple[Path, ...]] = {}
     for entry in doc.get("teams", []):
         if not isinstance(entry, dict):
-            raise ConfigError(f"{_where(path, '[[teams]]')} entries must be tables with a name.")
+            raise ConfigError(f"{where(path, '[[teams]]')} entries must be tables with a name.")
         _known(entry, "[[teams]]", ("name", "nominal_gpus", "borrow_limit", "weight", "allowed_roots"), path)
-        weight = _number(entry, "weight", 1.0, path, minimum=0.001)
+        weight = number(entry, "weight", 1.0, path, minimum=0.001)
         teams.append(
             Team(
                 name=_name(entry.get("name"), "teams.name", path),
-                nominal_gpus=_int(entry, "nominal_gpus", 0, path, 2),
-                borrow_limit=_int(entry, "borrow_limit", 0, path, 2),
+                nominal_gpus=whole_number(entry, "nominal_gpus", 0, path, 2),
+                borrow_limit=whole_number(entry, "borrow_limit", 0, path, 2),
                 weight=weight,
             )
         )
         if "allowed_roots" in entry:
             team_roots[teams[-1].name] = _roots(entry["allowed_roots"], "teams.allowed_roots", path)
     if len({t.name for t in teams}) != len(teams):
-        raise ConfigError(f"{_where(path, '[[teams]]')}: a team is listed twice.")
+        raise ConfigError(f"{where(path, '[[teams]]')}: a team is listed twice.")
     inventory: list[Gpu] | None = None
     if "inventory" in doc:
         inventory = []
         for entry in doc["inventory"]:
             if not isinstance(entry, dict):
-                raise ConfigError(f"{_where(path, '[[inventory]]')} entries must be tables, e.g. count = 2.")
+                raise ConfigError(f"{where(path, '[[inventory]]')} entries must be tables, e.g. count = 2.")
             _known(entry, "[[inventory]]", ("node", "type", "count", "price_class"), path)
             node = _name(entry.get("node", "local"), "inventory.node", path)
             gpu_type = _name(entry.get("type", "fake"), "inventory.type", path)
             price_class = entry.get("price_class", "owned")
             if price_class not in get_args(PriceClass):
                 raise ConfigError(
-                    f"{_where(path, 'inventory.price_class')} must be one of {list(get_args(PriceClass))}, "
+                    f"{where(path, 'inventory.price_class')} must be one of {list(get_args(PriceClass))}, "
                     f"got {price_class!r}."
                 )
             start = sum(1 for g in inventory if g.node == node)
-            for i in range(_int(entry, "count", 1, path, 4)):
+            for i in range(whole_number(entry, "count", 1, path, 4)):
                 inventory.append(
                     Gpu(id=f"{node}/{start + i}", node=node, type=gpu_type, price_class=price_class)
                 )
     prices = None
     if "prices" in doc:
         if not isinstance(doc["prices"], str):
-            raise ConfigError(f'{_where(path, "prices")} must be a path, e.g. prices = "prices.toml".')
+            raise ConfigError(f'{where(path, "prices")} must be a path, e.g. prices = "prices.toml".')
         prices = Path(doc["prices"]).expanduser()
         if path is not None and not prices.is_absolute():
             prices = path.parent / prices
