@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,14 +53,17 @@ from visionloop.sched.sim import (
     simulate,
     summarize,
 )
+from visionloop.sched.sim.cluster import ClusterSpec
 from visionloop.sched.sim.engine import Scheduler
 from visionloop.sched.sim.kueue import Kueue, KueueConfig
 from visionloop.sched.sim.slurm import Slurm, SlurmConfig
 from visionloop.sched.sim.tiresias import Tiresias
 from visionloop.sched.sim.trace import TraceJob
+from visionloop.sched.view import Team
 
 REPO = Path(__file__).resolve().parents[2]
 CLASSES = ("low", "normal", "high")
+ONE_TEAM = "all"
 BASELINES = ("fifo", "slurm", "slurm-2x", "kueue", "kueue-fair", "tiresias")
 
 
@@ -78,6 +82,19 @@ def schedulers(
         "kueue-fair": Kueue(KueueConfig(fair_sharing=True)),
         "tiresias": Tiresias(),
     }
+
+
+def flatten(trace: list[TraceJob], one_team: bool, one_class: bool) -> list[TraceJob]:
+    """The trace with every job in one team (`ONE_TEAM`) and/or the normal class: the same jobs
+    with the constraints that Tiresias ignores taken away, for every scheduler alike."""
+    return [
+        replace(
+            j,
+            team=ONE_TEAM if one_team else j.team,
+            priority="normal" if one_class else j.priority,
+        )
+        for j in trace
+    ]
 
 
 def p95(xs: list[float]) -> float | None:
@@ -142,6 +159,17 @@ def main() -> None:
     ap.add_argument(
         "--las-threshold", type=float, default=3250.0, help="that threshold, GPU-seconds (Tiresias': 3,250)"
     )
+    ap.add_argument(
+        "--one-team",
+        action="store_true",
+        help="every job in one team owning the whole cluster, under every scheduler: no quotas (to "
+        "measure what the teams' quotas cost; Tiresias knows none)",
+    )
+    ap.add_argument(
+        "--one-class",
+        action="store_true",
+        help="every job in the normal class, under every scheduler (what the priority classes cost)",
+    )
     args = ap.parse_args()
     policy = PolicyConfig(
         order=args.order,
@@ -163,13 +191,17 @@ def main() -> None:
         history=args.history,
     )
     cluster = default_cluster(default_spot_traces(args.data))
+    if args.one_team:
+        cluster = ClusterSpec(cluster.nodes, (Team(ONE_TEAM, cluster.total_gpus, 0),))
     catalog = load_catalog(None)
     names = ["visionloop", *BASELINES]
     per: dict[int, dict[str, dict[str, Any]]] = {}
     jobs: dict[str, list[JobRecord]] = {n: [] for n in names}
     wall = dict.fromkeys(names, 0.0)
     for n in traces:
-        trace = load_trace(args.data / "sched" / "traces" / f"trace-{n}.csv")
+        trace = flatten(
+            load_trace(args.data / "sched" / "traces" / f"trace-{n}.csv"), args.one_team, args.one_class
+        )
         per[n] = {}
         for name, fn in schedulers(trace, args.grace, policy).items():
             t0 = time.perf_counter()
@@ -277,6 +309,8 @@ def main() -> None:
         {
             "config": {
                 "traces": traces,
+                "one_team": args.one_team,
+                "one_class": args.one_class,
                 "visionloop": {
                     k: getattr(policy, k)
                     for k in ("order", "easy_backfill", "reservation_tenants", "victim_order")
