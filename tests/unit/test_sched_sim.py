@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -231,7 +232,9 @@ def test_random_trace_completes_under_both_policies() -> None:
 
 # Seed 101 once had a job evicted 50 times for one that never started: the GPUs it freed were
 # held for an earlier reservation, and it backfilled back onto them (preemption._victim_gpus).
-@pytest.mark.parametrize("seed", [3, 17, 29, 41, 101])
+# Seeds 161 and 287 had the starvation guard start its job ahead of a higher class, which
+# evicted it again at once, 9 and 14 times (cycle.py: it goes first within its class).
+@pytest.mark.parametrize("seed", [3, 17, 29, 41, 101, 161, 287])
 @pytest.mark.parametrize(
     ("easy", "tenants", "limit", "srpt"),
     [
@@ -288,12 +291,24 @@ def test_no_livelock_on_random_clusters_and_configs(
         srpt_preemption=srpt,
     )
     sim = SimConfig(max_time_s=10 * 86400, time_limit=limit, time_limit_share=0.5)
-    r = simulate(trace, cluster, partial(schedule, config=cfg), sim)
+    evicted_for: Counter[tuple[str, str | None]] = Counter()
+
+    def policy(view: ClusterView) -> Decision:
+        decision = schedule(view, cfg)
+        evicted_for.update((e.job_id, e.for_job) for e in decision.evictions)
+        return decision
+
+    r = simulate(trace, cluster, policy, sim)
     limits = {t.name: t.nominal_gpus + t.borrow_limit for t in teams}
     never_fits = {j.id for j in trace if j.team in limits and j.gpus > limits[j.team]}
     never_fits |= {j.id for j in trace if j.spot == "never" and j.gpus > 8}
     assert set(r.unfinished) == never_fits
     assert max(j.preemptions for j in r.jobs) < 50
+    if not easy:
+        # A job evicted again and again for the same job means that job did not start on
+        # what it freed (EASY's holds still allow it: a tenant steps aside each time a
+        # reservation falls due).
+        assert max(evicted_for.values(), default=0) <= 5, evicted_for.most_common(3)
 
 
 def test_command_line_runs_a_trace_from_a_data_folder(

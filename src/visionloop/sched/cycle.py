@@ -52,26 +52,43 @@ class Cycle(Reservations):
         self.starving_id = None if starving is None else starving[0].id
         borrowers: dict[int, dict[str, list[PendingJob]]] = {}
         heads: dict[str, tuple[PendingJob, int]] = {}  # team -> its first job sent to pass 2
+        # The job that waited longest goes first in its class of its pass: after the higher
+        # classes, which would preempt it straight back (the top class however young it is:
+        # one such job evicted the starving job 14 times, each time it had just started).
+        early: tuple[PendingJob, int] | None = None  # the starving job, within its nominal quota
         late: tuple[PendingJob, int] | None = None  # the starving job, if it must borrow
-        if starving is not None:  # the job that waited longest goes first in its pass
+        if starving is not None:
             job, sprio = starving
             bands[sprio][job.team].remove(job)
             ts = self._team(job.team)
             if ts.used + job.gpus <= ts.team.nominal_gpus:
-                self._consider(job, sprio)
+                early = starving
             else:
                 late = starving
                 heads[job.team] = starving  # its team's lower classes wait behind it
 
         def defer(job: PendingJob, prio: int, ts: TeamState) -> None:
             borrowers.setdefault(prio, {}).setdefault(job.team, []).append(job)
-            if job.team not in heads and job.gpus <= ts.limit and self._fits_cluster(job):
-                heads[job.team] = (job, prio)  # a job that can never run heads nothing
+            # A job that can never run heads nothing; a higher class heads before the
+            # starving job, which goes first only within its class.
+            if (
+                (job.team not in heads or heads[job.team][1] < prio)
+                and job.gpus <= ts.limit
+                and self._fits_cluster(job)
+            ):
+                heads[job.team] = (job, prio)
             head = heads.get(job.team)
             if head is not None and head[0] is not job and ts.used + job.gpus <= ts.team.nominal_gpus:
                 self.behind[job.id] = head[0]
 
         for prio in sorted(bands, reverse=True):
+            if early is not None and early[1] == prio:
+                head = heads.get(early[0].team)
+                if head is not None and head[1] > prio:
+                    late = early  # behind its team's higher-class job that must borrow
+                else:
+                    self._consider(*early)
+                early = None
             entitled: dict[str, list[PendingJob]] = {}
             for team, jobs in bands[prio].items():
                 ts = self._team(team)
@@ -83,7 +100,7 @@ class Cycle(Reservations):
                 active = [j for j in jobs if j.gpus > 0 and j.not_before <= now]
                 if active:
                     borrowers.setdefault(prio, {}).setdefault(team, []).extend(active)
-                    if team not in heads:
+                    if team not in heads or heads[team][1] < prio:
                         fit = [j for j in active if j.gpus <= ts.limit and self._fits_cluster(j)]
                         if fit:
                             heads[team] = (min(fit, key=key), prio)
@@ -111,15 +128,18 @@ class Cycle(Reservations):
                 else:
                     self._consider(job, prio)
             self._wait(rest, prio)
-        if late is not None:
-            self._consider(*late)
         for prio in sorted(borrowers, reverse=True):
+            if late is not None and late[1] >= prio:
+                self._consider(*late)
+                late = None
             order = self._fair_share_order(borrowers[prio], key, prio)
             for job in order:
                 if self.saturated or self._saturated():
                     self._wait(itertools.chain((job,), order), prio)
                     break
                 self._consider(job, prio)
+        if late is not None:
+            self._consider(*late)
 
     def _fits_cluster(self, job: PendingJob) -> bool:
         """Could the job ever run here (enough GPUs of a class it accepts, on one node if
@@ -133,8 +153,9 @@ class Cycle(Reservations):
 
     def _starving(self, bands: dict[int, dict[str, list[PendingJob]]]) -> tuple[PendingJob, int] | None:
         """The job that has waited longest past `reserve_after_s` in the highest class, if
-        any: it goes first in its pass (entitled or borrowing; going before entitled jobs
-        would have it take GPUs that are reclaimed from it again), and when blocked it holds
+        any: it goes first among its class in its pass (entitled or borrowing; going before
+        entitled jobs would have it take GPUs that are reclaimed from it again, and before
+        a higher class, GPUs that class preempts it from again), and when blocked it holds
         the GPUs that come free.
         One at a time, chosen the same way every cycle, so holds add up instead of moving
         from job to job."""

@@ -102,9 +102,10 @@ class PolicyConfig:
     # defends its GPUs with the aged class, so it is not preempted straight back. Without it
     # the low class ended up worse off than under FIFO in one benchmark trace. None: off.
     aging_s: float | None = 3600.0
-    # Starvation guard for big jobs: the job blocked longest past this goes first in its pass
-    # and gets the free GPUs it can use held for it. Off by default: in the benchmark (4 h) it
-    # cut the longest wait from 41 h to 29 h but cost 15% average completion time. None: off.
+    # Starvation guard for big jobs: the job blocked longest past this goes first in its class
+    # and gets the free GPUs it can use held for it. Off by default: since reservations from
+    # progress it no longer pays in the benchmark (4 h, SIGTERM checkpoints, 2026-11-29: avg
+    # JCT 3.30 h against 2.92 h without it, longest wait 33.0 h against 28.6 h). None: off.
     reserve_after_s: float | None = None
     # Reservations from progress (`reservation.py`): the first blocked job of each class, and
     # a job beyond its team's nominal quota that waited `aging_s`, get a planned start from
