@@ -57,7 +57,7 @@ from visionloop.sched.sim.cluster import ClusterSpec
 from visionloop.sched.sim.engine import Scheduler
 from visionloop.sched.sim.kueue import Kueue, KueueConfig
 from visionloop.sched.sim.slurm import Slurm, SlurmConfig
-from visionloop.sched.sim.tiresias import Tiresias
+from visionloop.sched.sim.tiresias import Tiresias, TiresiasConfig
 from visionloop.sched.sim.trace import TraceJob
 from visionloop.sched.view import Team
 
@@ -68,7 +68,10 @@ BASELINES = ("fifo", "slurm", "slurm-2x", "kueue", "kueue-fair", "tiresias")
 
 
 def schedulers(
-    trace: list[TraceJob], grace_s: float, policy: PolicyConfig | None = None
+    trace: list[TraceJob],
+    grace_s: float,
+    policy: PolicyConfig | None = None,
+    tiresias: TiresiasConfig | None = None,
 ) -> dict[str, Scheduler]:
     exact = {j.id: j.duration_s for j in trace}
     twice = {j.id: 2 * j.duration_s for j in trace}
@@ -80,7 +83,7 @@ def schedulers(
         "slurm-2x": Slurm(twice, slurm),
         "kueue": Kueue(),
         "kueue-fair": Kueue(KueueConfig(fair_sharing=True)),
-        "tiresias": Tiresias(),
+        "tiresias": Tiresias(tiresias),
     }
 
 
@@ -170,7 +173,15 @@ def main() -> None:
         action="store_true",
         help="every job in the normal class, under every scheduler (what the priority classes cost)",
     )
+    ap.add_argument(
+        "--tiresias-every-cycle",
+        action="store_true",
+        help="Tiresias decides every cycle and demotes at the threshold, as the paper describes; "
+        "default: when its authors' simulator does, which it reproduces job for job "
+        "(tiresias_crosscheck.py)",
+    )
     args = ap.parse_args()
+    tiresias = TiresiasConfig(reference_rounds=not args.tiresias_every_cycle)
     policy = PolicyConfig(
         order=args.order,
         srpt_preemption=args.srpt_preemption,
@@ -203,7 +214,7 @@ def main() -> None:
             load_trace(args.data / "sched" / "traces" / f"trace-{n}.csv"), args.one_team, args.one_class
         )
         per[n] = {}
-        for name, fn in schedulers(trace, args.grace, policy).items():
+        for name, fn in schedulers(trace, args.grace, policy, tiresias).items():
             t0 = time.perf_counter()
             result = simulate(trace, cluster, fn, sim_cfg)
             wall[name] += time.perf_counter() - t0
@@ -311,6 +322,7 @@ def main() -> None:
                 "traces": traces,
                 "one_team": args.one_team,
                 "one_class": args.one_class,
+                "tiresias_reference_rounds": tiresias.reference_rounds,
                 "visionloop": {
                     k: getattr(policy, k)
                     for k in ("order", "easy_backfill", "reservation_tenants", "victim_order")

@@ -20,7 +20,7 @@ from visionloop.sched.sim import (
 )
 from visionloop.sched.sim.kueue import Kueue, KueueConfig
 from visionloop.sched.sim.slurm import Slurm, SlurmConfig
-from visionloop.sched.sim.tiresias import Tiresias
+from visionloop.sched.sim.tiresias import Tiresias, TiresiasConfig
 from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
 
 HIGH, NORMAL, LOW = 100, 50, 10
@@ -208,6 +208,44 @@ def test_tiresias_never_preempts_a_running_job_for_a_waiting_one_of_the_same_que
     ]
     d = t(view(10, 4, running, [q("P", 4, t=0)]))
     assert d.evictions == [] and d.placements == [] and "queue 0" in d.waiting["P"]
+
+
+def test_tiresias_demoted_running_job_goes_behind_the_waiting_jobs_of_its_new_queue() -> None:
+    # As run_sim.py's dlas-gpu: a job demoted while it runs is appended to the next queue,
+    # behind the jobs already waiting there, and the queue is walked in that order.
+    t = Tiresias(TiresiasConfig(reference_rounds=False))
+    # W (queue 1: 5,000 GPU-s) runs; X arrives in queue 0 and takes the 4 GPUs.
+    d = t(view(100, 4, [r("W", range(4), attained=5000)], [q("X", 4, t=100)]))
+    assert [e.job_id for e in d.evictions] == ["W"]
+    d = t(view(101, 4, [], [q("X", 4, t=100), q("W", 4, attained=5000)]))
+    assert [p.job_id for p in d.placements] == ["X"]
+    # X passes 3,250 GPU-s while it runs: demoted behind W, which gets the GPUs back.
+    d = t(view(1000, 4, [r("X", range(4), start=101, attained=3596)], [q("W", 4, attained=5000)]))
+    assert t.queues[1] == ["W", "X"]
+    assert [e.job_id for e in d.evictions] == ["X"] and "given 4 GPUs in queue 1" in d.waiting["W"]
+
+
+def test_tiresias_decides_only_when_its_authors_simulator_does() -> None:
+    # run_sim.py decides at arrivals, completions and the demotion check it schedules after a
+    # round: (3,250 - executed seconds) // GPUs later. A 16-GPU job started at 0 is checked at
+    # 203 s (3,248 GPU-s: still queue 0), next at 203 + 3,047 // 16 = 393 s.
+    t = Tiresias()
+    w = q("W", 16, t=0, attained=5000)  # queue 1, waiting
+    d = t(view(0, 16, [], [q("A", 16, t=0), w]))
+    assert [p.job_id for p in d.placements] == ["A"] and t.next_round == 203
+    running = lambda now: [r("A", range(16), attained=16 * now)]  # noqa: E731
+    d = t(view(203, 16, running(203), [w]))
+    assert t.queue_of["A"] == 0 and d.evictions == [] and t.next_round == 393
+    # Past the threshold at 300 s, but no event: nothing is decided.
+    d = t(view(300, 16, running(300), [w]))
+    assert t.queue_of["A"] == 0 and d.evictions == [] and d.waiting["W"]
+    d = t(view(393, 16, running(393), [w]))
+    assert t.queue_of["A"] == 1 and [e.job_id for e in d.evictions] == ["A"]
+    # Every cycle instead: demoted at the first cycle past the threshold.
+    t = Tiresias(TiresiasConfig(reference_rounds=False))
+    t(view(0, 16, [], [q("A", 16, t=0), w]))
+    d = t(view(300, 16, running(300), [w]))
+    assert t.queue_of["A"] == 1 and [e.job_id for e in d.evictions] == ["A"]
 
 
 def test_tiresias_ignores_priority_classes() -> None:
