@@ -265,7 +265,8 @@ def main() -> None:
         "per scheduler, all traces: makespan (mean h), preemptions, of them wasted (the job they were "
         "for did not start within the grace + 5 min; '-': its evictions name no job), GPU-h lost to "
         "preemption / spot, jobs over their team's quota: mean and max wait (h), team-hours a fitting "
-        "job waited in unused quota",
+        "job waited in unused quota, and of those stretches how many lasted longer than a cycle plus "
+        "the grace period (the guarantee) and the longest (min)",
         [
             "scheduler",
             "makespan",
@@ -276,6 +277,8 @@ def main() -> None:
             "wait",
             "max",
             "quota h",
+            "late",
+            "longest",
         ],
         [
             [
@@ -291,6 +294,8 @@ def main() -> None:
                 h(mean([j.queued_s for j in over[k]])),
                 h(max((j.queued_s for j in over[k]), default=None)),
                 f"{sum(sum(per[n][k]['quota_wait_h'].values()) for n in traces):.1f}",
+                str(sum(per[n][k]["quota_wait_late"] for n in traces)),
+                f"{max(longest(per[n][k]) for n in traces) / 60:.0f}",
             ]
             for k in names
         ],
@@ -339,6 +344,11 @@ def main() -> None:
         },
     )
     print(f"results: {path}")
+
+
+def longest(summary: dict[str, Any]) -> float:
+    """The longest stretch a team's fitting job waited in unused quota in one run (s)."""
+    return max(summary["quota_wait_longest_s"].values(), default=0.0)
 
 
 def per_ratio(per: dict[int, dict[str, dict[str, Any]]], traces: list[int], b: str) -> dict[int, float]:

@@ -446,9 +446,16 @@ def test_quota_guarantee_hours_count_a_fitting_job_kept_waiting() -> None:
     ]
     r = simulate(trace, cluster, FIFO)
     assert r.quota_wait_s == {"a": 80.0}
+    # One stretch of 80 s: within a cycle (60 s) plus the grace period (60 s).
+    assert r.quota_wait_longest_s == {"a": 80.0} and r.quota_wait_late == 0
     s = summarize(r, cluster, load_catalog())
     assert s["quota_wait_h"] == {"a": pytest.approx(80 / 3600)}
+    assert s["quota_wait_longest_s"] == {"a": 80.0} and s["quota_wait_late"] == 0
     assert s["over_quota"] == {"jobs": 1, "avg_jct_s": 100.0, "avg_queue_s": 0.0, "max_queue_s": 0.0}
+    # A holding on to 300 s keeps B waiting 280 s: longer than the guarantee allows.
+    trace[0] = TraceJob("A", 0, 3, 300, "b", "normal", "allowed")
+    r = simulate(trace, cluster, FIFO)
+    assert r.quota_wait_longest_s == {"a": 280.0} and r.quota_wait_late == 1
 
 
 @pytest.mark.parametrize("history", [True, False], ids=["history", "no-history"])

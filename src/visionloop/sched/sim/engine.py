@@ -118,6 +118,10 @@ class SimResult:
     # The quota guarantee: seconds per team during which one of its queued jobs would have
     # fit in the team's unused nominal quota, yet waited.
     quota_wait_s: dict[str, float] = field(default_factory=dict)
+    # ...its longest unbroken stretch per team, and how many stretches lasted longer than the
+    # guarantee allows: a cycle (`tick_s`) plus the grace period that a reclaim waits for.
+    quota_wait_longest_s: dict[str, float] = field(default_factory=dict)
+    quota_wait_late: int = 0
     # Evictions that named the job they were for, and those of them after which that job
     # did not start within the grace period plus WASTED_AFTER_S: the victim lost its place
     # for nothing (a scheduler whose evictions name no job counts none).
@@ -204,6 +208,9 @@ class Simulation:
         self.contended: dict[str, float] = {}
         self.contended_s = 0.0
         self.quota_wait: dict[str, float] = {}
+        self.quota_since: dict[str, float] = {}  # team -> when its current stretch began
+        self.quota_longest: dict[str, float] = {}
+        self.quota_late = 0
         self.evicted_for: dict[str, list[float]] = {}  # job -> when evictions were made for it
         self.named_evictions = 0
         self.wasted_evictions = 0
@@ -256,6 +263,7 @@ class Simulation:
                 if self.next_tick <= t:
                     self.next_tick = t + self.cfg.tick_s
                     self._push(self.next_tick, _TICK)
+            self._quota_stretches(t, under_quota)
         return self._result(start, t)
 
     def _handle(self, t: float, kind: int, key: str, epoch: int) -> int:
@@ -383,6 +391,15 @@ class Simulation:
             raise SimError(f"t={t}: queued job(s) {silent[:5]} neither placed nor given a reason")
         return decision
 
+    def _quota_stretches(self, t: float, under_quota: set[str]) -> None:
+        """Open a stretch for each team that now waits in unused quota, close the others'."""
+        for team in under_quota:
+            self.quota_since.setdefault(team, t)
+        for team in [team for team in self.quota_since if team not in under_quota]:
+            held = t - self.quota_since.pop(team)
+            self.quota_longest[team] = max(self.quota_longest.get(team, 0.0), held)
+            self.quota_late += held > self.cfg.tick_s + self.cfg.grace_s
+
     def _under_quota(self) -> set[str]:
         """Teams with a queued job that fits in their unused nominal quota after this cycle's
         decision: the time they spend so is where the quota guarantee is not kept (at once)."""
@@ -410,6 +427,7 @@ class Simulation:
         return all(self.node_up.values())
 
     def _result(self, start: float, end: float) -> SimResult:
+        self._quota_stretches(end, set())
         up: dict[tuple[str, PriceClass], float] = {}
         for node in self.cluster.nodes:
             span = end - start if node.spot_trace is None else node.spot_trace.uptime(start, end)
@@ -429,6 +447,8 @@ class Simulation:
             contended_team_gpu_s=self.contended,
             contended_s=self.contended_s,
             quota_wait_s=self.quota_wait,
+            quota_wait_longest_s=self.quota_longest,
+            quota_wait_late=self.quota_late,
             named_evictions=self.named_evictions,
             # Those whose job never started count as wasted too.
             wasted_evictions=self.wasted_evictions + sum(len(v) for v in self.evicted_for.values()),
