@@ -5,14 +5,16 @@ from its simulator's `dlas-gpu` policy (SymbioticLab/Tiresias, `simulator/run_si
 Apache-2.0). This script runs both on the same traces, in the conditions the authors'
 simulator assumes: every GPU always up (no spot), preemption free and instant (no grace
 period, no restart cost, no work lost), GPUs counted rather than placed (`--scheme=count`).
-It prints each one's average JCT and their ratio per trace; a faithful re-implementation
-gives ratios near 1 (not exactly: the authors' simulator acts only at events and rounds
-times to whole seconds, ours at events and every `--tick` seconds).
+It prints each one's average JCT, their ratio per trace and how many jobs' JCTs agree
+within 5%. With `TiresiasConfig.reference_rounds` (the default) ours decides exactly when
+the authors' does, and every job's JCT agrees to the second (2026-11-29: 1,280 of 1,280);
+`--every-cycle` decides at every cycle of our simulator (`--tick` seconds) instead.
 
-The authors' simulator needs Python 2.7 and a copy of the repository, which this script
-does not fetch:
+The authors' simulator needs Python 2.7 with numpy (< 1.17) and a copy of the repository,
+which this script does not fetch:
 
     git clone https://github.com/SymbioticLab/Tiresias /tmp/Tiresias
+    ~/.pyenv/versions/2.7.18/bin/python -m pip install "numpy<1.17"
     python benchmarks/sched/tiresias_crosscheck.py --tiresias /tmp/Tiresias/simulator \\
         --python2 ~/.pyenv/versions/2.7.18/bin/python [--traces 1,2] [--queues 2]
 
@@ -87,7 +89,7 @@ def run_authors(
         f"num_switch,num_node_p_switch,num_gpu_p_node,num_cpu_p_node,mem_p_node\n1,{nodes},8,128,1024\n"
     )
     log = work / "log"
-    subprocess.run(
+    done = subprocess.run(
         [
             python2,
             "run_sim.py",
@@ -98,9 +100,16 @@ def run_authors(
             f"--log_path={log}",
         ],
         cwd=copy,
-        check=True,
         stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise SystemExit(
+            f"the authors' simulator failed ({python2}, exit {done.returncode}):\n{tail}\n"
+            "It needs Python 2.7 with numpy < 1.17 (pip install 'numpy<1.17')."
+        )
     jct: dict[int, float] = {}
     with (log / "job.csv").open() as f:
         for row in csv.DictReader(f):
