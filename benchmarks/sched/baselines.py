@@ -266,7 +266,8 @@ def main() -> None:
         "for did not start within the grace + 5 min; '-': its evictions name no job), GPU-h lost to "
         "preemption / spot, jobs over their team's quota: mean and max wait (h), team-hours a fitting "
         "job waited in unused quota, and of those stretches how many lasted longer than a cycle plus "
-        "the grace period (the guarantee) and the longest (min)",
+        "the grace period (the guarantee; in brackets: begun with fewer GPUs up than the quotas add "
+        "up to) and the longest (min)",
         [
             "scheduler",
             "makespan",
@@ -294,7 +295,8 @@ def main() -> None:
                 h(mean([j.queued_s for j in over[k]])),
                 h(max((j.queued_s for j in over[k]), default=None)),
                 f"{sum(sum(per[n][k]['quota_wait_h'].values()) for n in traces):.1f}",
-                str(sum(per[n][k]["quota_wait_late"] for n in traces)),
+                f"{sum(per[n][k]['quota_wait_late'] for n in traces)} "
+                f"({sum(per[n][k]['quota_wait_late_short'] for n in traces)})",
                 f"{max(longest(per[n][k]) for n in traces) / 60:.0f}",
             ]
             for k in names

@@ -458,6 +458,29 @@ def test_quota_guarantee_hours_count_a_fitting_job_kept_waiting() -> None:
     assert r.quota_wait_longest_s == {"a": 280.0} and r.quota_wait_late == 1
 
 
+def test_quota_stretches_begun_with_gpus_down_are_told_apart() -> None:
+    # The quotas (2 + 2) add up to the 4 GPUs, but the spot node's 2 are down until 600 s. b's
+    # B holds the other 2 until 300; a's A (never on spot) fits in a's unused quota and waits
+    # 290 s: late, and begun while fewer GPUs were up than the quotas promise.
+    spot = spot_trace("s", [0, 1, 1, 1], gap_s=600)
+    cluster = ClusterSpec(
+        (NodeSpec("n0", 2, "fake"), NodeSpec("s", 2, "fake", "spot", spot)),
+        (Team("a", 2, 2), Team("b", 2, 2)),
+    )
+    trace = [
+        TraceJob("B", 0, 2, 300, "b", "normal", "never"),
+        TraceJob("A", 10, 1, 50, "a", "normal", "never"),
+    ]
+    r = simulate(trace, cluster, FIFO)
+    assert r.quota_wait_longest_s == {"a": 290.0}
+    assert r.quota_wait_late == 1 and r.quota_wait_late_short == 1
+    # With the spot node up from the start, A runs on it at once: no stretch at all.
+    up = ClusterSpec((NodeSpec("n0", 2, "fake"), NodeSpec("s", 2, "fake", "spot")), cluster.teams)
+    trace[1] = TraceJob("A", 10, 1, 50, "a", "normal", "allowed")
+    r = simulate(trace, up, FIFO)
+    assert r.quota_wait_late == 0 and r.quota_wait_late_short == 0 and r.quota_wait_longest_s == {}
+
+
 @pytest.mark.parametrize("history", [True, False], ids=["history", "no-history"])
 def test_history_plans_a_job_with_the_runs_of_its_application_and_gpu_count_before_it(history: bool) -> None:
     """With SimConfig.history, a job is planned with the median time that the finished jobs of

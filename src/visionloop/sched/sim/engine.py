@@ -122,6 +122,9 @@ class SimResult:
     # guarantee allows: a cycle (`tick_s`) plus the grace period that a reclaim waits for.
     quota_wait_longest_s: dict[str, float] = field(default_factory=dict)
     quota_wait_late: int = 0
+    # ...of which began while fewer GPUs were up than the nominal quotas add up to (a spot
+    # node down): then not every team can have its quota, whatever the policy.
+    quota_wait_late_short: int = 0
     # Evictions that named the job they were for, and those of them after which that job
     # did not start within the grace period plus WASTED_AFTER_S: the victim lost its place
     # for nothing (a scheduler whose evictions name no job counts none).
@@ -209,6 +212,8 @@ class Simulation:
         self.contended_s = 0.0
         self.quota_wait: dict[str, float] = {}
         self.quota_since: dict[str, float] = {}  # team -> when its current stretch began
+        self.quota_short: set[str] = set()  # teams whose current stretch began short of GPUs
+        self.quota_late_short = 0
         self.quota_longest: dict[str, float] = {}
         self.quota_late = 0
         self.evicted_for: dict[str, list[float]] = {}  # job -> when evictions were made for it
@@ -394,11 +399,18 @@ class Simulation:
     def _quota_stretches(self, t: float, under_quota: set[str]) -> None:
         """Open a stretch for each team that now waits in unused quota, close the others'."""
         for team in under_quota:
-            self.quota_since.setdefault(team, t)
+            if team not in self.quota_since:
+                self.quota_since[team] = t
+                up = sum(1 for g in self._gpus() if g.up)
+                if up < sum(tm.nominal_gpus for tm in self.teams.values()):
+                    self.quota_short.add(team)
         for team in [team for team in self.quota_since if team not in under_quota]:
             held = t - self.quota_since.pop(team)
             self.quota_longest[team] = max(self.quota_longest.get(team, 0.0), held)
-            self.quota_late += held > self.cfg.tick_s + self.cfg.grace_s
+            late = held > self.cfg.tick_s + self.cfg.grace_s
+            self.quota_late += late
+            self.quota_late_short += late and team in self.quota_short
+            self.quota_short.discard(team)
 
     def _under_quota(self) -> set[str]:
         """Teams with a queued job that fits in their unused nominal quota after this cycle's
@@ -449,6 +461,7 @@ class Simulation:
             quota_wait_s=self.quota_wait,
             quota_wait_longest_s=self.quota_longest,
             quota_wait_late=self.quota_late,
+            quota_wait_late_short=self.quota_late_short,
             named_evictions=self.named_evictions,
             # Those whose job never started count as wasted too.
             wasted_evictions=self.wasted_evictions + sum(len(v) for v in self.evicted_for.values()),

@@ -96,6 +96,7 @@ def summarize(result: SimResult, cluster: ClusterSpec, catalog: PriceCatalog) ->
         "quota_wait_h": {t: s / 3600 for t, s in sorted(result.quota_wait_s.items())},
         "quota_wait_longest_s": dict(sorted(result.quota_wait_longest_s.items())),
         "quota_wait_late": result.quota_wait_late,
+        "quota_wait_late_short": result.quota_wait_late_short,
         # Jobs larger than their team's nominal quota: how long they waited.
         "over_quota": _group([j for j in jobs if j.gpus > cluster.nominal_gpus(j.team)]),
         "preemptions": sum(j.preemptions for j in jobs),
