@@ -174,6 +174,12 @@ def main() -> None:
         help="every job in the normal class, under every scheduler (what the priority classes cost)",
     )
     ap.add_argument(
+        "--reclaim-young",
+        action="store_true",
+        help="visionloop's reclaim_preempts_young: a team takes back borrowed GPUs from jobs however "
+        "young (but the top class)",
+    )
+    ap.add_argument(
         "--tiresias-every-cycle",
         action="store_true",
         help="Tiresias decides every cycle and demotes at the threshold, as the paper describes; "
@@ -192,6 +198,7 @@ def main() -> None:
         reservation_tenants=args.tenants,
         victim_order=args.victims,
         min_runtime_s=args.min_runtime,
+        reclaim_preempts_young=args.reclaim_young,
     )
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(
@@ -332,7 +339,13 @@ def main() -> None:
                 "tiresias_reference_rounds": tiresias.reference_rounds,
                 "visionloop": {
                     k: getattr(policy, k)
-                    for k in ("order", "easy_backfill", "reservation_tenants", "victim_order")
+                    for k in (
+                        "order",
+                        "easy_backfill",
+                        "reservation_tenants",
+                        "victim_order",
+                        "reclaim_preempts_young",
+                    )
                 },
                 "sim": {k: v for k, v in vars(sim_cfg).items() if k != "priorities"},
                 "slurm": {k: v for k, v in vars(SlurmConfig()).items() if k != "priorities"},

@@ -19,6 +19,7 @@ class SchedulerTimings:
     grace_s: float = 120.0
     min_runtime_s: float = 600.0
     top_class_preempts_young: bool = True
+    reclaim_preempts_young: bool = False
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
@@ -40,6 +41,7 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         "grace_s",
         "min_runtime_s",
         "top_class_preempts_young",
+        "reclaim_preempts_young",
         "heartbeat_timeout_s",
         "retry_backoff_s",
         "inventory_sync_s",
@@ -86,6 +88,7 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         grace_s=number(section, "grace_s", d.grace_s, path),
         min_runtime_s=number(section, "min_runtime_s", d.min_runtime_s, path),
         top_class_preempts_young=flag(section, "top_class_preempts_young", d.top_class_preempts_young, path),
+        reclaim_preempts_young=flag(section, "reclaim_preempts_young", d.reclaim_preempts_young, path),
         heartbeat_timeout_s=number(section, "heartbeat_timeout_s", d.heartbeat_timeout_s, path, minimum=1),
         retry_backoff_s=number(section, "retry_backoff_s", d.retry_backoff_s, path),
         inventory_sync_s=number(section, "inventory_sync_s", d.inventory_sync_s, path),

@@ -114,14 +114,15 @@ class CycleState:
         if cfg.las_preemption:
             self.las_old = {(j.team, j.priority) for j in self.victims if self._las_victim(j)}
         # Running jobs too young to be victims, in victim order: the top class's extra
-        # victims (`top_class_preempts_young`); not sorted when nothing would read them.
+        # victims (`top_class_preempts_young`) and a reclaim's (`reclaim_preempts_young`);
+        # not sorted when nothing would read them.
         self.top = self.ranks[-1] if cfg.top_class_preempts_young and self.ranks else math.inf
         self.young = (
             sorted(
                 (j for j in view.running if j.preemptible and self.now - j.started_at < cfg.min_runtime_s),
                 key=self._victim_order,
             )
-            if self.top < math.inf and cfg.preemption
+            if (self.top < math.inf or cfg.reclaim_preempts_young) and cfg.preemption
             else []
         )
         # The lowest class among jobs too young to preempt (for the reasons shown).
