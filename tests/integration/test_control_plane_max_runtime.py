@@ -39,10 +39,17 @@ def _sleeper(job: Job) -> list[str]:
 
 @contextmanager
 def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
-    # victim_order and top_class_preempts_young ride along: no eviction here, but the switches
-    # must reach the policy too.
+    # victim_order, top_class_preempts_young and reclaim_preempts_young ride along: no
+    # eviction here, but the switches must reach the policy too.
     scheduler: dict[str, Any] = (
-        {"easy_backfill": True, "victim_order": "smallest", "top_class_preempts_young": False} if easy else {}
+        {
+            "easy_backfill": True,
+            "victim_order": "smallest",
+            "top_class_preempts_young": False,
+            "reclaim_preempts_young": True,
+        }
+        if easy
+        else {}
     )
     cfg = cluster_config(inventory=TWO_GPUS, teams=ONE_TEAM, scheduler=scheduler)
     with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg, run_scheduler=False) as plane:
@@ -81,9 +88,10 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
     cp = cp_both
     plane = cp.plane
     easy = plane.policy.easy_backfill
-    assert (easy, plane.policy.victim_order, plane.policy.top_class_preempts_young) == (
-        (True, "smallest", False) if plane.config.timings.easy_backfill else (False, "least_lost", True)
-    )
+    policy = plane.policy
+    switches = (easy, policy.victim_order, policy.top_class_preempts_young, policy.reclaim_preempts_young)
+    on, off = (True, "smallest", False, True), (False, "least_lost", True, False)
+    assert switches == (on if plane.config.timings.easy_backfill else off)
     running = _submit(cp, digits_dataset, 1, "1h", "running")
     plane.cycle()
     assert plane.store.get_job(running).state.value == "running"
