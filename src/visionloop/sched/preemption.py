@@ -304,10 +304,10 @@ class Preemption(CycleState):
             self.fail_soon[shape] = job.gpus
         return got
 
-    def _young_borrowers(self, team: str) -> list[ActiveJob]:
-        """Other teams' jobs too young to be victims that hold borrowed GPUs, but for the top
-        class: it keeps `min_runtime_s` (reclaimed young, the high class waited twice as
-        long as under Slurm in the benchmark)."""
+    def _young_borrowers(self, team: str | None = None) -> list[ActiveJob]:
+        """Jobs too young to be victims, of teams above their nominal quota (other than
+        `team`), but for the top class: it keeps `min_runtime_s`, as no lower class evicts it
+        young either."""
         top = self.ranks[-1] if self.ranks else math.inf
         return [
             v
@@ -323,10 +323,7 @@ class Preemption(CycleState):
         a young job) is borrowed."""
         if self.version != self.victim_cache[0]:
             left = [v for v in self.victims if v.id not in self.evicted]
-            if self.cfg.reclaim_preempts_young:
-                young = self._young_borrowers("")
-            else:
-                young = []
+            young = self._young_borrowers() if self.cfg.reclaim_preempts_young else []
             lowest = min((self._held_rank(v) for v in left), default=math.inf)
             borrowed = any(self._team(v.team).over_nominal() for v in itertools.chain(left, young))
             self.victim_cache = (self.version, lowest, borrowed)

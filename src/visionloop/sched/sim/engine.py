@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from visionloop.core.errors import VisionloopError
 from visionloop.sched.sim.cluster import ClusterSpec
 from visionloop.sched.sim.observe import cluster_view, history_key, last_checkpoint
+from visionloop.sched.sim.quota import QuotaWatch, waiting_in_quota
 from visionloop.sched.sim.trace import TraceJob
 from visionloop.sched.view import (
     DEFAULT_PRIORITIES,
@@ -210,12 +211,7 @@ class Simulation:
         self.useful = 0.0
         self.contended: dict[str, float] = {}
         self.contended_s = 0.0
-        self.quota_wait: dict[str, float] = {}
-        self.quota_since: dict[str, float] = {}  # team -> when its current stretch began
-        self.quota_short: set[str] = set()  # teams whose current stretch began short of GPUs
-        self.quota_late_short = 0
-        self.quota_longest: dict[str, float] = {}
-        self.quota_late = 0
+        self.quota = QuotaWatch(self.teams, self.cfg.tick_s + self.cfg.grace_s)
         self.evicted_for: dict[str, list[float]] = {}  # job -> when evictions were made for it
         self.named_evictions = 0
         self.wasted_evictions = 0
@@ -238,26 +234,24 @@ class Simulation:
                     self._push(nxt, _SPOT, node.name)
         start = min((j.spec.submit_time for j in self.jobs.values()), default=0.0)
         done = 0
-        t = start
+        t = stop = start
         contended = False
-        under_quota: set[str] = set()
         while self.events and done < len(self.jobs):
             last, t = t, self.events[0][0]
             if t > self.cfg.max_time_s:
                 break
+            stop = t
             if contended:
                 self.contended_s += t - last
                 for j in self.holder.values():
                     self.contended[j.spec.team] = self.contended.get(j.spec.team, 0.0) + (t - last)
-            for team in under_quota:
-                self.quota_wait[team] = self.quota_wait.get(team, 0.0) + (t - last)
             while self.events and self.events[0][0] == t:
                 _, kind, _, key, epoch = heapq.heappop(self.events)
                 done += self._handle(t, kind, key, epoch)
             if done == len(self.jobs):
                 break
             contended = False
-            under_quota = set()
+            under_quota: set[str] = set()
             if any(j.state == "queued" for j in self.jobs.values()):
                 decision = self._cycle(t)
                 under_quota = self._under_quota()
@@ -268,7 +262,8 @@ class Simulation:
                 if self.next_tick <= t:
                     self.next_tick = t + self.cfg.tick_s
                     self._push(self.next_tick, _TICK)
-            self._quota_stretches(t, under_quota)
+            self.quota.update(t, under_quota, lambda: sum(1 for g in self._gpus() if g.up))
+        self.quota.close(stop)  # what the run saw: not past max_time_s
         return self._result(start, t)
 
     def _handle(self, t: float, kind: int, key: str, epoch: int) -> int:
@@ -396,38 +391,14 @@ class Simulation:
             raise SimError(f"t={t}: queued job(s) {silent[:5]} neither placed nor given a reason")
         return decision
 
-    def _quota_stretches(self, t: float, under_quota: set[str]) -> None:
-        """Open a stretch for each team that now waits in unused quota, close the others'."""
-        for team in under_quota:
-            if team not in self.quota_since:
-                self.quota_since[team] = t
-                up = sum(1 for g in self._gpus() if g.up)
-                if up < sum(tm.nominal_gpus for tm in self.teams.values()):
-                    self.quota_short.add(team)
-        for team in [team for team in self.quota_since if team not in under_quota]:
-            held = t - self.quota_since.pop(team)
-            self.quota_longest[team] = max(self.quota_longest.get(team, 0.0), held)
-            late = held > self.cfg.tick_s + self.cfg.grace_s
-            self.quota_late += late
-            self.quota_late_short += late and team in self.quota_short
-            self.quota_short.discard(team)
-
     def _under_quota(self) -> set[str]:
         """Teams with a queued job that fits in their unused nominal quota after this cycle's
         decision: the time they spend so is where the quota guarantee is not kept (at once)."""
         held: dict[str, int] = {}
         for j in self.holder.values():
             held[j.spec.team] = held.get(j.spec.team, 0) + 1
-        out = set()
-        for j in self.jobs.values():
-            team = self.teams.get(j.spec.team)
-            if (
-                j.state == "queued"
-                and team is not None
-                and j.spec.gpus <= team.nominal_gpus - held.get(team.name, 0)
-            ):
-                out.add(team.name)
-        return out
+        queued = ((j.spec.team, j.spec.gpus) for j in self.jobs.values() if j.state == "queued")
+        return waiting_in_quota(queued, held, self.teams)
 
     def _stuck(self, decision: Decision) -> bool:
         """Nothing running, nothing coming, every node up, and the policy placed nothing:
@@ -439,7 +410,6 @@ class Simulation:
         return all(self.node_up.values())
 
     def _result(self, start: float, end: float) -> SimResult:
-        self._quota_stretches(end, set())
         up: dict[tuple[str, PriceClass], float] = {}
         for node in self.cluster.nodes:
             span = end - start if node.spot_trace is None else node.spot_trace.uptime(start, end)
@@ -458,10 +428,10 @@ class Simulation:
             unfinished=[j.spec.id for j in self.jobs.values() if j.state != "done"],
             contended_team_gpu_s=self.contended,
             contended_s=self.contended_s,
-            quota_wait_s=self.quota_wait,
-            quota_wait_longest_s=self.quota_longest,
-            quota_wait_late=self.quota_late,
-            quota_wait_late_short=self.quota_late_short,
+            quota_wait_s=self.quota.total_s,
+            quota_wait_longest_s=self.quota.longest_s,
+            quota_wait_late=self.quota.late,
+            quota_wait_late_short=self.quota.late_short,
             named_evictions=self.named_evictions,
             # Those whose job never started count as wasted too.
             wasted_evictions=self.wasted_evictions + sum(len(v) for v in self.evicted_for.values()),

@@ -106,26 +106,32 @@ class Tiresias:
                     self.executed[i] = 0.0
 
     def __call__(self, view: ClusterView) -> Decision:
-        if self.cfg.reference_rounds and not self._round_due(view):
+        if not self.cfg.reference_rounds:
+            return self._round(view)
+        seen = self._events_seen(view)
+        if not self._round_due(view, seen):
             # Between run_sim.py's events nothing changes: the same reasons, no new decision.
             return Decision(waiting={j.id: self.reasons.get(j.id, "waiting") for j in view.queued})
         decision = self._round(view)
-        if self.cfg.reference_rounds:
-            self._after_round(view, decision)
+        self._after_round(view, decision, seen)
         return decision
 
-    def _round_due(self, view: ClusterView) -> bool:
+    @staticmethod
+    def _events_seen(view: ClusterView) -> tuple[frozenset[str], int]:
+        """What run_sim.py's events change: the jobs present (arrivals, completions) and the
+        GPUs up."""
         ids = frozenset(j.id for j in view.running) | frozenset(j.id for j in view.queued)
-        seen = (ids, sum(1 for g in view.gpus if g.up))
+        return ids, sum(1 for g in view.gpus if g.up)
+
+    def _round_due(self, view: ClusterView, seen: tuple[frozenset[str], int]) -> bool:
         if seen != self.seen or view.now >= self.next_round:
             return True
         queued = {j.id for j in view.queued}
         return any(i in queued for i in self.starting)
 
-    def _after_round(self, view: ClusterView, decision: Decision) -> None:
+    def _after_round(self, view: ClusterView, decision: Decision, seen: tuple[frozenset[str], int]) -> None:
         """Remember what this round saw, and schedule run_sim.py's next demotion check."""
-        ids = frozenset(j.id for j in view.running) | frozenset(j.id for j in view.queued)
-        self.seen = (ids, sum(1 for g in view.gpus if g.up))
+        self.seen = seen
         self.reasons = dict(decision.waiting)
         evicted = {e.job_id for e in decision.evictions}
         gpus = {j.id: len(j.gpu_ids) for j in view.running if j.id not in evicted}

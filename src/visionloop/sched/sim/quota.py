@@ -1,0 +1,59 @@
+"""The quota guarantee, measured in the simulator: a team whose queued job fits in its unused
+nominal quota should get it within a cycle plus the grace period (the time a reclaim takes).
+Each unbroken stretch a team spends so is recorded: the total, the longest, how many outlast
+the guarantee, and of those how many began with fewer GPUs up than the quotas add up to (a
+spot node down: then not every team can have its quota, whatever the policy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from visionloop.sched.view import Team
+
+
+def waiting_in_quota(
+    queued: Iterable[tuple[str, int]], held: Mapping[str, int], teams: Mapping[str, Team]
+) -> set[str]:
+    """Teams with a queued job (team, GPUs) that fits in their unused nominal quota, given
+    the GPUs each team holds."""
+    out = set()
+    for name, gpus in queued:
+        team = teams.get(name)
+        if team is not None and gpus <= team.nominal_gpus - held.get(name, 0):
+            out.add(name)
+    return out
+
+
+class QuotaWatch:
+    """The stretches each team waits in unused quota; `update` after every cycle, `close`
+    at the end of the run."""
+
+    def __init__(self, teams: Mapping[str, Team], guarantee_s: float) -> None:
+        self.nominal = sum(t.nominal_gpus for t in teams.values())
+        self.guarantee_s = guarantee_s
+        self.since: dict[str, float] = {}  # team -> when its current stretch began
+        self.short: set[str] = set()  # teams whose current stretch began short of GPUs
+        self.total_s: dict[str, float] = {}
+        self.longest_s: dict[str, float] = {}
+        self.late = 0
+        self.late_short = 0
+
+    def update(self, t: float, waiting: set[str], up_gpus: Callable[[], int]) -> None:
+        """Open a stretch for each team that now waits in unused quota (`up_gpus` is asked
+        only then), close the others'."""
+        for team in waiting:
+            if team not in self.since:
+                self.since[team] = t
+                if up_gpus() < self.nominal:
+                    self.short.add(team)
+        for team in [team for team in self.since if team not in waiting]:
+            held = t - self.since.pop(team)
+            self.total_s[team] = self.total_s.get(team, 0.0) + held
+            self.longest_s[team] = max(self.longest_s.get(team, 0.0), held)
+            late = held > self.guarantee_s
+            self.late += late
+            self.late_short += late and team in self.short
+            self.short.discard(team)
+
+    def close(self, t: float) -> None:
+        self.update(t, set(), lambda: 0)
