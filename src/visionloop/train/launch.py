@@ -19,6 +19,7 @@ torchrun's names). The launcher then gives its local ranks the global RANK
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,7 +41,25 @@ NODE_RANK_ENV = "VISIONLOOP_NODE_RANK"
 FAILURE_GRACE_S = 30.0
 
 
+# Where rank 0's port is drawn from: below the kernel's usual ephemeral range (32768-60999),
+# where outgoing connections take their ports.
+RENDEZVOUS_PORTS = (10000, 20000)
+
+
 def free_port() -> int:
+    """A port that rank 0 can listen on. Between this pick and rank 0's bind (seconds: Python
+    and torch start first) the port is nobody's, and any outgoing connection on the machine
+    may take an ephemeral one: a port from the kernel's port-0 range failed with EADDRINUSE
+    in CI. So it is drawn below that range, checked free, and only as a last resort port 0."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(*RENDEZVOUS_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: draw again
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
