@@ -180,6 +180,12 @@ def main() -> None:
         "young (but the top class)",
     )
     ap.add_argument(
+        "--quota-under-head",
+        action="store_true",
+        help="visionloop's quota_under_head: a team's lower-class job reclaims the team's unused "
+        "quota while its higher-class head must borrow, as the head's tenant",
+    )
+    ap.add_argument(
         "--tiresias-every-cycle",
         action="store_true",
         help="Tiresias decides every cycle and demotes at the threshold, as the paper describes; "
@@ -199,6 +205,7 @@ def main() -> None:
         victim_order=args.victims,
         min_runtime_s=args.min_runtime,
         reclaim_preempts_young=args.reclaim_young,
+        quota_under_head=args.quota_under_head,
     )
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(
@@ -274,7 +281,8 @@ def main() -> None:
         "preemption / spot, jobs over their team's quota: mean and max wait (h), team-hours a fitting "
         "job waited in unused quota, and of those stretches how many lasted longer than a cycle plus "
         "the grace period (the guarantee; in brackets: begun with fewer GPUs up than the quotas add "
-        "up to) and the longest (min)",
+        "up to) and the longest (min); then the same counting only while the GPUs existed, free or "
+        "lent beyond a nominal quota, of a kind the job accepts (what a policy could have given)",
         [
             "scheduler",
             "makespan",
@@ -286,6 +294,8 @@ def main() -> None:
             "max",
             "quota h",
             "late",
+            "longest",
+            "late, GPUs there",
             "longest",
         ],
         [
@@ -305,6 +315,8 @@ def main() -> None:
                 f"{sum(per[n][k]['quota_wait_late'] for n in traces)} "
                 f"({sum(per[n][k]['quota_wait_late_short'] for n in traces)})",
                 f"{max(longest(per[n][k]) for n in traces) / 60:.0f}",
+                str(sum(per[n][k]["quota_wait_late_reclaimable"] for n in traces)),
+                f"{max(longest(per[n][k], 'quota_wait_longest_reclaimable_s') for n in traces) / 60:.0f}",
             ]
             for k in names
         ],
@@ -345,6 +357,7 @@ def main() -> None:
                         "reservation_tenants",
                         "victim_order",
                         "reclaim_preempts_young",
+                        "quota_under_head",
                     )
                 },
                 "sim": {k: v for k, v in vars(sim_cfg).items() if k != "priorities"},
@@ -361,9 +374,9 @@ def main() -> None:
     print(f"results: {path}")
 
 
-def longest(summary: dict[str, Any]) -> float:
+def longest(summary: dict[str, Any], key: str = "quota_wait_longest_s") -> float:
     """The longest stretch a team's fitting job waited in unused quota in one run (s)."""
-    return max(summary["quota_wait_longest_s"].values(), default=0.0)
+    return max(summary[key].values(), default=0.0)
 
 
 def per_ratio(per: dict[int, dict[str, dict[str, Any]]], traces: list[int], b: str) -> dict[int, float]:

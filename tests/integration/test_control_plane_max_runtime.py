@@ -39,8 +39,9 @@ def _sleeper(job: Job) -> list[str]:
 
 @contextmanager
 def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
-    # victim_order, top_class_preempts_young and reclaim_preempts_young ride along: no
-    # eviction here, but the switches must reach the policy too.
+    # victim_order, top_class_preempts_young, reclaim_preempts_young and (without EASY, which
+    # it is refused with) quota_under_head ride along: no eviction here, but the switches must
+    # reach the policy too.
     scheduler: dict[str, Any] = (
         {
             "easy_backfill": True,
@@ -49,7 +50,7 @@ def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
             "reclaim_preempts_young": True,
         }
         if easy
-        else {}
+        else {"quota_under_head": True}
     )
     cfg = cluster_config(inventory=TWO_GPUS, teams=ONE_TEAM, scheduler=scheduler)
     with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg, run_scheduler=False) as plane:
@@ -89,8 +90,14 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
     plane = cp.plane
     easy = plane.policy.easy_backfill
     policy = plane.policy
-    switches = (easy, policy.victim_order, policy.top_class_preempts_young, policy.reclaim_preempts_young)
-    on, off = (True, "smallest", False, True), (False, "least_lost", True, False)
+    switches = (
+        easy,
+        policy.victim_order,
+        policy.top_class_preempts_young,
+        policy.reclaim_preempts_young,
+        policy.quota_under_head,
+    )
+    on, off = (True, "smallest", False, True, False), (False, "least_lost", True, False, True)
     assert switches == (on if plane.config.timings.easy_backfill else off)
     running = _submit(cp, digits_dataset, 1, "1h", "running")
     plane.cycle()

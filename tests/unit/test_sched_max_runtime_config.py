@@ -84,6 +84,15 @@ def test_reclaim_preempts_young_is_off_unless_the_scheduler_section_says_so() ->
         parse_cluster_config({"scheduler": {"reclaim_preempts_young": "yes"}})
 
 
+def test_quota_under_head_is_off_unless_the_scheduler_section_says_so_and_never_with_easy_backfill() -> None:
+    assert parse_cluster_config({}).timings.quota_under_head is False
+    assert parse_cluster_config({"scheduler": {"quota_under_head": True}}).timings.quota_under_head is True
+    with pytest.raises(ConfigError, match=r"scheduler\.quota_under_head must be true or false"):
+        parse_cluster_config({"scheduler": {"quota_under_head": 1}})
+    with pytest.raises(ConfigError, match=r"quota_under_head and easy_backfill do not go together"):
+        parse_cluster_config({"scheduler": {"quota_under_head": True, "easy_backfill": True}})
+
+
 def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
     t = parse_cluster_config({}).timings
     assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order, t.top_class_preempts_young) == (

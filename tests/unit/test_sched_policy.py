@@ -402,6 +402,58 @@ def test_only_a_teams_head_preempts_or_reclaims() -> None:
     assert [e.for_job for e in d.evictions] == ["low"]
 
 
+def test_quota_under_head_a_lower_class_reclaims_its_teams_quota_while_its_head_must_borrow() -> None:
+    """Trace 7's 61-minute wait in miniature: a's normal head needs 6 GPUs, more than a's
+    unused nominal 4, and cannot start; b borrows 4 of a's quota with a low job. a's low job
+    (2 GPUs) fits in a's quota: by default it waits behind the head for idle GPUs; with
+    `quota_under_head` it reclaims a's quota from b's borrower."""
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
+    gpus = node_gpus("n0", 8)
+    borrower = r("b-low", [f"n0/{i}" for i in range(8)], team="b", prio=LOW, started=NOW - 3600)
+    queue = [q("head", 6, team="a", prio=NORMAL, t=NOW - 900), q("a-low", 2, team="a", prio=LOW, t=NOW - 600)]
+    d = schedule(view(gpus, queue, [borrower], teams), CFG)
+    assert d.evictions == [] and "behind job head of team a (priority normal)" in d.waiting["a-low"]
+    under = PolicyConfig(aging_s=None, quota_under_head=True)
+    d = schedule(view(gpus, queue, [borrower], teams), under)
+    assert [(e.job_id, e.reason) for e in d.evictions] == [
+        ("b-low", "team a reclaims its nominal quota (4 GPUs) for job a-low")
+    ]
+    assert d.waiting["a-low"].startswith("preempting 1 job (b-low)")
+    # A borrower of the head's class (or above) is no victim: back in the queue it would come
+    # before a's low job and take the GPUs straight back.
+    same = r("b-normal", [f"n0/{i}" for i in range(8)], team="b", prio=NORMAL, started=NOW - 3600)
+    d = schedule(view(gpus, queue, [same], teams), under)
+    assert d.evictions == [] and "behind job head of team a" in d.waiting["a-low"]
+    # Once b's GPUs are free, the head goes first (it takes 6), then the low job (the 2 left).
+    d = schedule(view(gpus, queue, [], teams), under)
+    assert sorted(placed(d)) == ["a-low", "head"] and len(placed(d)["head"]) == 6
+
+
+def test_quota_under_head_the_head_evicts_its_young_tenants_once_that_lets_it_start() -> None:
+    # a's low job started (as a tenant) after a's head was submitted; it is young. b borrows 4.
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
+    gpus = node_gpus("n0", 8)
+    tenant = r("a-low", ["n0/0", "n0/1"], team="a", prio=LOW, started=NOW - 60)
+    b_own = r("b0", ["n0/2", "n0/3"], team="b", prio=NORMAL, started=NOW - 3600)
+    head = q("head", 6, team="a", prio=NORMAL, t=NOW - 900)
+    under = PolicyConfig(aging_s=None, quota_under_head=True)
+    d = schedule(view(gpus, [head], [tenant, b_own], teams), under)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("a-low", "head")]
+    assert d.waiting["head"].startswith("preempting 1 job (a-low)")
+    # By default a young job of a lower class is no victim: the head waits 10 minutes.
+    d = schedule(view(gpus, [head], [tenant, b_own], teams), CFG)
+    assert d.evictions == [] and "become preemptible after 600 s" in d.waiting["head"]
+    # A job that started before the head was submitted is no tenant.
+    before = r("a-low", ["n0/0", "n0/1"], team="a", prio=LOW, started=NOW - 60, submitted=NOW - 5000)
+    d = schedule(view(gpus, [q("head", 6, team="a", t=NOW - 30)], [before, b_own], teams), under)
+    assert d.evictions == []
+
+
+def test_quota_under_head_is_refused_with_easy_backfill() -> None:
+    with pytest.raises(ConfigError, match="quota_under_head and easy_backfill do not go together"):
+        PolicyConfig(quota_under_head=True, easy_backfill=True)
+
+
 def test_starving_job_holds_free_gpus_when_configured() -> None:
     gpus = node_gpus("n0", 4)
     running = [r("busy", ["n0/0", "n0/1"], prio=NORMAL)]

@@ -20,6 +20,7 @@ class SchedulerTimings:
     min_runtime_s: float = 600.0
     top_class_preempts_young: bool = True
     reclaim_preempts_young: bool = False
+    quota_under_head: bool = False
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
@@ -42,6 +43,7 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         "min_runtime_s",
         "top_class_preempts_young",
         "reclaim_preempts_young",
+        "quota_under_head",
         "heartbeat_timeout_s",
         "retry_backoff_s",
         "inventory_sync_s",
@@ -75,6 +77,13 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
             f"{where(path, 'scheduler.srpt_preemption')} preempts by the remaining time that order "
             '"srpt" ranks jobs by: set order = "srpt" too, or remove srpt_preemption.'
         )
+    under = flag(section, "quota_under_head", d.quota_under_head, path)
+    if under and easy:
+        raise ConfigError(
+            f"{where(path, 'scheduler.quota_under_head')} and easy_backfill do not go together (a "
+            "head's reservation comes and goes as its tenants start and leave, and they thrash): "
+            "remove one of them."
+        )
     if tenants and not easy:
         # Tenants start on GPUs a reservation holds, which only EASY backfill holds: alone it
         # would do nothing, silently.
@@ -89,6 +98,7 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         min_runtime_s=number(section, "min_runtime_s", d.min_runtime_s, path),
         top_class_preempts_young=flag(section, "top_class_preempts_young", d.top_class_preempts_young, path),
         reclaim_preempts_young=flag(section, "reclaim_preempts_young", d.reclaim_preempts_young, path),
+        quota_under_head=under,
         heartbeat_timeout_s=number(section, "heartbeat_timeout_s", d.heartbeat_timeout_s, path, minimum=1),
         retry_backoff_s=number(section, "retry_backoff_s", d.retry_backoff_s, path),
         inventory_sync_s=number(section, "inventory_sync_s", d.inventory_sync_s, path),

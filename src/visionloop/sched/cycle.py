@@ -51,7 +51,8 @@ class Cycle(Reservations):
         starving = self._starving(bands)
         self.starving_id = None if starving is None else starving[0].id
         borrowers: dict[int, dict[str, list[PendingJob]]] = {}
-        heads: dict[str, tuple[PendingJob, int]] = {}  # team -> its first job sent to pass 2
+        heads = self.heads  # team -> its first job sent to pass 2
+        under = self.cfg.quota_under_head and self.cfg.preemption
         # The job that waited longest goes first in its class of its pass: after the higher
         # classes, which would preempt it straight back (the top class however young it is:
         # one such job evicted the starving job 14 times, each time it had just started).
@@ -80,6 +81,8 @@ class Cycle(Reservations):
             head = heads.get(job.team)
             if head is not None and head[0] is not job and ts.used + job.gpus <= ts.team.nominal_gpus:
                 self.behind[job.id] = head[0]
+                if under and head[1] > prio:
+                    self._under(job, prio)
 
         for prio in sorted(bands, reverse=True):
             if early is not None and early[1] == prio:
@@ -99,7 +102,6 @@ class Cycle(Reservations):
                 # order is computed there (no need to walk the fair-share order here).
                 active = [j for j in jobs if j.gpus > 0 and j.not_before <= now]
                 if active:
-                    borrowers.setdefault(prio, {}).setdefault(team, []).extend(active)
                     if team not in heads or heads[team][1] < prio:
                         fit = [j for j in active if j.gpus <= ts.limit and self._fits_cluster(j)]
                         if fit:
@@ -110,6 +112,9 @@ class Cycle(Reservations):
                         for j in active:
                             if j.gpus <= room and j is not head[0]:
                                 self.behind[j.id] = head[0]
+                                if under and head[1] > prio:
+                                    self._under(j, prio)
+                    borrowers.setdefault(prio, {}).setdefault(team, []).extend(active)
                 if len(active) < len(jobs):
                     for job in jobs:
                         if not (job.gpus > 0 and job.not_before <= now):
@@ -132,14 +137,67 @@ class Cycle(Reservations):
             if late is not None and late[1] >= prio:
                 self._consider(*late)
                 late = None
+            done = self.under_done
             order = self._fair_share_order(borrowers[prio], key, prio)
+            if done:  # hot: most cycles have none, and the queue's tail passes through here
+                order = (j for j in order if j.id not in done)
+            # Teams with lower-class jobs to go right after their last job of this class: how
+            # many of those jobs are still to come.
+            left = {t: len(borrowers[prio][t]) for t in self._unders_after(borrowers, prio)}
             for job in order:
                 if self.saturated or self._saturated():
                     self._wait(itertools.chain((job,), order), prio)
                     break
                 self._consider(job, prio)
+                if left and job.team in left:
+                    left[job.team] -= 1
+                    if left[job.team] == 0:
+                        del left[job.team]
+                        self._consider_unders(job.team, key, prio)
+            for team in left:  # the rest of the class waited in bulk (`_wait`)
+                self._consider_unders(team, key, prio)
         if late is not None:
             self._consider(*late)
+
+    def _under(self, job: PendingJob, prio: int) -> None:
+        """`job` waits behind its team's higher-class head that must borrow, yet fits in its
+        team's unused nominal quota: with `quota_under_head` it goes after its team's jobs of
+        the next class up (`_consider_unders`)."""
+        self.unders.setdefault(job.team, []).append((job, prio))
+
+    def _unders_after(self, borrowers: dict[int, dict[str, list[PendingJob]]], prio: int) -> list[str]:
+        """Teams with jobs behind their head (`_under`) that go right after the team's jobs
+        of class `prio` in the borrowing pass: the lowest of its classes there above theirs."""
+        out = []
+        for team, unders in self.unders.items():
+            if team in borrowers.get(prio, {}) and any(
+                min((p for p in borrowers if p > q and borrowers[p].get(team)), default=None) == prio
+                for _, q in unders
+            ):
+                out.append(team)
+        return out
+
+    def _consider_unders(self, team: str, key: Callable[[PendingJob], tuple[Any, ...]], after: int) -> None:
+        """Right after its last job of class `after`, the next class up, a team's lower-class
+        jobs that fit in its unused nominal quota take it, reclaiming it from borrowers of
+        classes below `after` (back in the queue, those come after them and cannot take it
+        straight back), as the head's tenants: it evicts them, however young, once that
+        lets it start. A borrower ahead of them is never their victim, nor is the GPU it
+        takes. With them in the entitled pass instead, ahead of the borrowers, a higher-class
+        borrower took back what they took, and the head and they took turns (the livelock
+        fuzz: 121 of 1,800 runs thrashed or never finished); right after the head, they
+        jumped their team's classes between theirs and the head's; reclaiming from the
+        class of the jobs they follow, ordered by fair share, one was taken back over a
+        thousand times (another job's held GPUs counted in its team's share)."""
+        ts = self._team(team)
+        for job, prio in sorted(self.unders[team], key=lambda jp: (-jp[1], key(jp[0]))):
+            if job.id in self.under_done or prio >= after:
+                continue
+            if ts.used + job.gpus > ts.team.nominal_gpus:
+                continue  # behind its head, in its own class: idle GPUs only
+            self.under_done.add(job.id)
+            self.under_head[job.id] = after
+            self._consider(job, prio)
 
     def _fits_cluster(self, job: PendingJob) -> bool:
         """Could the job ever run here (enough GPUs of a class it accepts, on one node if
@@ -279,7 +337,8 @@ class Cycle(Reservations):
                 )
                 return
             self.fail_release[shape] = n
-        if self.evictions_left > 0 and job.id not in self.behind and self._try_preempt(job, ts):
+        may_preempt = job.id not in self.behind or job.id in self.under_head
+        if self.evictions_left > 0 and may_preempt and self._try_preempt(job, ts):
             return
         self._blocked(job, ts, quota_ok, prio)
 
@@ -292,7 +351,7 @@ class Cycle(Reservations):
         now, waiting, reasons, impossible = self.now, self.decision.waiting, self.reasons, self.impossible
         young_min, preemption, backfill = self.young_min, self.cfg.preemption, self.cfg.backfill
         teams, behind = self.teams, self.behind
-        resv = self.cfg.reservations
+        resv, under = self.cfg.reservations, self.cfg.quota_under_head
         higher = 0
         for p, k in self.blocked.items():
             if p > prio:
@@ -309,7 +368,11 @@ class Cycle(Reservations):
             if (
                 n <= 0
                 or self.blocker is not None
-                or (head is None and self.evictions_left > 0 and self._could_preempt(job, ts))
+                or (
+                    head is None
+                    and self.evictions_left > 0
+                    and (self._could_preempt(job, ts) or (under and self._evicts_tenants(job)))
+                )
                 or (resv and self._wants_reservation(job, ts, prio))
             ):
                 self.blocked[prio] = same

@@ -141,6 +141,13 @@ class CycleState:
         self.blocker: PendingJob | None = None  # first blocked job when backfill is off
         self.behind: dict[str, PendingJob] = {}  # job -> its team's head it waits behind
         self.tenant_teams: set[str] = set()  # teams whose head looked for tenants (preemption.py)
+        # `quota_under_head`: per team, its jobs behind a higher-class head that must borrow
+        # which fit in its unused nominal quota (job, class)...
+        self.unders: dict[str, list[tuple[PendingJob, int]]] = {}
+        self.under_done: set[str] = set()  # ...those considered right after their head...
+        self.under_head: dict[str, int] = {}  # ...of them, those that may reclaim: job -> its head's class
+        # Each team's first job sent to the borrowing pass (job, class): its head.
+        self.heads: dict[str, tuple[PendingJob, int]] = {}
         self.blocked: dict[int, int] = {}  # blocked jobs so far, by (effective) class
         self.fail_soon: dict[tuple[object, ...], int] = {}  # smallest job _soon() found no room for
         self.impossible: dict[tuple[SpotPolicy, int], str | None] = {}  # memo of impossible_reason()

@@ -68,6 +68,16 @@ class PolicyConfig:
     # (the longest 61 min instead of 301), but the high class waited 0.95 min against
     # Slurm's 0.43 (one 32-GPU job, 87 min) and avg JCT rose 1.5% without SIGTERM checkpoints.
     reclaim_preempts_young: bool = False
+    # A team's lower-class job that fits in the team's unused nominal quota while its head
+    # (a higher class) must borrow: it goes right after its team's jobs of the next class
+    # up, takes what idle GPUs are left, and reclaims its team's quota from borrowers of
+    # lower classes than those, as its head's tenant (the head evicts it, however young,
+    # once that lets it start: no class jumping). Without it such a job waits for idle GPUs
+    # while its team's quota stays lent out. Off by default, a trade (BENCHMARKS.md, "The
+    # quota under a borrowing head"): the longest wait in unused quota 61 -> 18 min with
+    # SIGTERM checkpoints (301 -> 22 without), but the worst trace against Tiresias 1.060.
+    # Not with easy_backfill: the livelock fuzz found a thrash there.
+    quota_under_head: bool = False
     # Within a team and class: "las" (least attained GPU-service first: jobs that were
     # preempted or ran long wait behind fresh ones, which shortens completion times when job
     # lengths are heavy-tailed), "srpt" (least remaining GPU-time first, counted from the
@@ -153,6 +163,11 @@ class PolicyConfig:
             raise ConfigError(
                 f"victim_order must be 'least_lost' or 'smallest', not {self.victim_order!r}; "
                 "e.g. victim_order = 'smallest'."
+            )
+        if self.quota_under_head and self.easy_backfill:
+            raise ConfigError(
+                "quota_under_head and easy_backfill do not go together (a head's reservation comes "
+                "and goes as its tenants start and leave, and they thrash): turn one off."
             )
         if self.min_runtime_s < 0:
             raise ConfigError(f"min_runtime_s must be >= 0 seconds, not {self.min_runtime_s}; e.g. 600.")

@@ -51,14 +51,18 @@ class Preemption(CycleState):
         n = job.gpus
         reclaim = ts.used + n <= ts.team.nominal_gpus
         quota_gap = ts.used + n - ts.limit  # GPUs its own team must give up first
-        shape = (job.team, job.priority, reclaim, job.spot, job.cpus / n, job.memory_gb / n)
+        under = job.id in self.under_head  # reclaims from fewer victims (`_after_head`)
+        shape = (job.team, job.priority, reclaim, job.spot, job.cpus / n, job.memory_gb / n, under)
         if n >= self.fail_evict.get(shape, n + 1):
             return False
         tenants: list[ActiveJob] = []
-        if quota_gap > 0 and job.team not in self.tenant_teams:
+        head = quota_gap > 0 or (self.cfg.quota_under_head and not reclaim)
+        if head and job.team not in self.tenant_teams:
             # The team's first job over its limit (its highest class, as jobs are considered)
             # may take back the GPUs its lower classes started on since it came; only the
-            # first, so the shape memo above stays true for the team's other jobs.
+            # first, so the shape memo above stays true for the team's other jobs. With
+            # `quota_under_head`, so may its first job that must borrow: its lower classes
+            # reclaimed the team's quota as its tenants.
             self.tenant_teams.add(job.team)
             tenants = self._tenants(job)
         # The top class may also evict lower-class jobs too young to be victims, after
@@ -185,6 +189,19 @@ class Preemption(CycleState):
             key=self._victim_order,
         )
 
+    def _after_head(self, v: ActiveJob, job: PendingJob, taken: int) -> bool:
+        """May `job`, behind its team's head, reclaim `v` (`quota_under_head`)? Only a job on
+        borrowed GPUs of a class below the one `job` went right after (`_consider_unders`)."""
+        vt = self._team(v.team)
+        return vt.over_nominal(taken) and self._borrowing(v) and self._held_rank(v) < self.under_head[job.id]
+
+    def _evicts_tenants(self, job: PendingJob) -> bool:
+        """Is `job` its team's head that must borrow, with tenants to evict (however young)?"""
+        head = self.heads.get(job.team)
+        if not self.cfg.quota_under_head or head is None or head[0] is not job:
+            return False
+        return job.team not in self.tenant_teams and bool(self._tenants(job))
+
     def _may_evict(self, v: ActiveJob, job: PendingJob, reclaim: bool, taken: int = 0) -> bool:
         """May `v` step aside for `job` (`taken`: GPUs of `v`'s team already chosen)?
         - same team: only for a higher class;
@@ -192,6 +209,8 @@ class Preemption(CycleState):
           class while `v`'s team is above its nominal (reclaiming borrowed GPUs);
         - `job` would borrow: a lower class, and only if `v`'s team stays at or above its
           nominal without it; else `v` would be entitled to reclaim at once (a livelock)."""
+        if job.id in self.under_head:  # its team's quota only: borrowed GPUs of other teams
+            return reclaim and v.team != job.team and self._after_head(v, job, taken)
         lower = self._held_rank(v) < job.priority
         if v.team == job.team:
             # Within a class, never a job the starvation guard would start first again.

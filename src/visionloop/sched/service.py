@@ -96,6 +96,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             min_runtime_s=t.min_runtime_s,
             top_class_preempts_young=t.top_class_preempts_young,
             reclaim_preempts_young=t.reclaim_preempts_young,
+            quota_under_head=t.quota_under_head,
             order=t.order,
             srpt_preemption=t.srpt_preemption,
             las_preemption=t.las_preemption,

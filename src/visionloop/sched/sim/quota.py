@@ -2,13 +2,18 @@
 nominal quota should get it within a cycle plus the grace period (the time a reclaim takes).
 Each unbroken stretch a team spends so is recorded: the total, the longest, how many outlast
 the guarantee, and of those how many began with fewer GPUs up than the quotas add up to (a
-spot node down: then not every team can have its quota, whatever the policy)."""
+spot node down: then not every team can have its quota, whatever the policy).
+
+A second measure counts only what some policy could have done: stretches in which the
+GPUs existed, free or lent to teams beyond their own nominal quota, of a kind the job
+accepts (a job that never runs on spot cannot be given its quota on spot GPUs).
+`waiting_reclaimable` picks those teams."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from visionloop.sched.view import Team
+from visionloop.sched.view import SpotPolicy, Team
 
 
 def waiting_in_quota(
@@ -20,6 +25,31 @@ def waiting_in_quota(
     for name, gpus in queued:
         team = teams.get(name)
         if team is not None and gpus <= team.nominal_gpus - held.get(name, 0):
+            out.add(name)
+    return out
+
+
+def waiting_reclaimable(
+    queued: Iterable[tuple[str, int, SpotPolicy]],
+    held: Mapping[str, tuple[int, int]],
+    free: tuple[int, int],
+    teams: Mapping[str, Team],
+) -> set[str]:
+    """Teams with a queued job (team, GPUs, spot policy) that fits in their unused nominal
+    quota and that the GPUs up could hold: free ones plus those other teams hold beyond
+    their nominal quota. `held` and `free` count (GPUs not on spot, GPUs on spot)."""
+    out = set()
+    for name, gpus, spot in queued:
+        team = teams.get(name)
+        own = held.get(name, (0, 0))
+        if name in out or team is None or gpus > team.nominal_gpus - own[0] - own[1]:
+            continue
+        room = free[0] + (free[1] if spot != "never" else 0)
+        for other, (fixed, on_spot) in held.items():
+            lent = fixed + on_spot - (teams[other].nominal_gpus if other in teams else 0)
+            if other != name and lent > 0:
+                room += min(lent, fixed + (on_spot if spot != "never" else 0))
+        if gpus <= room:
             out.add(name)
     return out
 
