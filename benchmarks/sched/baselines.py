@@ -175,9 +175,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--reclaim-young",
-        action="store_true",
-        help="visionloop's reclaim_preempts_young: a team takes back borrowed GPUs from jobs however "
-        "young (but the top class)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="visionloop's reclaim_preempts_young (on by default): a team takes back borrowed GPUs "
+        "from jobs however young (but the top class) that checkpoint at SIGTERM",
     )
     ap.add_argument(
         "--quota-under-head",

@@ -47,7 +47,7 @@ def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
             "easy_backfill": True,
             "victim_order": "smallest",
             "top_class_preempts_young": False,
-            "reclaim_preempts_young": True,
+            "reclaim_preempts_young": False,
         }
         if easy
         else {"quota_under_head": True}
@@ -97,7 +97,7 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
         policy.reclaim_preempts_young,
         policy.quota_under_head,
     )
-    on, off = (True, "smallest", False, True, False), (False, "least_lost", True, False, True)
+    on, off = (True, "smallest", False, False, False), (False, "least_lost", True, True, True)
     assert switches == (on if plane.config.timings.easy_backfill else off)
     running = _submit(cp, digits_dataset, 1, "1h", "running")
     plane.cycle()

@@ -76,10 +76,10 @@ def test_las_preemption_and_its_threshold_come_from_the_scheduler_section() -> N
     assert (t.las_preemption, t.las_threshold_gpu_s) == (False, 7200.0)
 
 
-def test_reclaim_preempts_young_is_off_unless_the_scheduler_section_says_so() -> None:
-    assert parse_cluster_config({}).timings.reclaim_preempts_young is False
-    t = parse_cluster_config({"scheduler": {"reclaim_preempts_young": True}}).timings
-    assert t.reclaim_preempts_young is True
+def test_reclaim_preempts_young_is_on_unless_the_scheduler_section_says_not() -> None:
+    assert parse_cluster_config({}).timings.reclaim_preempts_young is True
+    t = parse_cluster_config({"scheduler": {"reclaim_preempts_young": False}}).timings
+    assert t.reclaim_preempts_young is False
     with pytest.raises(ConfigError, match=r"scheduler\.reclaim_preempts_young must be true or false"):
         parse_cluster_config({"scheduler": {"reclaim_preempts_young": "yes"}})
 

@@ -156,19 +156,25 @@ def test_reclaim_evicts_only_borrowed_jobs_least_work_lost_first() -> None:
 def test_reclaim_takes_borrowed_gpus_from_the_lowest_classes_never_a_high_job_its_nominal_covers() -> None:
     """Trace 6 in miniature: team r (nominal 13) runs a 12-GPU high job and, on borrowed GPUs,
     an 8-GPU low job that started 2 minutes ago. Team d reclaims 8 GPUs of its nominal: with
-    `reclaim_preempts_young` the low job's at once, however young; never the high one's."""
+    `reclaim_preempts_young` (the default) the low job's at once, however young, as it writes
+    a checkpoint at SIGTERM; never the high one's."""
     teams = [Team("d", 12, borrow_limit=8), Team("r", 13, borrow_limit=8)]
     gpus = node_gpus("n0", 20)
     ids = [g.id for g in gpus]
-    high = r("high", ids[:12], team="r", prio=HIGH, started=NOW - 3600)
-    young_low = r("low", ids[12:20], team="r", prio=LOW, started=NOW - 120)
+    high = r("high", ids[:12], team="r", prio=HIGH, started=NOW - 3600, ckpt_at_stop=True)
+    young_low = r("low", ids[12:20], team="r", prio=LOW, started=NOW - 120, ckpt_at_stop=True)
     want = q("d-job", gpus=8, team="d", t=NOW - 10)
-    eager = PolicyConfig(reclaim_preempts_young=True)
+    eager = CFG
+    assert eager.reclaim_preempts_young
     d = schedule(view(gpus, [want], [high, young_low], teams), eager)
     assert [(e.job_id, e.for_job) for e in d.evictions] == [("low", "d-job")]
-    # Without it (the default), d waits for the low job to become preemptible rather than
-    # evicting the high one...
-    patient = CFG
+    # A young job that would lose all it did (no checkpoint at SIGTERM) keeps min_runtime_s.
+    losing = r("low", ids[12:20], team="r", prio=LOW, started=NOW - 120)
+    d = schedule(view(gpus, [want], [high, losing], teams), eager)
+    assert d.evictions == [] and "become preemptible after 600 s" in d.waiting["d-job"]
+    # With it off, d waits for the low job to become preemptible rather than evicting the
+    # high one...
+    patient = PolicyConfig(aging_s=None, reclaim_preempts_young=False)
     d = schedule(view(gpus, [want], [high, young_low], teams), patient)
     assert d.evictions == []
     assert "lower-priority jobs become preemptible after 600 s of runtime" in d.waiting["d-job"]
@@ -179,13 +185,13 @@ def test_reclaim_takes_borrowed_gpus_from_the_lowest_classes_never_a_high_job_it
     # A high job beyond what its team's nominal covers still borrows, and is reclaimed: after
     # the young low job of its team that borrows too, or, waiting for that one, itself.
     wide = r("high", ids[:16], team="r", prio=HIGH, started=NOW - 3600)
-    rest = r("low", ids[16:20], team="r", prio=LOW, started=NOW - 120)
+    rest = r("low", ids[16:20], team="r", prio=LOW, started=NOW - 120, ckpt_at_stop=True)
     d = schedule(view(gpus, [q("d-job", gpus=4, team="d", t=NOW - 10)], [wide, rest], teams), eager)
     assert [e.job_id for e in d.evictions] == ["low"]
     d = schedule(view(gpus, [q("d-job", gpus=4, team="d", t=NOW - 10)], [wide, rest], teams), patient)
     assert [e.job_id for e in d.evictions] == ["high"]
     # The top class keeps min_runtime_s even then: a young high job on borrowed GPUs waits.
-    young_high = r("high", ids[:16], team="r", prio=HIGH, started=NOW - 120)
+    young_high = r("high", ids[:16], team="r", prio=HIGH, started=NOW - 120, ckpt_at_stop=True)
     own = r("d0", ids[16:20], team="d", prio=NORMAL, started=NOW - 3600)
     d = schedule(view(gpus, [q("d-job", gpus=4, team="d", t=NOW - 10)], [young_high, own], teams), eager)
     assert d.evictions == []

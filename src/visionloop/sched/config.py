@@ -21,7 +21,7 @@ priority classes.
     grace_s = 120            # SIGTERM → this long to checkpoint and exit 75 → SIGKILL
     min_runtime_s = 600      # a job younger than this is never preempted (but by the top class)
     top_class_preempts_young = true  # the top class (e.g. high) need not wait for min_runtime_s
-    reclaim_preempts_young = false   # true: nor a team taking back its borrowed GPUs (its quota)
+    reclaim_preempts_young = true    # nor a team reclaiming from a job that checkpoints at SIGTERM
     quota_under_head = false # true: a team's lower class reclaims its quota while its head must borrow
     heartbeat_timeout_s = 60 # a running job silent for this long is declared lost
     retry_backoff_s = 30     # first retry delay after a failure; doubles per restart

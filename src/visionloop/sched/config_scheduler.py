@@ -19,7 +19,7 @@ class SchedulerTimings:
     grace_s: float = 120.0
     min_runtime_s: float = 600.0
     top_class_preempts_young: bool = True
-    reclaim_preempts_young: bool = False
+    reclaim_preempts_young: bool = True
     quota_under_head: bool = False
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0

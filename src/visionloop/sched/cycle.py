@@ -88,7 +88,12 @@ class Cycle(Reservations):
             if early is not None and early[1] == prio:
                 head = heads.get(early[0].team)
                 if head is not None and head[1] > prio:
-                    late = early  # behind its team's higher-class job that must borrow
+                    # Behind its team's higher-class job that must borrow: it goes with the
+                    # borrowers and, as any job behind its team's head, neither reclaims nor
+                    # preempts (reclaiming, it flipped with another team's starving job: each
+                    # was the guard's choice while the other waited, 7 evictions in a row).
+                    late = early
+                    self.behind[early[0].id] = head[0]
                 else:
                     self._consider(*early)
                 early = None

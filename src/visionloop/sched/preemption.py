@@ -325,13 +325,15 @@ class Preemption(CycleState):
 
     def _young_borrowers(self, team: str | None = None) -> list[ActiveJob]:
         """Jobs too young to be victims, of teams above their nominal quota (other than
-        `team`), but for the top class: it keeps `min_runtime_s`, as no lower class evicts it
-        young either."""
+        `team`), that write a checkpoint when asked to stop, but for the top class: it keeps
+        `min_runtime_s`, as no lower class evicts it young either. A young job that does not
+        checkpoint at SIGTERM keeps it too: evicted, it would lose all it has done."""
         top = self.ranks[-1] if self.ranks else math.inf
         return [
             v
             for v in self.young
             if v.team != team
+            and v.checkpoints_at_stop
             and v.id not in self.evicted
             and self._held_rank(v) < top
             and self._team(v.team).over_nominal()
