@@ -248,8 +248,8 @@ def test_random_trace_completes_under_both_policies() -> None:
         (True, True, 1.5, False, False, False),
         (False, False, 2.0, True, False, False),
         (True, False, 1.0, True, False, False),
-        # quota_under_head: in the entitled pass (or right after the head, or reclaiming from
-        # the class it follows) its jobs thrashed in 121, 17 and 6 of 1,800 runs of this fuzz.
+        # quota_under_head: in the entitled pass, reclaiming from the class it follows, or
+        # right after the head, its jobs thrashed in 121, 17 and 2 of 1,800 runs of this fuzz.
         (False, False, None, False, True, False),
         (False, False, 2.0, True, True, False),
         # Jobs that checkpoint at SIGTERM: young borrowers are reclaimed (the default).

@@ -190,10 +190,10 @@ class Cycle(Reservations):
         lets it start. A borrower ahead of them is never their victim, nor is the GPU it
         takes. With them in the entitled pass instead, ahead of the borrowers, a higher-class
         borrower took back what they took, and the head and they took turns (the livelock
-        fuzz: 121 of 1,800 runs thrashed or never finished); right after the head, they
-        jumped their team's classes between theirs and the head's; reclaiming from the
-        class of the jobs they follow, ordered by fair share, one was taken back over a
-        thousand times (another job's held GPUs counted in its team's share)."""
+        fuzz: 121 of 1,800 runs thrashed or never finished); reclaiming from the class of
+        the jobs they follow, ordered by fair share, one was taken back over a thousand
+        times (another job's held GPUs counted in its team's share); right after the head,
+        they jumped their team's classes between theirs and the head's."""
         ts = self._team(team)
         for job, prio in sorted(self.unders[team], key=lambda jp: (-jp[1], key(jp[0]))):
             if job.id in self.under_done or prio >= after:
