@@ -933,6 +933,8 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
         top_class_preempts_young=draw(st.booleans()),
         las_preemption=draw(st.booleans()),
         las_threshold_gpu_s=draw(st.sampled_from([1500.0, 3250.0])),
+        reclaim_preempts_young=draw(st.booleans()),
+        quota_under_head=draw(st.booleans()),
     )
     return view(gpus, queued, running, teams), cfg
 
@@ -982,7 +984,19 @@ def test_invariants(vc: tuple[ClusterView, PolicyConfig]) -> None:
             and head.priority == max(cfg.priorities.values())
             and victim.priority < head.priority
         )
-        assert victim.preemptible and (v.now - victim.started_at >= cfg.min_runtime_s or tenant or for_top)
+        # ...or, with `reclaim_preempts_young`, another team's borrower below the top class
+        # that checkpoints at SIGTERM (it loses only the grace period).
+        nominal = v.teams[victim.team].nominal_gpus if victim.team in v.teams else 0
+        reclaimed = (
+            cfg.reclaim_preempts_young
+            and head is not None
+            and victim.checkpoints_at_stop
+            and victim.team != head.team
+            and victim.priority < max(cfg.priorities.values())
+            and sum(len(j.gpu_ids) for j in v.running if j.team == victim.team) > nominal
+        )
+        young_ok = tenant or for_top or reclaimed
+        assert victim.preemptible and (v.now - victim.started_at >= cfg.min_runtime_s or young_ok)
         assert e.for_job in queued and e.reason and head is not None
         if victim.team == head.team and victim.priority >= head.priority:
             # Within a team and class only "srpt" preemption evicts, and only a job with more
