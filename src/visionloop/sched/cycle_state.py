@@ -144,8 +144,9 @@ class CycleState:
         # `quota_under_head`: per team, its jobs behind a higher-class head that must borrow
         # which fit in its unused nominal quota (job, class)...
         self.unders: dict[str, list[tuple[PendingJob, int]]] = {}
-        self.under_done: set[str] = set()  # ...those considered right after their head...
-        self.under_head: dict[str, int] = {}  # ...of them, those that may reclaim: job -> its head's class
+        self.under_done: set[str] = set()  # ...those considered after their team's next class up...
+        # ...and so may reclaim: job -> that class (its victims' must be lower: `_after_head`)
+        self.under_head: dict[str, int] = {}
         # Each team's first job sent to the borrowing pass (job, class): its head.
         self.heads: dict[str, tuple[PendingJob, int]] = {}
         self.blocked: dict[int, int] = {}  # blocked jobs so far, by (effective) class

@@ -9,9 +9,12 @@ nominal quota reclaims borrowed GPUs whatever their class: those of the lender's
 classes, as its nominal covers its highest classes first (`_borrowing`). Victims lose the
 least work: lowest class first, then the least GPU-time since their last checkpoint; never a
 job that is already leaving or has run less than `min_runtime_s` — except for a job of the
-top class (`top_class_preempts_young`), and a tenant: a job of a lower class that started
+top class (`top_class_preempts_young`), for a reclaim, a borrower that writes a checkpoint
+at SIGTERM (`reclaim_preempts_young`), and a tenant: a job of a lower class that started
 while its own team's head waited for the team's limit (no class jumping: it may use the
-idle GPUs meanwhile, and steps aside as soon as they let the head start).
+idle GPUs meanwhile, and steps aside as soon as they let the head start), or, with
+`quota_under_head`, while the head had to borrow. Such a job behind its head reclaims only
+borrowers of classes below those it follows (`_after_head`).
 Greedy in that order until the job fits, then every victim it can do without is dropped
 again.
 """
