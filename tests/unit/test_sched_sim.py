@@ -29,7 +29,7 @@ from visionloop.sched.sim import (
     spot_trace,
     summarize,
 )
-from visionloop.sched.sim.quota import waiting_reclaimable
+from visionloop.sched.sim.quota import waiting_in_quota
 from visionloop.sched.view import ClusterView, Decision, Eviction, Placement, Team
 
 VL = partial(schedule, config=PolicyConfig(same_node=False))
@@ -506,14 +506,15 @@ def test_what_a_policy_could_give_counts_free_and_lent_gpus_of_a_kind_the_job_ac
     teams = {"a": Team("a", 4), "b": Team("b", 2)}
     # b holds 4 (2 beyond its nominal), 1 on a fixed GPU and 3 on spot; 1 GPU is free.
     held = {"b": (1, 3)}
-    assert waiting_reclaimable([("a", 3, "allowed")], held, (1, 0), teams) == {"a"}  # 1 + 2 lent
-    assert waiting_reclaimable([("a", 4, "allowed")], held, (1, 0), teams) == set()
-    assert waiting_reclaimable([("a", 2, "never")], held, (1, 0), teams) == {"a"}  # the fixed one
-    assert waiting_reclaimable([("a", 3, "never")], held, (1, 0), teams) == set()
+    assert waiting_in_quota([("a", 4, "allowed")], held, (1, 0), teams) == ({"a"}, set())  # fits, not there
+    assert waiting_in_quota([("a", 3, "allowed")], held, (1, 0), teams)[1] == {"a"}  # 1 + 2 lent
+    assert waiting_in_quota([("a", 4, "allowed")], held, (1, 0), teams)[1] == set()
+    assert waiting_in_quota([("a", 2, "never")], held, (1, 0), teams)[1] == {"a"}  # the fixed one
+    assert waiting_in_quota([("a", 3, "never")], held, (1, 0), teams)[1] == set()
     # A job that does not fit in its team's unused quota is not the guarantee's business.
-    assert waiting_reclaimable([("a", 3, "allowed")], {**held, "a": (2, 0)}, (1, 0), teams) == set()
+    assert waiting_in_quota([("a", 3, "allowed")], {**held, "a": (2, 0)}, (1, 0), teams) == (set(), set())
     # Another of the team's jobs may still fit.
-    assert waiting_reclaimable([("a", 5, "allowed"), ("a", 1, "never")], held, (0, 0), teams) == {"a"}
+    assert waiting_in_quota([("a", 5, "allowed"), ("a", 1, "never")], held, (0, 0), teams)[1] == {"a"}
 
 
 @pytest.mark.parametrize("history", [True, False], ids=["history", "no-history"])

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from visionloop.core.errors import VisionloopError
 from visionloop.sched.sim.cluster import ClusterSpec
 from visionloop.sched.sim.observe import cluster_view, history_key, last_checkpoint
-from visionloop.sched.sim.quota import QuotaWatch, waiting_in_quota, waiting_reclaimable
+from visionloop.sched.sim.quota import QuotaMeter
 from visionloop.sched.sim.trace import TraceJob
 from visionloop.sched.view import (
     DEFAULT_PRIORITIES,
@@ -127,7 +127,7 @@ class SimResult:
     # node down): then not every team can have its quota, whatever the policy.
     quota_wait_late_short: int = 0
     # The same, counting only while the GPUs existed: free, or lent to teams beyond their
-    # nominal quota, of a kind the job accepts (`quota.waiting_reclaimable`). What remains
+    # nominal quota, of a kind the job accepts (`quota.waiting_in_quota`). What remains
     # is what the policy, not the cluster, failed to give.
     quota_wait_late_reclaimable: int = 0
     quota_wait_longest_reclaimable_s: dict[str, float] = field(default_factory=dict)
@@ -216,8 +216,7 @@ class Simulation:
         self.useful = 0.0
         self.contended: dict[str, float] = {}
         self.contended_s = 0.0
-        self.quota = QuotaWatch(self.teams, self.cfg.tick_s + self.cfg.grace_s)
-        self.quota_reclaimable = QuotaWatch(self.teams, self.cfg.tick_s + self.cfg.grace_s)
+        self.quota = QuotaMeter(self.teams, self.cfg.tick_s + self.cfg.grace_s)
         self.evicted_for: dict[str, list[float]] = {}  # job -> when evictions were made for it
         self.named_evictions = 0
         self.wasted_evictions = 0
@@ -257,11 +256,8 @@ class Simulation:
             if done == len(self.jobs):
                 break
             contended = False
-            under_quota: set[str] = set()
-            reclaimable: set[str] = set()
             if any(j.state == "queued" for j in self.jobs.values()):
                 decision = self._cycle(t)
-                under_quota, reclaimable = self._under_quota()
                 waiting_teams = {j.spec.team for j in self.jobs.values() if j.state == "queued"}
                 contended = bool(self.teams) and waiting_teams >= set(self.teams)
                 if self._stuck(decision):
@@ -269,10 +265,12 @@ class Simulation:
                 if self.next_tick <= t:
                     self.next_tick = t + self.cfg.tick_s
                     self._push(self.next_tick, _TICK)
-            self.quota.update(t, under_quota, self._up_gpus)
-            self.quota_reclaimable.update(t, reclaimable, self._up_gpus)
+            # After this cycle's decision: the time a team's fitting job waits from here on is
+            # where the quota guarantee is not kept (at once).
+            queued = (j.spec for j in self.jobs.values() if j.state == "queued")
+            held = {g: j.spec.team for g, j in self.holder.items()}
+            self.quota.update(t, ((s.team, s.gpus, s.spot) for s in queued), self._gpus(), held)
         self.quota.close(stop)  # what the run saw: not past max_time_s
-        self.quota_reclaimable.close(stop)
         return self._result(start, t)
 
     def _handle(self, t: float, kind: int, key: str, epoch: int) -> int:
@@ -358,9 +356,6 @@ class Simulation:
 
     # ----------------------------------------------------------------- cycles
 
-    def _up_gpus(self) -> int:
-        return sum(1 for g in self._gpus() if g.up)
-
     def _gpus(self) -> list[Gpu]:
         if self._gpus_cache is None:
             self._gpus_cache = [g for n in self.cluster.nodes for g in n.gpu_list(self.node_up[n.name])]
@@ -403,30 +398,6 @@ class Simulation:
             raise SimError(f"t={t}: queued job(s) {silent[:5]} neither placed nor given a reason")
         return decision
 
-    def _under_quota(self) -> tuple[set[str], set[str]]:
-        """Teams with a queued job that fits in their unused nominal quota after this cycle's
-        decision: the time they spend so is where the quota guarantee is not kept (at once);
-        and those of them whose job the GPUs up could hold (`quota.waiting_reclaimable`)."""
-        held: dict[str, int] = {}
-        for j in self.holder.values():
-            held[j.spec.team] = held.get(j.spec.team, 0) + 1
-        queued = [j.spec for j in self.jobs.values() if j.state == "queued"]
-        fits = waiting_in_quota(((q.team, q.gpus) for q in queued), held, self.teams)
-        if not fits:
-            return fits, set()
-        by_kind: dict[str, tuple[int, int]] = {}
-        free = [0, 0]
-        for g in self._gpus():
-            spot = int(g.spot)
-            holder = self.holder.get(g.id)
-            if holder is not None:
-                k = by_kind.get(holder.spec.team, (0, 0))
-                by_kind[holder.spec.team] = (k[0] + 1 - spot, k[1] + spot)
-            elif g.up:
-                free[spot] += 1
-        mine = ((q.team, q.gpus, q.spot) for q in queued if q.team in fits)
-        return fits, waiting_reclaimable(mine, by_kind, (free[0], free[1]), self.teams)
-
     def _stuck(self, decision: Decision) -> bool:
         """Nothing running, nothing coming, every node up, and the policy placed nothing:
         the remaining jobs can never run (the policy reported them as impossible)."""
@@ -455,12 +426,12 @@ class Simulation:
             unfinished=[j.spec.id for j in self.jobs.values() if j.state != "done"],
             contended_team_gpu_s=self.contended,
             contended_s=self.contended_s,
-            quota_wait_s=self.quota.total_s,
-            quota_wait_longest_s=self.quota.longest_s,
-            quota_wait_late=self.quota.late,
-            quota_wait_late_short=self.quota.late_short,
-            quota_wait_late_reclaimable=self.quota_reclaimable.late,
-            quota_wait_longest_reclaimable_s=self.quota_reclaimable.longest_s,
+            quota_wait_s=self.quota.every.total_s,
+            quota_wait_longest_s=self.quota.every.longest_s,
+            quota_wait_late=self.quota.every.late,
+            quota_wait_late_short=self.quota.every.late_short,
+            quota_wait_late_reclaimable=self.quota.reclaimable.late,
+            quota_wait_longest_reclaimable_s=self.quota.reclaimable.longest_s,
             named_evictions=self.named_evictions,
             # Those whose job never started count as wasted too.
             wasted_evictions=self.wasted_evictions + sum(len(v) for v in self.evicted_for.values()),

@@ -7,42 +7,34 @@ spot node down: then not every team can have its quota, whatever the policy).
 A second measure counts only what some policy could have done: stretches in which the
 GPUs existed, free or lent to teams beyond their own nominal quota, of a kind the job
 accepts (a job that never runs on spot cannot be given its quota on spot GPUs).
-`waiting_reclaimable` picks those teams."""
+`waiting_in_quota` picks the teams for both."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from visionloop.sched.view import SpotPolicy, Team
+from visionloop.sched.view import Gpu, SpotPolicy, Team
 
 
 def waiting_in_quota(
-    queued: Iterable[tuple[str, int]], held: Mapping[str, int], teams: Mapping[str, Team]
-) -> set[str]:
-    """Teams with a queued job (team, GPUs) that fits in their unused nominal quota, given
-    the GPUs each team holds."""
-    out = set()
-    for name, gpus in queued:
-        team = teams.get(name)
-        if team is not None and gpus <= team.nominal_gpus - held.get(name, 0):
-            out.add(name)
-    return out
-
-
-def waiting_reclaimable(
     queued: Iterable[tuple[str, int, SpotPolicy]],
     held: Mapping[str, tuple[int, int]],
     free: tuple[int, int],
     teams: Mapping[str, Team],
-) -> set[str]:
+) -> tuple[set[str], set[str]]:
     """Teams with a queued job (team, GPUs, spot policy) that fits in their unused nominal
-    quota and that the GPUs up could hold: free ones plus those other teams hold beyond
-    their nominal quota. `held` and `free` count (GPUs not on spot, GPUs on spot)."""
-    out = set()
+    quota; and those of them with such a job that the GPUs up could hold: free ones plus
+    those other teams hold beyond their nominal quota, of a kind it accepts. `held` (per
+    team) and `free` count (GPUs not on spot, GPUs on spot)."""
+    fits: set[str] = set()
+    reclaimable: set[str] = set()
     for name, gpus, spot in queued:
         team = teams.get(name)
         own = held.get(name, (0, 0))
-        if name in out or team is None or gpus > team.nominal_gpus - own[0] - own[1]:
+        if team is None or gpus > team.nominal_gpus - own[0] - own[1]:
+            continue
+        fits.add(name)
+        if name in reclaimable:
             continue
         room = free[0] + (free[1] if spot != "never" else 0)
         for other, (fixed, on_spot) in held.items():
@@ -50,8 +42,47 @@ def waiting_reclaimable(
             if other != name and lent > 0:
                 room += min(lent, fixed + (on_spot if spot != "never" else 0))
         if gpus <= room:
-            out.add(name)
-    return out
+            reclaimable.add(name)
+    return fits, reclaimable
+
+
+class QuotaMeter:
+    """Both measures over a run: `every` counts each stretch, `reclaimable` only while the
+    GPUs were there to give. `update` after every cycle, `close` at the end of the run."""
+
+    def __init__(self, teams: Mapping[str, Team], guarantee_s: float) -> None:
+        self.teams = teams
+        self.every = QuotaWatch(teams, guarantee_s)
+        self.reclaimable = QuotaWatch(teams, guarantee_s)
+
+    def update(
+        self,
+        t: float,
+        queued: Iterable[tuple[str, int, SpotPolicy]],
+        gpus: Iterable[Gpu],
+        team_of: Mapping[str, str],
+    ) -> None:
+        """After a cycle: the queued jobs (team, GPUs, spot policy), the GPUs, and the team
+        that holds each held GPU."""
+        held: dict[str, tuple[int, int]] = {}
+        free = [0, 0]
+        up = 0
+        for g in gpus:
+            spot = int(g.spot)
+            team = team_of.get(g.id)
+            if team is not None:
+                k = held.get(team, (0, 0))
+                held[team] = (k[0] + 1 - spot, k[1] + spot)
+            elif g.up:
+                free[spot] += 1
+            up += g.up
+        fits, reclaimable = waiting_in_quota(queued, held, (free[0], free[1]), self.teams)
+        self.every.update(t, fits, lambda: up)
+        self.reclaimable.update(t, reclaimable, lambda: up)
+
+    def close(self, t: float) -> None:
+        self.every.close(t)
+        self.reclaimable.close(t)
 
 
 class QuotaWatch:
