@@ -19,11 +19,11 @@ from typing import Any
 from visionloop.sched.cycle_state import TeamState
 from visionloop.sched.placement import merge, pick
 from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus, plural
-from visionloop.sched.reservation import Reservations
+from visionloop.sched.under_head import UnderHead
 from visionloop.sched.view import PendingJob, planned_runtime_s, remaining_gpu_s
 
 
-class Cycle(Reservations):
+class Cycle(UnderHead):
     """One scheduling cycle: `Cycle(view, config).run()` fills `.decision`."""
 
     def run(self) -> None:
@@ -138,6 +138,7 @@ class Cycle(Reservations):
                 else:
                     self._consider(job, prio)
             self._wait(rest, prio)
+        after = self._unders_after(borrowers) if self.unders else {}
         for prio in sorted(borrowers, reverse=True):
             if late is not None and late[1] >= prio:
                 self._consider(*late)
@@ -148,7 +149,7 @@ class Cycle(Reservations):
                 order = (j for j in order if j.id not in done)
             # Teams with lower-class jobs to go right after their last job of this class: how
             # many of those jobs are still to come.
-            left = {t: len(borrowers[prio][t]) for t in self._unders_after(borrowers, prio)}
+            left = {t: len(borrowers[prio][t]) for t in after.get(prio, ())}
             for job in order:
                 if self.saturated or self._saturated():
                     self._wait(itertools.chain((job,), order), prio)
@@ -163,46 +164,6 @@ class Cycle(Reservations):
                 self._consider_unders(team, key, prio)
         if late is not None:
             self._consider(*late)
-
-    def _under(self, job: PendingJob, prio: int) -> None:
-        """`job` waits behind its team's higher-class head that must borrow, yet fits in its
-        team's unused nominal quota: with `quota_under_head` it goes after its team's jobs of
-        the next class up (`_consider_unders`)."""
-        self.unders.setdefault(job.team, []).append((job, prio))
-
-    def _unders_after(self, borrowers: dict[int, dict[str, list[PendingJob]]], prio: int) -> list[str]:
-        """Teams with jobs behind their head (`_under`) that go right after the team's jobs
-        of class `prio` in the borrowing pass: the lowest of its classes there above theirs."""
-        out = []
-        for team, unders in self.unders.items():
-            if team in borrowers.get(prio, {}) and any(
-                min((p for p in borrowers if p > q and borrowers[p].get(team)), default=None) == prio
-                for _, q in unders
-            ):
-                out.append(team)
-        return out
-
-    def _consider_unders(self, team: str, key: Callable[[PendingJob], tuple[Any, ...]], after: int) -> None:
-        """Right after its last job of class `after`, the next class up, a team's lower-class
-        jobs that fit in its unused nominal quota take it, reclaiming it from borrowers of
-        classes below `after` (back in the queue, those come after them and cannot take it
-        straight back), as the head's tenants: it evicts them, however young, once that
-        lets it start. A borrower ahead of them is never their victim, nor is the GPU it
-        takes. With them in the entitled pass instead, ahead of the borrowers, a higher-class
-        borrower took back what they took, and the head and they took turns (the livelock
-        fuzz: 121 of 1,800 runs thrashed or never finished); reclaiming from the class of
-        the jobs they follow, ordered by fair share, one was taken back over a thousand
-        times (another job's held GPUs counted in its team's share); right after the head,
-        they jumped their team's classes between theirs and the head's."""
-        ts = self._team(team)
-        for job, prio in sorted(self.unders[team], key=lambda jp: (-jp[1], key(jp[0]))):
-            if job.id in self.under_done or prio >= after:
-                continue
-            if ts.used + job.gpus > ts.team.nominal_gpus:
-                continue  # behind its head, in its own class: idle GPUs only
-            self.under_done.add(job.id)
-            self.under_head[job.id] = after
-            self._consider(job, prio)
 
     def _fits_cluster(self, job: PendingJob) -> bool:
         """Could the job ever run here (enough GPUs of a class it accepts, on one node if
