@@ -455,6 +455,25 @@ def test_quota_under_head_the_head_evicts_its_young_tenants_once_that_lets_it_st
     assert d.evictions == []
 
 
+def test_quota_under_head_a_lower_class_waits_for_its_teams_classes_between_it_and_the_head() -> None:
+    # a's high head (12 GPUs) must borrow and cannot start. a's small normal job (1) and low
+    # job (2) fit in a's unused quota of 4; its big normal job (8) does not, and borrows.
+    # The small normal job goes right after the head; the low one after a's normal jobs,
+    # so the big one takes 8 of the 9 GPUs left first (it once came after the low one too).
+    teams = [Team("a", 4, borrow_limit=8), Team("b", 4, borrow_limit=4)]
+    gpus = node_gpus("n0", 12)
+    running = [r("b0", ["n0/0", "n0/1"], team="b")]
+    queue = [
+        q("head", 12, team="a", prio=HIGH, t=NOW - 900),
+        q("a-small", 1, team="a", prio=NORMAL, t=NOW - 850),
+        q("a-normal", 8, team="a", prio=NORMAL, t=NOW - 800),
+        q("a-low", 2, team="a", prio=LOW, t=NOW - 700),
+    ]
+    under = PolicyConfig(aging_s=None, quota_under_head=True)
+    d = schedule(view(gpus, queue, running, teams), under)
+    assert set(placed(d)) == {"a-small", "a-normal"} and "behind job head of team a" in d.waiting["a-low"]
+
+
 def test_quota_under_head_is_refused_with_easy_backfill() -> None:
     with pytest.raises(ConfigError, match="quota_under_head and easy_backfill do not go together"):
         PolicyConfig(quota_under_head=True, easy_backfill=True)

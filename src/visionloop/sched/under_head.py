@@ -33,9 +33,12 @@ class UnderHead(Reservations):
         out: dict[int, list[str]] = {}
         for team, unders in self.unders.items():
             above = sorted(p for p, per_team in borrowers.items() if per_team.get(team))
-            for _, q in unders:
+            for job, q in unders:
                 after = next((p for p in above if p > q), None)
-                if after is not None and team not in out.get(after, ()):
+                if after is None:
+                    continue
+                self.under_after[job.id] = after
+                if team not in out.get(after, ()):
                     out.setdefault(after, []).append(team)
         return out
 
@@ -53,8 +56,8 @@ class UnderHead(Reservations):
         they jumped their team's classes between theirs and the head's."""
         ts = self._team(team)
         for job, prio in sorted(self.unders[team], key=lambda jp: (-jp[1], key(jp[0]))):
-            if job.id in self.under_done or prio >= after:
-                continue
+            if job.id in self.under_done or self.under_after.get(job.id) != after:
+                continue  # done, or it goes after a lower class of its team
             if ts.used + job.gpus > ts.team.nominal_gpus:
                 continue  # behind its head, in its own class: idle GPUs only
             self.under_done.add(job.id)
