@@ -435,6 +435,32 @@ def test_quota_under_head_a_lower_class_reclaims_its_teams_quota_while_its_head_
     assert sorted(placed(d)) == ["a-low", "head"] and len(placed(d)["head"]) == 6
 
 
+def test_quota_under_head_reclaims_from_a_borrower_of_its_heads_class_whose_team_comes_later() -> None:
+    """Trace 7's 61-minute wait had b's borrowers in the head's class. a's low job may reclaim
+    such a borrower when b, without it, still holds a larger share than a with the low job:
+    next cycle a's turn in that class comes first, so b's job, back in the queue, cannot take
+    the GPUs straight back."""
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
+    gpus = node_gpus("n0", 8)
+    b_own = r("b-own", [f"n0/{i}" for i in range(4)], team="b", prio=NORMAL, started=NOW - 7200)
+    b_borrow = r("b-borrow", [f"n0/{i}" for i in range(4, 8)], team="b", prio=NORMAL, started=NOW - 1200)
+    queue = [q("head", 6, team="a", prio=NORMAL, t=NOW - 900), q("a-low", 2, team="a", prio=LOW, t=NOW - 600)]
+    under = PolicyConfig(aging_s=None, quota_under_head=True)
+    d = schedule(view(gpus, queue, [b_own, b_borrow], teams), under)
+    # b keeps 4 of 8 GPUs (share 0.5), a takes 2 (0.25): the borrower that loses least goes.
+    assert [(e.job_id, e.reason) for e in d.evictions] == [
+        ("b-borrow", "team a reclaims its nominal quota (4 GPUs) for job a-low")
+    ]
+    # When b weighs four times a's, its share without the borrower (0.5 / 4) is below a's.
+    heavy = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4, weight=4.0)]
+    d = schedule(view(gpus, queue, [b_own, b_borrow], heavy), under)
+    assert d.evictions == [] and "behind job head of team a" in d.waiting["a-low"]
+    # The starvation guard sends its job first in its class whatever the shares: not with it.
+    guard = PolicyConfig(aging_s=None, quota_under_head=True, reserve_after_s=7200.0)
+    d = schedule(view(gpus, queue, [b_own, b_borrow], teams), guard)
+    assert d.evictions == []
+
+
 def test_quota_under_head_the_head_evicts_its_young_tenants_once_that_lets_it_start() -> None:
     # a's low job started (as a tenant) after a's head was submitted; it is young. b borrows 4.
     teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
@@ -472,6 +498,25 @@ def test_quota_under_head_a_lower_class_waits_for_its_teams_classes_between_it_a
     under = PolicyConfig(aging_s=None, quota_under_head=True)
     d = schedule(view(gpus, queue, running, teams), under)
     assert set(placed(d)) == {"a-small", "a-normal"} and "behind job head of team a" in d.waiting["a-low"]
+
+
+def test_quota_under_head_goes_first_in_its_class_when_its_teams_jobs_there_went_already() -> None:
+    # a's high head (8) must borrow. a's normal job (1) waits behind it and goes right after
+    # it (class high); a's low job (1) goes after a's normal jobs, all of them gone already,
+    # so first in the normal class: before b's normal borrower, which once took the last
+    # free GPU while a's low job, considered at the end of the class, found none.
+    teams = [Team("a", 4, borrow_limit=8), Team("b", 0, borrow_limit=8)]
+    running = [r("b-high", [f"n0/{i}" for i in range(6)], team="b", prio=HIGH, started=NOW - 7200)]
+    queue = [
+        q("head", 8, team="a", prio=HIGH, t=NOW - 900),
+        q("a-normal", 1, team="a", prio=NORMAL, t=NOW - 800),
+        q("a-low", 1, team="a", prio=LOW, t=NOW - 700),
+        q("b-normal", 1, team="b", prio=NORMAL, t=NOW - 1000),
+    ]
+    under = PolicyConfig(aging_s=None, quota_under_head=True)
+    d = schedule(view(node_gpus("n0", 8), queue, running, teams), under)
+    assert sorted(placed(d)) == ["a-low", "a-normal"] and d.evictions == []
+    assert d.waiting["b-normal"].startswith("waiting for 1 GPU: 0 free")
 
 
 def test_quota_under_head_is_refused_with_easy_backfill() -> None:

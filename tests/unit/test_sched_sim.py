@@ -237,28 +237,41 @@ def test_random_trace_completes_under_both_policies() -> None:
 # evicted it again at once, 9 and 14 times (cycle.py: it goes first within its class).
 # Seed 270, with SIGTERM checkpoints (young borrowers reclaimed), had two teams' starving
 # jobs take turns: each was the guard's choice while the other waited (cycle.py: one behind
-# its team's head no longer reclaims).
-@pytest.mark.parametrize("seed", [3, 17, 29, 41, 43, 90, 101, 123, 126, 161, 162, 270, 283, 287])
+# its team's head no longer reclaims). Seed 63, without the guard: a job behind its head
+# reclaimed a GPU that a job aged into the class it follows took straight back, 7 times
+# (cycle.py: with none of its team's jobs left in that class, it goes first).
+@pytest.mark.parametrize("seed", [3, 17, 29, 41, 43, 63, 90, 101, 123, 126, 161, 162, 270, 283, 287])
 @pytest.mark.parametrize(
-    ("easy", "tenants", "limit", "srpt", "under", "sigterm"),
+    ("easy", "tenants", "limit", "srpt", "under", "sigterm", "guard"),
     [
-        (False, False, None, False, False, False),
-        (True, False, 2.0, False, False, False),
-        (True, True, None, False, False, False),
-        (True, True, 1.5, False, False, False),
-        (False, False, 2.0, True, False, False),
-        (True, False, 1.0, True, False, False),
+        (False, False, None, False, False, False, True),
+        (True, False, 2.0, False, False, False, True),
+        (True, True, None, False, False, False, True),
+        (True, True, 1.5, False, False, False, True),
+        (False, False, 2.0, True, False, False, True),
+        (True, False, 1.0, True, False, False, True),
         # quota_under_head: in the entitled pass, reclaiming from the class it follows, or
         # right after the head, its jobs thrashed in 121, 17 and 2 of 1,800 runs of this fuzz.
-        (False, False, None, False, True, False),
-        (False, False, 2.0, True, True, False),
+        (False, False, None, False, True, False, True),
+        (False, False, 2.0, True, True, False, True),
         # Jobs that checkpoint at SIGTERM: young borrowers are reclaimed (the default).
-        (False, False, None, False, False, True),
-        (False, False, None, False, True, True),
+        (False, False, None, False, False, True, True),
+        (False, False, None, False, True, True, True),
+        # Without the starvation guard (the default), which reorders a class: a job behind its
+        # head then also reclaims borrowers of the class it follows (preemption._after_head).
+        (False, False, None, False, True, False, False),
+        (False, False, None, False, True, True, False),
     ],
 )
 def test_no_livelock_on_random_clusters_and_configs(
-    seed: int, easy: bool, tenants: bool, limit: float | None, srpt: bool, under: bool, sigterm: bool
+    seed: int,
+    easy: bool,
+    tenants: bool,
+    limit: float | None,
+    srpt: bool,
+    under: bool,
+    sigterm: bool,
+    guard: bool,
 ) -> None:
     """Whatever the quotas and knobs, every job that can run finishes, and no job is
     preempted without end (found: borrowers and reclaimers taking GPUs back and forth).
@@ -295,7 +308,7 @@ def test_no_livelock_on_random_clusters_and_configs(
         min_runtime_s=rng.choice([0, 300]),
         max_evictions_per_cycle=rng.randint(1, 4),
         aging_s=1800.0,
-        reserve_after_s=3600.0,
+        reserve_after_s=3600.0 if guard else None,
         easy_backfill=easy,
         reservation_tenants=tenants,
         order="srpt" if srpt else "las",

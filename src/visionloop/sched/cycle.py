@@ -148,8 +148,13 @@ class Cycle(Waiting):
             if done:  # hot: most cycles have none, and the queue's tail passes through here
                 order = (j for j in order if j.id not in done)
             # Teams with lower-class jobs to go right after their last job of this class: how
-            # many of those jobs are still to come.
-            left = {t: len(borrowers[prio][t]) for t in after.get(prio, ())}
+            # many of those jobs are still to come (not those already considered behind a
+            # higher class's head). A team with none left has them go first: else another
+            # team's job of this class took the GPUs they had reclaimed (fuzz seed 63).
+            left = {t: sum(1 for j in borrowers[prio][t] if j.id not in done) for t in after.get(prio, ())}
+            for team in [t for t, k in left.items() if k == 0]:
+                del left[team]
+                self._consider_unders(team, key, prio)
             for job in order:
                 if self.saturated or self._saturated():
                     self._wait(itertools.chain((job,), order), prio)

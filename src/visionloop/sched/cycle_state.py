@@ -135,6 +135,8 @@ class CycleState:
             default=math.inf,
         )
         self.evicted: set[str] = set()
+        self.evicted_gpus: dict[str, int] = {}  # per team, the GPUs of its jobs evicted this cycle
+        self.running_gpus: dict[str, int] | None = None  # per team, its running jobs' (preemption.py)
         self.evictions_left = cfg.max_evictions_per_cycle if cfg.preemption else 0
         self.claimants: list[PendingJob] = []  # jobs holding reserved GPUs, in order
         self.starving_id: str | None = None  # the long-blocked job that holds free GPUs

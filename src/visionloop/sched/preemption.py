@@ -14,7 +14,8 @@ at SIGTERM (`reclaim_preempts_young`), and a tenant: a job of a lower class that
 while its own team's head waited for the team's limit (no class jumping: it may use the
 idle GPUs meanwhile, and steps aside as soon as they let the head start), or, with
 `quota_under_head`, while the head had to borrow. Such a job behind its head reclaims only
-borrowers of classes below those it follows (`_after_head`).
+borrowers of classes below those it follows, or of that class from a team with a larger
+share (`_after_head`).
 Greedy in that order until the job fits, then every victim it can do without is dropped
 again.
 """
@@ -167,6 +168,7 @@ class Preemption(CycleState):
         """Take running job `v` off its GPUs for `job`: its team's standing gives back what it
         held, and the decision says why."""
         self.evicted.add(v.id)
+        self.evicted_gpus[v.team] = self.evicted_gpus.get(v.team, 0) + len(v.gpu_ids)
         self.evictions_left -= 1
         self.version += 1
         vt = self._team(v.team)
@@ -194,9 +196,37 @@ class Preemption(CycleState):
 
     def _after_head(self, v: ActiveJob, job: PendingJob, taken: int) -> bool:
         """May `job`, behind its team's head, reclaim `v` (`quota_under_head`)? Only a job on
-        borrowed GPUs of a class below the one `job` went right after (`_consider_unders`)."""
+        borrowed GPUs of a class below the one `job` went right after (`_consider_unders`),
+        or of that class from a team that, without `v`, still comes after `job`'s team in the
+        class's fair-share order next cycle: back in the queue, `v` then comes after `job`
+        and cannot take its GPUs straight back. (Any borrower of that class, or one counted
+        with the GPUs held for its team's waiting jobs, which are gone by the next cycle:
+        the livelock fuzz found jobs evicted up to 7,481 times for the same job.) Not with
+        the starvation guard: its job goes first in its class whatever the shares."""
         vt = self._team(v.team)
-        return vt.over_nominal(taken) and self._borrowing(v) and self._held_rank(v) < self.under_head[job.id]
+        rank, after = self._held_rank(v), self.under_head[job.id]
+        if rank > after or not (vt.over_nominal(taken) and self._borrowing(v)):
+            return False
+        if rank < after:
+            return True
+        # Strictly larger, beyond rounding: on a tie the order falls to the jobs' own keys.
+        return (
+            self.cfg.reserve_after_s is None
+            and self._next_share(v.team, -taken - len(v.gpu_ids)) - self._next_share(job.team, job.gpus)
+            > 1e-9
+        )
+
+    def _next_share(self, team: str, gpus: int) -> float:
+        """A team's GPU share over its weight as the next cycle starts, with `gpus` more: what
+        its running jobs that stay hold (not `TeamState.used`, which also counts GPUs held
+        for its waiting jobs this cycle)."""
+        if self.running_gpus is None:
+            self.running_gpus = {}
+            for j in self.view.running:
+                if j.preemptible:
+                    self.running_gpus[j.team] = self.running_gpus.get(j.team, 0) + len(j.gpu_ids)
+        held = self.running_gpus.get(team, 0) - self.evicted_gpus.get(team, 0) + gpus
+        return held / self.total_gpus / max(self._team(team).team.weight, 1e-9)
 
     def _evicts_tenants(self, job: PendingJob) -> bool:
         """Is `job` its team's head that must borrow, with tenants to evict (however young)?"""
