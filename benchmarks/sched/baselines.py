@@ -182,9 +182,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--quota-under-head",
-        action="store_true",
-        help="visionloop's quota_under_head: a team's lower-class job reclaims the team's unused "
-        "quota while its higher-class head must borrow, as the head's tenant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="visionloop's quota_under_head (on by default, but with --easy-backfill): a team's "
+        "lower-class job reclaims the team's unused quota while its higher-class head must "
+        "borrow, as the head's tenant",
     )
     ap.add_argument(
         "--tiresias-every-cycle",

@@ -39,9 +39,9 @@ def _sleeper(job: Job) -> list[str]:
 
 @contextmanager
 def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
-    # victim_order, top_class_preempts_young, reclaim_preempts_young and (without EASY, which
-    # it is refused with) quota_under_head ride along: no eviction here, but the switches must
-    # reach the policy too.
+    # victim_order, top_class_preempts_young, reclaim_preempts_young and quota_under_head ride
+    # along (the last off without EASY; with it, off by default): no eviction here, but the
+    # switches must reach the policy too.
     scheduler: dict[str, Any] = (
         {
             "easy_backfill": True,
@@ -50,7 +50,7 @@ def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
             "reclaim_preempts_young": False,
         }
         if easy
-        else {"quota_under_head": True}
+        else {"quota_under_head": False}
     )
     cfg = cluster_config(inventory=TWO_GPUS, teams=ONE_TEAM, scheduler=scheduler)
     with fresh_database("sqlite", tmp_path) as url, control_plane(url, cfg, run_scheduler=False) as plane:
@@ -97,7 +97,7 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
         policy.reclaim_preempts_young,
         policy.quota_under_head,
     )
-    on, off = (True, "smallest", False, False, False), (False, "least_lost", True, True, True)
+    on, off = (True, "smallest", False, False, False), (False, "least_lost", True, True, False)
     assert switches == (on if plane.config.timings.easy_backfill else off)
     running = _submit(cp, digits_dataset, 1, "1h", "running")
     plane.cycle()

@@ -10,6 +10,7 @@ import pytest
 from visionloop.core.durations import format_duration, parse_duration
 from visionloop.core.errors import ConfigError
 from visionloop.sched.config import parse_cluster_config
+from visionloop.sched.policy import PolicyConfig
 from visionloop.specs import JobFields, JobSpec
 
 TRAIN = {"epochs": 1, "model": {"arch": "resnet18"}, "data": {"dataset": "/data/digits"}}
@@ -84,9 +85,15 @@ def test_reclaim_preempts_young_is_on_unless_the_scheduler_section_says_not() ->
         parse_cluster_config({"scheduler": {"reclaim_preempts_young": "yes"}})
 
 
-def test_quota_under_head_is_off_unless_the_scheduler_section_says_so_and_never_with_easy_backfill() -> None:
-    assert parse_cluster_config({}).timings.quota_under_head is False
+def test_quota_under_head_is_on_unless_turned_off_or_with_easy_backfill() -> None:
+    assert parse_cluster_config({}).timings.quota_under_head is None  # the policy decides
+    assert PolicyConfig().quota_under_head is True
+    assert PolicyConfig(easy_backfill=True).quota_under_head is False
+    assert PolicyConfig(quota_under_head=False).quota_under_head is False
     assert parse_cluster_config({"scheduler": {"quota_under_head": True}}).timings.quota_under_head is True
+    assert parse_cluster_config({"scheduler": {"quota_under_head": False}}).timings.quota_under_head is False
+    easy = parse_cluster_config({"scheduler": {"easy_backfill": True}}).timings
+    assert easy.quota_under_head is None and easy.easy_backfill is True
     with pytest.raises(ConfigError, match=r"scheduler\.quota_under_head must be true or false"):
         parse_cluster_config({"scheduler": {"quota_under_head": 1}})
     with pytest.raises(ConfigError, match=r"quota_under_head and easy_backfill do not go together"):

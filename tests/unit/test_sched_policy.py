@@ -240,8 +240,9 @@ def test_never_a_young_or_non_preemptible_victim() -> None:
     assert d.evictions == []
     # the releasing GPU of the leaving job is claimed for h instead
     assert d.waiting["h"] == "waiting for 1 GPU being released by jobs that are stopping; 1 GPU held for it"
-    # A normal job waits for the young low one to pass min_runtime_s...
-    d2 = schedule(view(node_gpus("n0", 2), [q("n", 2, prio=NORMAL)], running), CFG)
+    # A normal job waits for the young low one to pass min_runtime_s (one that started before
+    # it came: else that one would be its tenant, which steps aside however young)...
+    d2 = schedule(view(node_gpus("n0", 2), [q("n", 2, prio=NORMAL, t=NOW - 300)], running), CFG)
     assert d2.evictions == []
     assert "lower-priority jobs become preemptible after 600 s of runtime" in d2.waiting["n"]
     d3 = schedule(
@@ -252,7 +253,7 @@ def test_never_a_young_or_non_preemptible_victim() -> None:
     d4 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], running), CFG)
     assert [(e.job_id, e.for_job) for e in d4.evictions] == [("young", "h")]
     off = PolicyConfig(top_class_preempts_young=False)
-    d5 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH)], running), off)
+    d5 = schedule(view(node_gpus("n0", 2), [q("h", 2, prio=HIGH, t=NOW - 300)], running), off)
     assert d5.evictions == []
     assert "lower-priority jobs become preemptible after 600 s of runtime" in d5.waiting["h"]
     # Young jobs of its own class are no victims for it either way.
@@ -412,14 +413,15 @@ def test_quota_under_head_a_lower_class_reclaims_its_teams_quota_while_its_head_
     """Trace 7's 61-minute wait in miniature: a's normal head needs 6 GPUs, more than a's
     unused nominal 4, and cannot start; b borrows 4 of a's quota with a low job. a's low job
     (2 GPUs) fits in a's quota: by default it waits behind the head for idle GPUs; with
-    `quota_under_head` it reclaims a's quota from b's borrower."""
+    `quota_under_head` (the default) it reclaims a's quota from b's borrower."""
     teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
     gpus = node_gpus("n0", 8)
     borrower = r("b-low", [f"n0/{i}" for i in range(8)], team="b", prio=LOW, started=NOW - 3600)
     queue = [q("head", 6, team="a", prio=NORMAL, t=NOW - 900), q("a-low", 2, team="a", prio=LOW, t=NOW - 600)]
-    d = schedule(view(gpus, queue, [borrower], teams), CFG)
+    off = PolicyConfig(aging_s=None, quota_under_head=False)
+    d = schedule(view(gpus, queue, [borrower], teams), off)
     assert d.evictions == [] and "behind job head of team a (priority normal)" in d.waiting["a-low"]
-    under = PolicyConfig(aging_s=None, quota_under_head=True)
+    under = CFG
     d = schedule(view(gpus, queue, [borrower], teams), under)
     assert [(e.job_id, e.reason) for e in d.evictions] == [
         ("b-low", "team a reclaims its nominal quota (4 GPUs) for job a-low")
@@ -472,8 +474,9 @@ def test_quota_under_head_the_head_evicts_its_young_tenants_once_that_lets_it_st
     d = schedule(view(gpus, [head], [tenant, b_own], teams), under)
     assert [(e.job_id, e.for_job) for e in d.evictions] == [("a-low", "head")]
     assert d.waiting["head"].startswith("preempting 1 job (a-low)")
-    # By default a young job of a lower class is no victim: the head waits 10 minutes.
-    d = schedule(view(gpus, [head], [tenant, b_own], teams), CFG)
+    # Without it a young job of a lower class is no victim: the head waits 10 minutes.
+    off = PolicyConfig(aging_s=None, quota_under_head=False)
+    d = schedule(view(gpus, [head], [tenant, b_own], teams), off)
     assert d.evictions == [] and "become preemptible after 600 s" in d.waiting["head"]
     # A job that started before the head was submitted is no tenant.
     before = r("a-low", ["n0/0", "n0/1"], team="a", prio=LOW, started=NOW - 60, submitted=NOW - 5000)

@@ -20,7 +20,7 @@ class SchedulerTimings:
     min_runtime_s: float = 600.0
     top_class_preempts_young: bool = True
     reclaim_preempts_young: bool = True
-    quota_under_head: bool = False
+    quota_under_head: bool | None = None  # None: on, but with easy_backfill (PolicyConfig)
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
@@ -77,7 +77,7 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
             f"{where(path, 'scheduler.srpt_preemption')} preempts by the remaining time that order "
             '"srpt" ranks jobs by: set order = "srpt" too, or remove srpt_preemption.'
         )
-    under = flag(section, "quota_under_head", d.quota_under_head, path)
+    under = flag(section, "quota_under_head", False, path) if "quota_under_head" in section else None
     if under and easy:
         raise ConfigError(
             f"{where(path, 'scheduler.quota_under_head')} and easy_backfill do not go together (a "

@@ -138,7 +138,7 @@ class Cycle(Waiting):
                 else:
                     self._consider(job, prio)
             self._wait(rest, prio)
-        after = self._unders_after(borrowers) if self.unders else {}
+        after = self._unders_after(borrowers, key) if self.unders else {}
         for prio in sorted(borrowers, reverse=True):
             if late is not None and late[1] >= prio:
                 self._consider(*late)
@@ -154,7 +154,7 @@ class Cycle(Waiting):
             left = {t: sum(1 for j in borrowers[prio][t] if j.id not in done) for t in after.get(prio, ())}
             for team in [t for t, k in left.items() if k == 0]:
                 del left[team]
-                self._consider_unders(team, key, prio)
+                self._consider_unders(team, prio)
             for job in order:
                 if self.saturated or self._saturated():
                     self._wait(itertools.chain((job,), order), prio)
@@ -164,9 +164,9 @@ class Cycle(Waiting):
                     left[job.team] -= 1
                     if left[job.team] == 0:
                         del left[job.team]
-                        self._consider_unders(job.team, key, prio)
+                        self._consider_unders(job.team, prio)
             for team in left:  # the rest of the class waited in bulk (`_wait`)
-                self._consider_unders(team, key, prio)
+                self._consider_unders(team, prio)
         if late is not None:
             self._consider(*late)
 

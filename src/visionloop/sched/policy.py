@@ -72,13 +72,14 @@ class PolicyConfig:
     # A team's lower-class job that fits in the team's unused nominal quota while its head
     # (a higher class) must borrow: it goes right after its team's jobs of the next class
     # up, takes what idle GPUs are left, and reclaims its team's quota from borrowers of
-    # lower classes than those, as its head's tenant (the head evicts it, however young,
-    # once that lets it start: no class jumping). Without it such a job waits for idle GPUs
-    # while its team's quota stays lent out. Off by default, a trade (BENCHMARKS.md, "The
-    # quota under a borrowing head"): the longest wait in unused quota 61 -> 18 min with
-    # SIGTERM checkpoints (301 -> 22 without), but the worst trace against Tiresias 1.060.
-    # Not with easy_backfill: the livelock fuzz found a thrash there.
-    quota_under_head: bool = False
+    # lower classes than those (and of that class from teams whose share stays larger), as
+    # its head's tenant (the head evicts it, however young, once that lets it start: no
+    # class jumping). Without it such a job waits for idle GPUs while its team's quota stays
+    # lent out. None (the default): on, but with easy_backfill, where the livelock fuzz
+    # found a thrash. BENCHMARKS.md, "The quota under a borrowing head": over 64 jittered
+    # runs of the shared traces, late quota stretches with the GPUs there 200 -> 110 with
+    # SIGTERM checkpoints (286 -> 177 without), average JCT within 0.3%.
+    quota_under_head: bool | None = None
     # Within a team and class: "las" (least attained GPU-service first: jobs that were
     # preempted or ran long wait behind fresh ones, which shortens completion times when job
     # lengths are heavy-tailed), "srpt" (least remaining GPU-time first, counted from the
@@ -165,6 +166,8 @@ class PolicyConfig:
                 f"victim_order must be 'least_lost' or 'smallest', not {self.victim_order!r}; "
                 "e.g. victim_order = 'smallest'."
             )
+        if self.quota_under_head is None:  # frozen: set once, here
+            object.__setattr__(self, "quota_under_head", not self.easy_backfill)
         if self.quota_under_head and self.easy_backfill:
             raise ConfigError(
                 "quota_under_head and easy_backfill do not go together (a head's reservation comes "

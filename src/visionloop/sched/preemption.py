@@ -55,8 +55,7 @@ class Preemption(CycleState):
         n = job.gpus
         reclaim = ts.used + n <= ts.team.nominal_gpus
         quota_gap = ts.used + n - ts.limit  # GPUs its own team must give up first
-        under = job.id in self.under_head  # reclaims from fewer victims (`_after_head`)
-        shape = (job.team, job.priority, reclaim, job.spot, job.cpus / n, job.memory_gb / n, under)
+        shape = self._evict_shape(job, ts)
         if n >= self.fail_evict.get(shape, n + 1):
             return False
         tenants: list[ActiveJob] = []
@@ -135,6 +134,28 @@ class Preemption(CycleState):
             "starts once they have checkpointed and stopped"
         )
         return True
+
+    def _evict_shape(self, job: PendingJob, ts: TeamState) -> tuple[object, ...]:
+        """What decides whether some victims make `job` fit, but for its size: a job of the
+        same shape and at least as many GPUs fails where this one failed (`fail_evict`).
+        One behind its head reclaims from fewer victims (`_after_head`)."""
+        n = job.gpus
+        reclaim = ts.used + n <= ts.team.nominal_gpus
+        return (
+            job.team,
+            job.priority,
+            reclaim,
+            job.spot,
+            job.cpus / n,
+            job.memory_gb / n,
+            job.id in self.under_head,
+        )
+
+    def _cannot_preempt(self, job: PendingJob, ts: TeamState) -> bool:
+        """Known already this cycle: no eviction can make `job` fit."""
+        if self.evictions_left <= 0:
+            return True
+        return job.gpus >= self.fail_evict.get(self._evict_shape(job, ts), job.gpus + 1)
 
     def _starts_first(self, job: PendingJob, ts: TeamState, chosen: Sequence[ActiveJob]) -> bool:
         """Will `job` start before its victims of its own team and class start again? Back in

@@ -6,7 +6,7 @@ tenants. `Cycle.run` marks them (`_under`) and calls `_consider_unders` at that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from visionloop.sched.reservation import Reservations
@@ -20,29 +20,50 @@ class UnderHead(Reservations):
         """Place, claim, preempt or give a reason (`Cycle._consider`)."""
         raise NotImplementedError
 
+    def _wait(self, jobs: Iterable[PendingJob], prio: int) -> None:
+        """The reasons of jobs that cannot start (`Waiting._wait`)."""
+        raise NotImplementedError
+
     def _under(self, job: PendingJob, prio: int) -> None:
         """`job` waits behind its team's higher-class head that must borrow, yet fits in its
         team's unused nominal quota: with `quota_under_head` it goes after its team's jobs of
         the next class up (`_consider_unders`)."""
         self.unders.setdefault(job.team, []).append((job, prio))
 
-    def _unders_after(self, borrowers: dict[int, dict[str, list[PendingJob]]]) -> dict[int, list[str]]:
+    def _unders_after(
+        self, borrowers: dict[int, dict[str, list[PendingJob]]], key: Callable[[PendingJob], tuple[Any, ...]]
+    ) -> dict[int, list[str]]:
         """Per class of the borrowing pass, the teams with jobs behind their head (`_under`)
         that go right after the team's jobs of that class: the lowest of its classes there
-        above theirs. Once per cycle, before the pass (which adds no job to it)."""
+        above theirs. Once per cycle, before the pass (which adds no job to it); each
+        team's jobs for each such class are sorted here, once: class, then the team's order."""
         out: dict[int, list[str]] = {}
         for team, unders in self.unders.items():
             above = sorted(p for p, per_team in borrowers.items() if per_team.get(team))
+            groups: dict[int, list[tuple[PendingJob, int]] | None] = {}  # by the jobs' class
             for job, q in unders:
-                after = next((p for p in above if p > q), None)
-                if after is None:
-                    continue
-                self.under_after[job.id] = after
-                if team not in out.get(after, ()):
-                    out.setdefault(after, []).append(team)
+                if q in groups:
+                    group = groups[q]
+                else:
+                    after = next((p for p in above if p > q), None)
+                    group = None
+                    if after is not None:
+                        group = self.under_after.get((team, after))
+                        if group is None:
+                            group = self.under_after[(team, after)] = []
+                            out.setdefault(after, []).append(team)
+                    groups[q] = group
+                if group is not None:
+                    group.append((job, q))
+        for group in self.under_after.values():
+            group.sort(key=lambda jp: (-jp[1], key(jp[0])))
         return out
 
-    def _consider_unders(self, team: str, key: Callable[[PendingJob], tuple[Any, ...]], after: int) -> None:
+    def _saturated(self) -> bool:
+        """No GPU free and none being released (`Cycle._saturated`)."""
+        raise NotImplementedError
+
+    def _consider_unders(self, team: str, after: int) -> None:
         """Right after its last job of class `after`, the next class up, a team's lower-class
         jobs that fit in its unused nominal quota take it, reclaiming it from borrowers of
         classes below `after` (back in the queue, those come after them and cannot take it
@@ -55,11 +76,26 @@ class UnderHead(Reservations):
         times (another job's held GPUs counted in its team's share); right after the head,
         they jumped their team's classes between theirs and the head's."""
         ts = self._team(team)
-        for job, prio in sorted(self.unders[team], key=lambda jp: (-jp[1], key(jp[0]))):
-            if job.id in self.under_done or self.under_after.get(job.id) != after:
-                continue  # done, or it goes after a lower class of its team
+        # In a saturated cluster, those no eviction can help (known from the first of their
+        # shape) only need their reasons: the fast path, in runs of one class (ten thousand
+        # queued jobs made a cycle twice as long without it).
+        fast: list[PendingJob] = []
+        fast_prio = 0
+        for job, prio in self.under_after.pop((team, after), ()):
             if ts.used + job.gpus > ts.team.nominal_gpus:
                 continue  # behind its head, in its own class: idle GPUs only
             self.under_done.add(job.id)
             self.under_head[job.id] = after
+            if (self.saturated or self._saturated()) and self._cannot_preempt(job, ts):
+                if fast and fast_prio != prio:
+                    self._wait(fast, fast_prio)
+                    fast = []
+                fast.append(job)
+                fast_prio = prio
+                continue
+            if fast:
+                self._wait(fast, fast_prio)
+                fast = []
             self._consider(job, prio)
+        if fast:
+            self._wait(fast, fast_prio)
