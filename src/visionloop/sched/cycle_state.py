@@ -135,8 +135,10 @@ class CycleState:
             default=math.inf,
         )
         self.evicted: set[str] = set()
-        self.evicted_gpus: dict[str, int] = {}  # per team, the GPUs of its jobs evicted this cycle
-        self.running_gpus: dict[str, int] | None = None  # per team, its running jobs' (preemption.py)
+        # Per team, the GPUs, CPUs and memory of its jobs evicted this cycle, and of its
+        # running jobs (preemption.py's `_next_share`).
+        self.evicted_use: dict[str, list[float]] = {}
+        self.running_use: dict[str, list[float]] | None = None
         self.evictions_left = cfg.max_evictions_per_cycle if cfg.preemption else 0
         self.claimants: list[PendingJob] = []  # jobs holding reserved GPUs, in order
         self.starving_id: str | None = None  # the long-blocked job that holds free GPUs

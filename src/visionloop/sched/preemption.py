@@ -189,7 +189,10 @@ class Preemption(CycleState):
         """Take running job `v` off its GPUs for `job`: its team's standing gives back what it
         held, and the decision says why."""
         self.evicted.add(v.id)
-        self.evicted_gpus[v.team] = self.evicted_gpus.get(v.team, 0) + len(v.gpu_ids)
+        gone = self.evicted_use.setdefault(v.team, [0.0, 0.0, 0.0])
+        gone[0] += len(v.gpu_ids)
+        gone[1] += v.cpus
+        gone[2] += v.memory_gb
         self.evictions_left -= 1
         self.version += 1
         vt = self._team(v.team)
@@ -231,23 +234,34 @@ class Preemption(CycleState):
         if rank < after:
             return True
         # Strictly larger, beyond rounding: on a tie the order falls to the jobs' own keys.
-        return (
-            self.cfg.reserve_after_s is None
-            and self._next_share(v.team, -taken - len(v.gpu_ids)) - self._next_share(job.team, job.gpus)
-            > 1e-9
-        )
+        if self.cfg.reserve_after_s is not None:
+            return False
+        ours = (job.gpus, job.cpus, job.memory_gb)
+        theirs = (-taken - len(v.gpu_ids), -v.cpus, -v.memory_gb)  # `taken`: its GPUs only, a bound
+        return self._next_share(v.team, theirs) - self._next_share(job.team, ours) > 1e-9
 
-    def _next_share(self, team: str, gpus: int) -> float:
-        """A team's GPU share over its weight as the next cycle starts, with `gpus` more: what
-        its running jobs that stay hold (not `TeamState.used`, which also counts GPUs held
-        for its waiting jobs this cycle)."""
-        if self.running_gpus is None:
-            self.running_gpus = {}
+    def _next_share(self, team: str, more: tuple[float, float, float]) -> float:
+        """A team's dominant share over its weight as the next cycle starts (as `_share`
+        orders teams), with `more` (GPUs, CPUs, memory): what its running jobs that stay
+        hold, not `TeamState`'s standing, which also counts what is held for its waiting
+        jobs this cycle."""
+        if self.running_use is None:
+            self.running_use = {}
             for j in self.view.running:
                 if j.preemptible:
-                    self.running_gpus[j.team] = self.running_gpus.get(j.team, 0) + len(j.gpu_ids)
-        held = self.running_gpus.get(team, 0) - self.evicted_gpus.get(team, 0) + gpus
-        return held / self.total_gpus / max(self._team(team).team.weight, 1e-9)
+                    use = self.running_use.setdefault(j.team, [0.0, 0.0, 0.0])
+                    use[0] += len(j.gpu_ids)
+                    use[1] += j.cpus
+                    use[2] += j.memory_gb
+        use = self.running_use.get(team, [0.0, 0.0, 0.0])
+        gone = self.evicted_use.get(team, [0.0, 0.0, 0.0])
+        gpus, cpus, mem = (use[i] - gone[i] + more[i] for i in range(3))
+        share = gpus / self.total_gpus
+        if self.total_cpus > 0:
+            share = max(share, cpus / self.total_cpus)
+        if self.total_mem > 0:
+            share = max(share, mem / self.total_mem)
+        return share / max(self._team(team).team.weight, 1e-9)
 
     def _evicts_tenants(self, job: PendingJob) -> bool:
         """Is `job` its team's head that must borrow, with tenants to evict (however young)?"""
