@@ -72,10 +72,11 @@ def schedulers(
     grace_s: float,
     policy: PolicyConfig | None = None,
     tiresias: TiresiasConfig | None = None,
+    slurm_backfill_preemption: bool = False,
 ) -> dict[str, Scheduler]:
     exact = {j.id: j.duration_s for j in trace}
     twice = {j.id: 2 * j.duration_s for j in trace}
-    slurm = SlurmConfig(grace_s=grace_s)
+    slurm = SlurmConfig(grace_s=grace_s, backfill_preemption=slurm_backfill_preemption)
     return {
         "visionloop": partial(schedule, config=policy or PolicyConfig(same_node=False)),
         "fifo": partial(fifo, same_node=False),
@@ -189,6 +190,12 @@ def main() -> None:
         "borrow, as the head's tenant",
     )
     ap.add_argument(
+        "--slurm-backfill-preemption",
+        action="store_true",
+        help="Slurm's backfill also requeues lower-QOS jobs for a job that ends before the "
+        "blocked job's reservation, as real Slurm's does (slurm_crosscheck.py)",
+    )
+    ap.add_argument(
         "--tiresias-every-cycle",
         action="store_true",
         help="Tiresias decides every cycle and demotes at the threshold, as the paper describes; "
@@ -231,7 +238,9 @@ def main() -> None:
             load_trace(args.data / "sched" / "traces" / f"trace-{n}.csv"), args.one_team, args.one_class
         )
         per[n] = {}
-        for name, fn in schedulers(trace, args.grace, policy, tiresias).items():
+        for name, fn in schedulers(
+            trace, args.grace, policy, tiresias, args.slurm_backfill_preemption
+        ).items():
             t0 = time.perf_counter()
             result = simulate(trace, cluster, fn, sim_cfg)
             wall[name] += time.perf_counter() - t0
@@ -364,7 +373,13 @@ def main() -> None:
                     )
                 },
                 "sim": {k: v for k, v in vars(sim_cfg).items() if k != "priorities"},
-                "slurm": {k: v for k, v in vars(SlurmConfig()).items() if k != "priorities"},
+                "slurm": {
+                    k: v
+                    for k, v in vars(
+                        SlurmConfig(grace_s=args.grace, backfill_preemption=args.slurm_backfill_preemption)
+                    ).items()
+                    if k != "priorities"
+                },
             },
             "jct_ratio_all_jobs": overall,
             "jct_ratio_per_trace": {b: {str(n): r for n, r in ratio[b].items()} for b in BASELINES},

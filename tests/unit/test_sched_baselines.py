@@ -88,6 +88,23 @@ def test_slurm_preempt_qos_requeues_the_lowest_qos_then_smallest_and_only_what_i
     assert d.evictions == [] and "being released" in d.waiting["H"]
 
 
+def test_slurm_backfill_preemption_requeues_for_a_job_that_ends_before_the_reservation() -> None:
+    # 8 GPUs: A (high, 4, limit 100), L and L2 (low, 2 each, limit 1000). B (high, 8) is
+    # blocked: it may requeue L and L2 but not A, and is reserved at 1000. C (normal, 2 GPUs,
+    # limit 50) ends before that: real Slurm's backfill requeues L for it; the model does
+    # only with the option.
+    limits = {"A": 100, "L": 1000, "L2": 1000, "B": 500, "C": 50, "D": 5000}
+    running = [r("A", range(4), HIGH), r("L", range(4, 6), LOW), r("L2", range(6, 8), LOW)]
+    queue = [q("B", 8, HIGH), q("C", 2, t=1), q("D", 2, t=2)]
+    d = Slurm(limits)(view(10, 8, running, queue))
+    assert d.evictions == [] and "waiting behind job B" in d.waiting["C"]
+    d = Slurm(limits, SlurmConfig(backfill_preemption=True))(view(10, 8, running, queue))
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("L", "C")]
+    assert "requeued" in d.waiting["C"]
+    # D would end after the reservation: it waits, and does not requeue L2.
+    assert "waiting behind job B" in d.waiting["D"]
+
+
 def test_slurm_does_not_preempt_for_an_equal_qos_and_honours_preempt_exempt_time() -> None:
     running = [r("N", range(4), NORMAL, start=0)]
     assert Slurm({})(view(10, 4, running, [q("M", 2, NORMAL)])).evictions == []

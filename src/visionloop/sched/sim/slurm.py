@@ -66,6 +66,11 @@ class SlurmConfig:
     preemption: bool = True  # PreemptType=preempt/qos, PreemptMode=REQUEUE
     preempt_exempt_s: float = 0.0  # PreemptExemptTime (Slurm's default: none)
     backfill: bool = True  # SchedulerType=sched/backfill (EASY: one reservation)
+    # Real Slurm's backfill also starts a job by preempting lower-QOS jobs (`_try_sched`
+    # hands the preemptable jobs to the select plugin: BENCHMARKS.md, "Slurm checked
+    # against a real Slurm 22.05"). Here only for a job whose limit ends before the blocked
+    # job's reservation starts, which can never delay it.
+    backfill_preemption: bool = False
     grace_s: float = 60.0  # a requeued job's GPUs come free this long after the signal
     same_node: bool = False  # the simulator's jobs may span nodes
     priorities: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
@@ -150,7 +155,8 @@ class Slurm:
                 n_free = sum(1 for gs in free.values() for g in gs if usable(g, job.spot))
                 decision.waiting[job.id] = f"waiting for {n_gpus(job.gpus)}: {n_free} free (highest priority)"
         if blocked is not None:
-            self._backfill(blocked, rest, view, free, caps, decision)
+            preempt = (gpu_by_id, releasing, victims_taken)
+            self._backfill(blocked, rest, view, free, caps, decision, preempt)
         self._holding = {j.id: (j.team, len(j.gpu_ids)) for j in view.running}
         teams = {j.id: j.team for j in view.queued}
         for p in decision.placements:
@@ -228,8 +234,10 @@ class Slurm:
         free: dict[str, list[Gpu]],
         caps: Mapping[SpotPolicy, tuple[int, int]],
         decision: Decision,
+        preempt: tuple[Mapping[str, Gpu], dict[str, list[Gpu]], set[str]],
     ) -> None:
-        """EASY backfill around the blocked job `head`."""
+        """EASY backfill around the blocked job `head` (`preempt`: what `_preempt_for` needs,
+        for `backfill_preemption`)."""
         now = view.now
         gpu = {g.id: g for g in view.gpus}
         avail = sum(1 for gs in free.values() for g in gs if usable(g, head.spot))
@@ -253,10 +261,16 @@ class Slurm:
                 else None
             )
             behind = f"waiting behind job {head.id} (higher priority)"
-            if got is None:
-                decision.waiting[job.id] = behind
-                continue
             ends = now + self.limits.get(job.id, self.cfg.max_age_s)
+            if got is None:
+                if not (
+                    self.cfg.backfill
+                    and self.cfg.backfill_preemption
+                    and ends <= shadow
+                    and self._preempt_for(job, view, preempt[0], free, preempt[1], preempt[2], decision)
+                ):
+                    decision.waiting[job.id] = behind
+                continue
             needed = sum(1 for g in got if usable(g, head.spot))
             if ends <= shadow:
                 pass
