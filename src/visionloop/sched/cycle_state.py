@@ -257,12 +257,18 @@ class CycleState:
         return cap
 
     def _share(self, ts: TeamState) -> float:
-        s = ts.used / self.total_gpus
+        """A team's weighted dominant share, what the fair-share order goes by."""
+        return self._dominant_share(ts.used, ts.cpus, ts.memory_gb, ts.team.weight)
+
+    def _dominant_share(self, gpus: float, cpus: float, memory_gb: float, weight: float) -> float:
+        """The largest of the cluster's GPUs, CPUs and memory that this much takes, over
+        the team's weight."""
+        s = gpus / self.total_gpus
         if self.total_cpus > 0:
-            s = max(s, ts.cpus / self.total_cpus)
+            s = max(s, cpus / self.total_cpus)
         if self.total_mem > 0:
-            s = max(s, ts.memory_gb / self.total_mem)
-        return s / max(ts.team.weight, 1e-9)
+            s = max(s, memory_gb / self.total_mem)
+        return s / max(weight, 1e-9)
 
     def _usable_free(self, spot: SpotPolicy) -> int:
         fc = self.free_count

@@ -233,11 +233,11 @@ class Preemption(CycleState):
             return False
         if rank < after:
             return True
-        # Strictly larger, beyond rounding: on a tie the order falls to the jobs' own keys.
         if self.cfg.reserve_after_s is not None:
             return False
         ours = (job.gpus, job.cpus, job.memory_gb)
         theirs = (-taken - len(v.gpu_ids), -v.cpus, -v.memory_gb)  # `taken`: its GPUs only, a bound
+        # Strictly larger, beyond rounding: on a tie the order falls to the jobs' own keys.
         return self._next_share(v.team, theirs) - self._next_share(job.team, ours) > 1e-9
 
     def _next_share(self, team: str, more: tuple[float, float, float]) -> float:
@@ -256,12 +256,7 @@ class Preemption(CycleState):
         use = self.running_use.get(team, [0.0, 0.0, 0.0])
         gone = self.evicted_use.get(team, [0.0, 0.0, 0.0])
         gpus, cpus, mem = (use[i] - gone[i] + more[i] for i in range(3))
-        share = gpus / self.total_gpus
-        if self.total_cpus > 0:
-            share = max(share, cpus / self.total_cpus)
-        if self.total_mem > 0:
-            share = max(share, mem / self.total_mem)
-        return share / max(self._team(team).team.weight, 1e-9)
+        return self._dominant_share(gpus, cpus, mem, self._team(team).team.weight)
 
     def _evicts_tenants(self, job: PendingJob) -> bool:
         """Is `job` its team's head that must borrow, with tenants to evict (however young)?"""

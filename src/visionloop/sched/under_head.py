@@ -1,8 +1,9 @@
 """`quota_under_head` (policy.py): while a team's head, a higher class, must borrow, its
 lower-class jobs that fit in its unused nominal quota go in the borrowing pass right after
 the team's jobs of the next class up, take what idle GPUs are left there and reclaim the
-team's quota from borrowers of classes below that (`Preemption._after_head`), as the head's
-tenants. `Cycle.run` marks them (`_under`) and calls `_consider_unders` at that point."""
+team's quota from borrowers of classes below that, or of that class from teams whose share
+stays larger (`Preemption._after_head`), as the head's tenants. `Cycle.run` marks them
+(`_under`) and calls `_consider_unders` at that point."""
 
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ class UnderHead(Reservations):
     def _consider_unders(self, team: str, after: int) -> None:
         """Right after its last job of class `after`, the next class up, a team's lower-class
         jobs that fit in its unused nominal quota take it, reclaiming it from borrowers of
-        classes below `after` (back in the queue, those come after them and cannot take it
-        straight back), as the head's tenants: it evicts them, however young, once that
+        classes below `after`, or of `after` from teams whose share stays larger (back in
+        the queue, those come after them and cannot take it straight back), as the head's
+        tenants: it evicts them, however young, once that
         lets it start. A borrower ahead of them is never their victim, nor is the GPU it
         takes. With them in the entitled pass instead, ahead of the borrowers, a higher-class
         borrower took back what they took, and the head and they took turns (the livelock

@@ -31,7 +31,7 @@ runs at every event, as visionloop's does in the simulator).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from visionloop.sched.placement import capacities, free_pool, held_by, merge, pick, take, usable
@@ -155,7 +155,10 @@ class Slurm:
                 n_free = sum(1 for gs in free.values() for g in gs if usable(g, job.spot))
                 decision.waiting[job.id] = f"waiting for {n_gpus(job.gpus)}: {n_free} free (highest priority)"
         if blocked is not None:
-            preempt = (gpu_by_id, releasing, victims_taken)
+
+            def preempt(job: PendingJob) -> bool:
+                return self._preempt_for(job, view, gpu_by_id, free, releasing, victims_taken, decision)
+
             self._backfill(blocked, rest, view, free, caps, decision, preempt)
         self._holding = {j.id: (j.team, len(j.gpu_ids)) for j in view.running}
         teams = {j.id: j.team for j in view.queued}
@@ -234,9 +237,9 @@ class Slurm:
         free: dict[str, list[Gpu]],
         caps: Mapping[SpotPolicy, tuple[int, int]],
         decision: Decision,
-        preempt: tuple[Mapping[str, Gpu], dict[str, list[Gpu]], set[str]],
+        preempt: Callable[[PendingJob], bool],
     ) -> None:
-        """EASY backfill around the blocked job `head` (`preempt`: what `_preempt_for` needs,
+        """EASY backfill around the blocked job `head` (`preempt`: `_preempt_for` this cycle,
         for `backfill_preemption`)."""
         now = view.now
         gpu = {g.id: g for g in view.gpus}
@@ -264,10 +267,7 @@ class Slurm:
             ends = now + self.limits.get(job.id, self.cfg.max_age_s)
             if got is None:
                 if not (
-                    self.cfg.backfill
-                    and self.cfg.backfill_preemption
-                    and ends <= shadow
-                    and self._preempt_for(job, view, preempt[0], free, preempt[1], preempt[2], decision)
+                    self.cfg.backfill and self.cfg.backfill_preemption and ends <= shadow and preempt(job)
                 ):
                     decision.waiting[job.id] = behind
                 continue
