@@ -190,6 +190,13 @@ def main() -> None:
         "borrow, as the head's tenant",
     )
     ap.add_argument(
+        "--holds-yield",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="visionloop's holds_yield_to_quota (on by default): with quota_under_head, such a "
+        "lower-class job may take free GPUs held idle for its own head or another team's borrower",
+    )
+    ap.add_argument(
         "--slurm-backfill-preemption",
         action="store_true",
         help="Slurm's backfill also requeues lower-QOS jobs for a job that ends before the "
@@ -216,6 +223,7 @@ def main() -> None:
         min_runtime_s=args.min_runtime,
         reclaim_preempts_young=args.reclaim_young,
         quota_under_head=args.quota_under_head,
+        holds_yield_to_quota=args.holds_yield,
     )
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(
@@ -370,6 +378,7 @@ def main() -> None:
                         "victim_order",
                         "reclaim_preempts_young",
                         "quota_under_head",
+                        "holds_yield_to_quota",
                     )
                 },
                 "sim": {k: v for k, v in vars(sim_cfg).items() if k != "priorities"},

@@ -39,15 +39,16 @@ def _sleeper(job: Job) -> list[str]:
 
 @contextmanager
 def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
-    # victim_order, top_class_preempts_young, reclaim_preempts_young and quota_under_head ride
-    # along (the last off without EASY; with it, off by default): no eviction here, but the
-    # switches must reach the policy too.
+    # victim_order, top_class_preempts_young, reclaim_preempts_young, quota_under_head and
+    # holds_yield_to_quota ride along (quota_under_head off without EASY; with it, off by
+    # default): no eviction here, but the switches must reach the policy too.
     scheduler: dict[str, Any] = (
         {
             "easy_backfill": True,
             "victim_order": "smallest",
             "top_class_preempts_young": False,
             "reclaim_preempts_young": False,
+            "holds_yield_to_quota": False,
         }
         if easy
         else {"quota_under_head": False}
@@ -96,8 +97,9 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
         policy.top_class_preempts_young,
         policy.reclaim_preempts_young,
         policy.quota_under_head,
+        policy.holds_yield_to_quota,
     )
-    on, off = (True, "smallest", False, False, False), (False, "least_lost", True, True, False)
+    on, off = (True, "smallest", False, False, False, False), (False, "least_lost", True, True, False, True)
     assert switches == (on if plane.config.timings.easy_backfill else off)
     running = _submit(cp, digits_dataset, 1, "1h", "running")
     plane.cycle()

@@ -100,6 +100,15 @@ def test_quota_under_head_is_on_unless_turned_off_or_with_easy_backfill() -> Non
         parse_cluster_config({"scheduler": {"quota_under_head": True, "easy_backfill": True}})
 
 
+def test_holds_yield_to_quota_is_on_unless_turned_off() -> None:
+    assert parse_cluster_config({}).timings.holds_yield_to_quota is True
+    assert PolicyConfig().holds_yield_to_quota is True
+    off = parse_cluster_config({"scheduler": {"holds_yield_to_quota": False}})
+    assert off.timings.holds_yield_to_quota is False
+    with pytest.raises(ConfigError, match=r"scheduler\.holds_yield_to_quota must be true or false"):
+        parse_cluster_config({"scheduler": {"holds_yield_to_quota": "no"}})
+
+
 def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
     t = parse_cluster_config({}).timings
     assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order, t.top_class_preempts_young) == (

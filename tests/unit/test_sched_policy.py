@@ -323,9 +323,12 @@ def test_freed_gpus_are_reserved_for_the_job_they_were_freed_for() -> None:
     assert placed(d4) == {"big": ("n0/0", "n0/1", "n0/2", "n0/3")}
 
 
-def test_own_team_lower_class_does_not_take_gpus_its_borrower_waits_for() -> None:
-    # a's high job must borrow and waits for b's borrowed (still young) job; a's low job would
-    # fit in a's nominal but must not take the free GPUs ah holds (ah would preempt it later).
+def test_own_team_lower_class_takes_gpus_its_borrower_holds_only_as_its_tenant() -> None:
+    # a's high job must borrow and waits for b's borrowed (still young) job; a's low job fits
+    # in a's nominal. Without `holds_yield_to_quota` it must not take the free GPUs ah holds
+    # (ah would preempt it later); with it (the default) it takes one as ah's tenant, since
+    # a's quota is a's due at once, and ah evicts it if it needs its GPU once b's job may be
+    # preempted.
     teams = [Team("a", 3, borrow_limit=5), Team("b", 1, borrow_limit=7)]
     running = [
         r("a0", ["n0/0", "n0/1"], team="a", prio=HIGH),
@@ -334,14 +337,30 @@ def test_own_team_lower_class_does_not_take_gpus_its_borrower_waits_for() -> Non
     ]
     queue = [q("ah", 4, team="a", prio=HIGH), q("al", 1, team="a", prio=LOW)]
     # (The top class evicts young jobs by default: the case is one where it waits for them.)
-    d = schedule(
-        view(node_gpus("n0", 8), queue, running, teams), PolicyConfig(top_class_preempts_young=False)
-    )
+    off = PolicyConfig(top_class_preempts_young=False, holds_yield_to_quota=False)
+    d = schedule(view(node_gpus("n0", 8), queue, running, teams), off)
     assert d.evictions == [] and placed(d) == {}
     assert d.waiting["ah"].endswith(
         "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
     )
     assert d.waiting["al"].startswith("waiting for 1 GPU: 0 free")
+    d = schedule(
+        view(node_gpus("n0", 8), queue, running, teams), PolicyConfig(top_class_preempts_young=False)
+    )
+    assert d.evictions == [] and placed(d) == {"al": ("n0/6",)}
+    assert d.waiting["ah"].endswith(
+        "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
+    )
+    tenant = r("al", ["n0/6"], team="a", prio=LOW, started=NOW - 5, submitted=NOW - 5)
+    old = r("b0", ["n0/2", "n0/3", "n0/4"], team="b", prio=LOW, started=NOW - 700)
+    later = view(node_gpus("n0", 8), queue[:1], [*running[::2], old, tenant], teams)
+    d = schedule(later, PolicyConfig(top_class_preempts_young=False))
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b0", "ah")]  # the free GPU and b0's 3
+    d = schedule(
+        view(node_gpus("n0", 7), queue[:1], [*running[::2], old, tenant], teams),
+        PolicyConfig(top_class_preempts_young=False),
+    )
+    assert sorted((e.job_id, e.for_job) for e in d.evictions) == [("al", "ah"), ("b0", "ah")]
 
 
 def test_no_class_jumping_lower_classes_start_as_tenants_and_step_aside_for_their_teams_head() -> None:
@@ -520,6 +539,55 @@ def test_quota_under_head_goes_first_in_its_class_when_its_teams_jobs_there_went
     d = schedule(view(node_gpus("n0", 8), queue, running, teams), under)
     assert sorted(placed(d)) == ["a-low", "a-normal"] and d.evictions == []
     assert d.waiting["b-normal"].startswith("waiting for 1 GPU: 0 free")
+
+
+def test_holds_yield_to_the_quota_its_heads_own_hold_takes_a_tenant() -> None:
+    """Trace 2's 4-minute wait in miniature: a's normal head (6 GPUs) must borrow; it holds
+    the 2 free GPUs until b's young low job may be preempted, and its hold counted all 6
+    against a's quota, so a's low job (2 GPUs), which fits in a's unused nominal 4, waited.
+    With `holds_yield_to_quota` (the default) it starts on them as the head's tenant."""
+    teams = [Team("a", 4, borrow_limit=8), Team("b", 2, borrow_limit=8)]
+    gpus = node_gpus("n0", 8)
+    b_own = r("b-own", ["n0/0", "n0/1"], team="b", prio=NORMAL, started=NOW - 7200)
+    young = r("b-low", [f"n0/{i}" for i in range(2, 6)], team="b", prio=LOW, started=NOW - 60)
+    queue = [q("head", 6, team="a", prio=NORMAL, t=NOW - 900), q("a-low", 2, team="a", prio=LOW, t=NOW - 600)]
+    off = PolicyConfig(aging_s=None, holds_yield_to_quota=False)
+    d = schedule(view(gpus, queue, [b_own, young], teams), off)
+    assert placed(d) == {} and d.evictions == []
+    held = "held for it until lower-priority or borrowed jobs can be preempted"
+    assert d.waiting["head"].endswith(f"2 free GPUs {held}")
+    assert "2 more are held for job head" in d.waiting["a-low"]
+    d = schedule(view(gpus, queue, [b_own, young], teams), CFG)
+    assert placed(d) == {"a-low": ("n0/6", "n0/7")} and d.evictions == []
+    # Ten minutes on, b's job may be preempted: the head evicts it and its tenant, and starts.
+    tenant = r("a-low", ["n0/6", "n0/7"], team="a", prio=LOW, started=NOW - 60)
+    old = r("b-low", [f"n0/{i}" for i in range(2, 6)], team="b", prio=LOW, started=NOW - 660)
+    d = schedule(view(gpus, queue[:1], [b_own, old, tenant], teams), CFG)
+    assert sorted((e.job_id, e.for_job) for e in d.evictions) == [("a-low", "head"), ("b-low", "head")]
+
+
+def test_holds_yield_to_the_quota_another_teams_borrower_holds_none_of_it() -> None:
+    """Trace 3's 6-minute wait in miniature: b's high job borrows and holds the 2 free GPUs
+    until its team's young low job may be preempted; a's low job (2 GPUs), behind a's
+    borrowing head, fits in a's unused quota. A borrower's hold never keeps a team from its
+    quota: by default the low job takes them. The starvation guard's hold it leaves alone."""
+    teams = [Team("a", 4, borrow_limit=8), Team("b", 2, borrow_limit=8)]
+    gpus = node_gpus("n0", 8)
+    young = r("b-low", [f"n0/{i}" for i in range(6)], team="b", prio=LOW, started=NOW - 5000)
+    queue = [
+        q("b-high", 4, team="b", prio=HIGH, t=NOW - 4000),  # after b-low started: no tenant
+        q("head", 8, team="a", prio=NORMAL, t=NOW - 900),
+        q("a-low", 2, team="a", prio=LOW, t=NOW - 600),
+    ]
+    kw = {"aging_s": None, "top_class_preempts_young": False, "min_runtime_s": 10_000.0}
+    d = schedule(view(gpus, queue, [young], teams), PolicyConfig(**kw, holds_yield_to_quota=False))
+    held = "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
+    assert placed(d) == {} and d.waiting["b-high"].endswith(held)
+    assert "2 more are held for job b-high" in d.waiting["a-low"]
+    d = schedule(view(gpus, queue, [young], teams), PolicyConfig(**kw))
+    assert placed(d) == {"a-low": ("n0/6", "n0/7")} and d.evictions == []
+    d = schedule(view(gpus, queue, [young], teams), PolicyConfig(**kw, reserve_after_s=3600.0))
+    assert placed(d) == {} and "2 more are held for job b-high" in d.waiting["a-low"]
 
 
 def test_quota_under_head_is_refused_with_easy_backfill() -> None:

@@ -153,6 +153,10 @@ class CycleState:
         self.under_done: set[str] = set()  # ...those considered after their team's next class up...
         # ...and so may reclaim: job -> that class (its victims' must be lower: `_after_head`)
         self.under_head: dict[str, int] = {}
+        # Free GPUs held idle (`_hold`) for a job whose team borrows with it: (job, GPUs), and
+        # the ids of those such a job then took (`UnderHead._open_holds`).
+        self.borrower_holds: list[tuple[PendingJob, list[Gpu]]] = []
+        self.holds_taken: set[str] = set()
         # Each team's first job sent to the borrowing pass (job, class): its head.
         self.heads: dict[str, tuple[PendingJob, int]] = {}
         self.blocked: dict[int, int] = {}  # blocked jobs so far, by (effective) class
@@ -375,4 +379,6 @@ class CycleState:
         if job not in self.claimants:
             self.claimants.append(job)
             self._account(job, ts, None)  # its team's standing counts the reservation
+            if ts.over_nominal() and job.id != self.starving_id:
+                self.borrower_holds.append((job, held))
         return len(held)

@@ -97,6 +97,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             top_class_preempts_young=t.top_class_preempts_young,
             reclaim_preempts_young=t.reclaim_preempts_young,
             quota_under_head=t.quota_under_head,
+            holds_yield_to_quota=t.holds_yield_to_quota,
             order=t.order,
             srpt_preemption=t.srpt_preemption,
             las_preemption=t.las_preemption,

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from visionloop.sched.cycle_state import TeamState
+from visionloop.sched.placement import take
 from visionloop.sched.reservation import Reservations
-from visionloop.sched.view import PendingJob
+from visionloop.sched.view import Gpu, PendingJob
 
 
 class UnderHead(Reservations):
@@ -69,15 +71,67 @@ class UnderHead(Reservations):
         jobs that fit in its unused nominal quota take it, reclaiming it from borrowers of
         classes below `after`, or of `after` from teams whose share stays larger (back in
         the queue, those come after them and cannot take it straight back), as the head's
-        tenants: it evicts them, however young, once that
-        lets it start. A borrower ahead of them is never their victim, nor is the GPU it
-        takes. With them in the entitled pass instead, ahead of the borrowers, a higher-class
-        borrower took back what they took, and the head and they took turns (the livelock
-        fuzz: 121 of 1,800 runs thrashed or never finished); reclaiming from the class of
-        the jobs they follow, ordered by fair share, one was taken back over a thousand
-        times (another job's held GPUs counted in its team's share); right after the head,
-        they jumped their team's classes between theirs and the head's."""
+        tenants: it evicts them, however young, once that lets it start. A borrower ahead
+        of them is never their victim, nor is the GPU it takes, but the free GPUs it holds
+        idle are theirs (`_open_holds`). With them in the entitled pass instead, ahead of
+        the borrowers, a higher-class borrower took back what they took, and the head and
+        they took turns (the livelock fuzz: 121 of 1,800 runs thrashed or never finished);
+        reclaiming from the class of the jobs they follow, ordered by fair share, one was
+        taken back over a thousand times (another job's held GPUs counted in its team's
+        share); right after the head, they jumped their team's classes between theirs and
+        the head's."""
         ts = self._team(team)
+        opened, head_gpus = self._open_holds(team) if self.cfg.holds_yield_to_quota else ([], 0)
+        if not opened and not head_gpus:
+            self._consider_team_unders(team, after, ts)
+            return
+        ts.used -= head_gpus  # the head's GPUs do not count against the quota its tenants take
+        try:
+            self._consider_team_unders(team, after, ts)
+        finally:
+            ts.used += head_gpus
+            self._close_holds(opened)
+
+    def _open_holds(self, team: str) -> tuple[list[Gpu], int]:
+        """Put back in the free pool, for `team`'s jobs behind their head, the free GPUs held
+        idle for jobs whose teams borrow with them (`holds_yield_to_quota`): other teams'
+        borrowers' holds, and its own head's. Those GPUs, and the GPUs its own head counts
+        against the team (0 when the head holds none)."""
+        head = self.heads.get(team)
+        opened: list[Gpu] = []
+        head_gpus = 0
+        for job, held in self.borrower_holds:
+            own = head is not None and head[0] is job
+            if job.team == team and not own:
+                continue  # its team's other borrowers: it stays behind them
+            head_gpus += job.gpus if own else 0
+            opened.extend(g for g in held if g.id not in self.holds_taken)
+        if not opened:
+            return [], head_gpus
+        for g in opened:
+            self.free.setdefault(g.node, []).append(g)
+            self.free_count[g.price_class] += 1
+            self.reserved_count[g.price_class] -= 1
+        # The failure memos assume pools only shrink within a cycle: not across this.
+        self.fail_free.clear()
+        self.fail_release.clear()
+        self.fail_evict.clear()
+        self.fail_lend.clear()
+        self.saturated = False
+        return opened, head_gpus
+
+    def _close_holds(self, opened: list[Gpu]) -> None:
+        """Hold again what `_open_holds` opened and nobody took."""
+        free_ids = self._free_ids()
+        still = [g for g in opened if g.id in free_ids]
+        self.holds_taken.update(g.id for g in opened if g.id not in free_ids)
+        take(self.free, still)
+        for g in still:
+            self.free_count[g.price_class] -= 1
+            self.reserved_count[g.price_class] += 1
+
+    def _consider_team_unders(self, team: str, after: int, ts: TeamState) -> None:
+        """`_consider_unders` for one team's group, with `ts` its standing."""
         # In a saturated cluster, those no eviction can help (known from the first of their
         # shape) only need their reasons: the fast path, in runs of one class (ten thousand
         # queued jobs made a cycle twice as long without it).
