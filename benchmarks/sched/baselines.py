@@ -302,7 +302,8 @@ def main() -> None:
         "job waited in unused quota, and of those stretches how many lasted longer than a cycle plus "
         "the grace period (the guarantee; in brackets: begun with fewer GPUs up than the quotas add "
         "up to) and the longest (min); then the same counting only while the GPUs existed, free or "
-        "lent beyond a nominal quota, of a kind the job accepts (what a policy could have given)",
+        "lent beyond a nominal quota, of a kind the job accepts (what a policy could have given; in "
+        "brackets again those begun short of GPUs, when giving it to one team may take it from another)",
         [
             "scheduler",
             "makespan",
@@ -335,7 +336,8 @@ def main() -> None:
                 f"{sum(per[n][k]['quota_wait_late'] for n in traces)} "
                 f"({sum(per[n][k]['quota_wait_late_short'] for n in traces)})",
                 f"{max(longest(per[n][k]) for n in traces) / 60:.0f}",
-                str(sum(per[n][k]["quota_wait_late_reclaimable"] for n in traces)),
+                f"{sum(per[n][k]['quota_wait_late_reclaimable'] for n in traces)} "
+                f"({sum(per[n][k]['quota_wait_late_reclaimable_short'] for n in traces)})",
                 f"{max(longest(per[n][k], 'quota_wait_longest_reclaimable_s') for n in traces) / 60:.0f}",
             ]
             for k in names

@@ -80,6 +80,7 @@ def run_one(args: tuple[Path, int, int, float, bool, list[dict[str, Any]]]) -> d
                 "avg_jct_s": statistics.fmean(j.jct for j in r.jobs if j.jct is not None),
                 "quota_wait_late": r.quota_wait_late,
                 "quota_wait_late_reclaimable": r.quota_wait_late_reclaimable,
+                "quota_wait_late_reclaimable_short": r.quota_wait_late_reclaimable_short,
             }
         )
     return out
@@ -137,6 +138,9 @@ def main() -> None:
             "tiresias_per_trace_unjittered": {n: v[0] for n, v in jct.items()},
             "quota_wait_late": sum(r["configs"][i]["quota_wait_late"] for r in runs),
             "quota_wait_late_reclaimable": sum(r["configs"][i]["quota_wait_late_reclaimable"] for r in runs),
+            "quota_wait_late_reclaimable_short": sum(
+                r["configs"][i]["quota_wait_late_reclaimable_short"] for r in runs
+            ),
         }
         summary.append(row)
         print(
@@ -153,7 +157,8 @@ def main() -> None:
             print(f"  {label:>20} " + " ".join(f"{row[key][n]:6.3f}" for n in traces))
         print(
             f"  quota guarantee: {row['quota_wait_late']} stretches longer than a cycle + the grace period, "
-            f"{row['quota_wait_late_reclaimable']} with the GPUs there"
+            f"{row['quota_wait_late_reclaimable']} with the GPUs there "
+            f"({row['quota_wait_late_reclaimable_short']} of them begun short of GPUs: a spot node down)"
         )
     name = "sched_jitter" + ("_sigterm" if args.sigterm_checkpoint else "")
     path = write_result(

@@ -515,6 +515,27 @@ def test_quota_stretches_begun_with_gpus_down_are_told_apart() -> None:
     assert r.quota_wait_late == 0 and r.quota_wait_late_short == 0 and r.quota_wait_longest_s == {}
 
 
+def test_stretches_a_policy_could_have_kept_are_told_apart_when_begun_short_of_gpus() -> None:
+    # The quotas (2 + 2) add up to 4 GPUs; only 3 are up until 600 s. b's B holds all 3 (1
+    # beyond its nominal) until 300; a's A fits in a's quota and waits 290 s: late, a policy
+    # could have reclaimed b's lent GPU, and it began short of GPUs (giving a its quota then
+    # may leave b below its own).
+    spot = spot_trace("s", [0, 1, 1, 1], gap_s=600)
+    teams = (Team("a", 2, 2), Team("b", 2, 2))
+    trace = [
+        TraceJob("B", 0, 3, 300, "b", "normal", "never"),
+        TraceJob("A", 10, 1, 50, "a", "normal", "never"),
+    ]
+    short = ClusterSpec((NodeSpec("n0", 3, "fake"), NodeSpec("s", 1, "fake", "spot", spot)), teams)
+    r = simulate(trace, short, FIFO)
+    assert (r.quota_wait_late_reclaimable, r.quota_wait_late_reclaimable_short) == (1, 1)
+    assert summarize(r, short, load_catalog())["quota_wait_late_reclaimable_short"] == 1
+    # The spot node up from the start: the same stretch, not begun short.
+    up = ClusterSpec((NodeSpec("n0", 3, "fake"), NodeSpec("s", 1, "fake", "spot")), teams)
+    r = simulate(trace, up, FIFO)
+    assert (r.quota_wait_late_reclaimable, r.quota_wait_late_reclaimable_short) == (1, 0)
+
+
 def test_what_a_policy_could_give_counts_free_and_lent_gpus_of_a_kind_the_job_accepts() -> None:
     teams = {"a": Team("a", 4), "b": Team("b", 2)}
     # b holds 4 (2 beyond its nominal), 1 on a fixed GPU and 3 on spot; 1 GPU is free.

@@ -130,6 +130,7 @@ class SimResult:
     # nominal quota, of a kind the job accepts (`quota.waiting_in_quota`). What remains
     # is what the policy, not the cluster, failed to give.
     quota_wait_late_reclaimable: int = 0
+    quota_wait_late_reclaimable_short: int = 0  # ...of which began short of GPUs, as above
     quota_wait_longest_reclaimable_s: dict[str, float] = field(default_factory=dict)
     # Evictions that named the job they were for, and those of them after which that job
     # did not start within the grace period plus WASTED_AFTER_S: the victim lost its place
@@ -431,6 +432,7 @@ class Simulation:
             quota_wait_late=self.quota.every.late,
             quota_wait_late_short=self.quota.every.late_short,
             quota_wait_late_reclaimable=self.quota.reclaimable.late,
+            quota_wait_late_reclaimable_short=self.quota.reclaimable.late_short,
             quota_wait_longest_reclaimable_s=self.quota.reclaimable.longest_s,
             named_evictions=self.named_evictions,
             # Those whose job never started count as wasted too.

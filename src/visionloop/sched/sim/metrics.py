@@ -98,6 +98,7 @@ def summarize(result: SimResult, cluster: ClusterSpec, catalog: PriceCatalog) ->
         "quota_wait_late": result.quota_wait_late,
         "quota_wait_late_short": result.quota_wait_late_short,
         "quota_wait_late_reclaimable": result.quota_wait_late_reclaimable,
+        "quota_wait_late_reclaimable_short": result.quota_wait_late_reclaimable_short,
         "quota_wait_longest_reclaimable_s": dict(sorted(result.quota_wait_longest_reclaimable_s.items())),
         # Jobs larger than their team's nominal quota: how long they waited.
         "over_quota": _group([j for j in jobs if j.gpus > cluster.nominal_gpus(j.team)]),
