@@ -197,6 +197,13 @@ def main() -> None:
         "lower-class job may take free GPUs held idle for its own head or another team's borrower",
     )
     ap.add_argument(
+        "--hold-freed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="visionloop's hold_freed_for_job (on by default): the GPUs a victim that checkpointed "
+        "at SIGTERM frees stay the job's it stepped aside for, while that job fits in its team's quota",
+    )
+    ap.add_argument(
         "--slurm-backfill-preemption",
         action="store_true",
         help="Slurm's backfill also requeues lower-QOS jobs for a job that ends before the "
@@ -224,6 +231,7 @@ def main() -> None:
         reclaim_preempts_young=args.reclaim_young,
         quota_under_head=args.quota_under_head,
         holds_yield_to_quota=args.holds_yield,
+        hold_freed_for_job=args.hold_freed,
     )
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(
@@ -381,6 +389,7 @@ def main() -> None:
                         "reclaim_preempts_young",
                         "quota_under_head",
                         "holds_yield_to_quota",
+                        "hold_freed_for_job",
                     )
                 },
                 "sim": {k: v for k, v in vars(sim_cfg).items() if k != "priorities"},

@@ -19,6 +19,7 @@ import pytest
 from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _cpkit import train_doc as _train
 from _dbkit import BACKENDS, fresh_database
+from visionloop.sched.view import ClusterView
 
 ONE_GPU = [{"node": "local", "type": "fake", "count": 1, "price_class": "owned"}]
 
@@ -182,6 +183,16 @@ def test_a_higher_priority_job_preempts_through_a_checkpoint_and_the_victim_resu
     sqlite_cp: CP, digits_dataset: Path
 ) -> None:
     cp = sqlite_cp
+    # What the policy is shown each cycle (recorded, not changed): who the victim steps aside
+    # for, and the GPU it frees for that job once it has left.
+    views: list[ClusterView] = []
+    build = cp.plane._view
+
+    def recording(now: float, attempts: Any) -> ClusterView:
+        views.append(build(now, attempts))
+        return views[-1]
+
+    cp.plane._view = recording  # type: ignore[method-assign]
     low_spec = _train(digits_dataset, epochs=None, steps=60)
     with cp.client() as c:
         low = c.post("/v1/jobs", json={"spec": low_spec, "team": "research", "priority": "low"}).json()
@@ -214,6 +225,11 @@ def test_a_higher_priority_job_preempts_through_a_checkpoint_and_the_victim_resu
     first_steps = [c.step for c in ckpts if c.attempt == 1]
     assert first_steps and first_steps[-1] == int(m.group(1)), (ckpts, m.group(0))
     assert {c.attempt for c in ckpts} == {1, 2} and len({c.step for c in ckpts}) == len(ckpts)
+    # The victim was shown leaving for the high job, and its GPU, once free, as that job's.
+    victim, winner = str(low["id"]), str(high["id"])
+    assert any(j.id == victim and j.leaving_for == winner for v in views for j in v.running)
+    assert any(v.freed_for == {"local/0": winner} for v in views), [v.freed_for for v in views]
+    assert all(not v.freed_for for v in views[-3:])  # for one cycle only
 
 
 def test_failures_are_retried_with_backoff_then_fail_with_the_log(

@@ -39,9 +39,9 @@ def _sleeper(job: Job) -> list[str]:
 
 @contextmanager
 def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
-    # victim_order, top_class_preempts_young, reclaim_preempts_young, quota_under_head and
-    # holds_yield_to_quota ride along (quota_under_head off without EASY; with it, off by
-    # default): no eviction here, but the switches must reach the policy too.
+    # victim_order, top_class_preempts_young, reclaim_preempts_young, quota_under_head,
+    # holds_yield_to_quota and hold_freed_for_job ride along (quota_under_head off without
+    # EASY; with it, off by default): no eviction here, but the switches must reach the policy.
     scheduler: dict[str, Any] = (
         {
             "easy_backfill": True,
@@ -49,6 +49,7 @@ def _plane(tmp_path: Path, easy: bool) -> Iterator[CP]:
             "top_class_preempts_young": False,
             "reclaim_preempts_young": False,
             "holds_yield_to_quota": False,
+            "hold_freed_for_job": False,
         }
         if easy
         else {"quota_under_head": False}
@@ -98,8 +99,10 @@ def test_max_runtime_reaches_the_view_and_easy_backfill_holds_the_reservations_g
         policy.reclaim_preempts_young,
         policy.quota_under_head,
         policy.holds_yield_to_quota,
+        policy.hold_freed_for_job,
     )
-    on, off = (True, "smallest", False, False, False, False), (False, "least_lost", True, True, False, True)
+    on = (True, "smallest", False, False, False, False, False)
+    off = (False, "least_lost", True, True, False, True, True)
     assert switches == (on if plane.config.timings.easy_backfill else off)
     running = _submit(cp, digits_dataset, 1, "1h", "running")
     plane.cycle()

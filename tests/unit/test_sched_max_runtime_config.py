@@ -100,13 +100,16 @@ def test_quota_under_head_is_on_unless_turned_off_or_with_easy_backfill() -> Non
         parse_cluster_config({"scheduler": {"quota_under_head": True, "easy_backfill": True}})
 
 
-def test_holds_yield_to_quota_is_on_unless_turned_off() -> None:
+def test_holds_yield_to_quota_and_hold_freed_for_job_are_on_unless_turned_off() -> None:
     assert parse_cluster_config({}).timings.holds_yield_to_quota is True
-    assert PolicyConfig().holds_yield_to_quota is True
-    off = parse_cluster_config({"scheduler": {"holds_yield_to_quota": False}})
-    assert off.timings.holds_yield_to_quota is False
+    assert parse_cluster_config({}).timings.hold_freed_for_job is True
+    assert PolicyConfig().holds_yield_to_quota is True and PolicyConfig().hold_freed_for_job is True
+    off = parse_cluster_config({"scheduler": {"holds_yield_to_quota": False, "hold_freed_for_job": False}})
+    assert off.timings.holds_yield_to_quota is False and off.timings.hold_freed_for_job is False
     with pytest.raises(ConfigError, match=r"scheduler\.holds_yield_to_quota must be true or false"):
         parse_cluster_config({"scheduler": {"holds_yield_to_quota": "no"}})
+    with pytest.raises(ConfigError, match=r"scheduler\.hold_freed_for_job must be true or false"):
+        parse_cluster_config({"scheduler": {"hold_freed_for_job": 0}})
 
 
 def test_the_reservation_switches_come_from_the_scheduler_section() -> None:

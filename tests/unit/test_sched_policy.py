@@ -3,6 +3,7 @@ choice, reservations, spot placement, packing, reasons for waiting, and the FIFO
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -590,6 +591,43 @@ def test_holds_yield_to_the_quota_another_teams_borrower_holds_none_of_it() -> N
     assert placed(d) == {} and "2 more are held for job b-high" in d.waiting["a-low"]
 
 
+def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_reclaims_its_own() -> None:
+    """Trace 2's chain in miniature: a's low job J reclaimed 2 GPUs from b's borrower, which
+    is on its way out; c's high job K, which also fits in its team's quota, came meanwhile.
+    K once took the GPUs being released (first in the cycle's order) and J had to reclaim
+    again a grace period later. With `hold_freed_for_job` (the default) they stay J's, free
+    or still being released, and K takes back its own quota at once."""
+    teams = [Team("a", 2, borrow_limit=4), Team("b", 2, borrow_limit=4), Team("c", 2, borrow_limit=4)]
+    gpus = node_gpus("n0", 4)
+    b0 = r("b0", ["n0/0", "n0/1"], team="b", prio=NORMAL)
+    leaving = dataclasses.replace(
+        r("b1", ["n0/2", "n0/3"], team="b", prio=NORMAL, preemptible=False, ckpt_at_stop=True),
+        leaving_for="J",
+    )
+    queue = [q("J", 2, team="a", prio=LOW, t=NOW - 300), q("K", 2, team="c", prio=HIGH, t=NOW - 30)]
+    coming = view(gpus, queue, [b0, leaving], teams)
+    d = schedule(coming, CFG)
+    assert d.waiting["J"].startswith("waiting for 2 GPUs being released by jobs that are stopping")
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b0", "K")]
+    off = PolicyConfig(aging_s=None, hold_freed_for_job=False)
+    d = schedule(coming, off)
+    assert d.waiting["K"].startswith("waiting for 2 GPUs being released") and d.evictions == []
+    # A victim that did not checkpoint at SIGTERM frees its GPUs for whoever comes first:
+    # a fitting job that took them could not have reclaimed a young borrower of that kind.
+    plain = dataclasses.replace(leaving, checkpoints_at_stop=False)
+    d = schedule(view(gpus, queue, [b0, plain], teams), CFG)
+    assert d.waiting["K"].startswith("waiting for 2 GPUs being released") and d.evictions == []
+    # Once they are free, for one cycle (`ClusterView.freed_for`): J starts on them.
+    freed = dataclasses.replace(view(gpus, queue, [b0], teams), freed_for={"n0/2": "J", "n0/3": "J"})
+    d = schedule(freed, CFG)
+    assert placed(d) == {"J": ("n0/2", "n0/3")} and [e.job_id for e in d.evictions] == ["b0"]
+    assert placed(schedule(freed, off)) == {"K": ("n0/2", "n0/3")}
+    # Not for a job beyond its team's quota: a's job of 4 GPUs borrows.
+    big = [q("J", 4, team="a", prio=LOW, t=NOW - 300), queue[1]]
+    d = schedule(dataclasses.replace(freed, queued=big), CFG)
+    assert placed(d) == {"K": ("n0/2", "n0/3")}
+
+
 def test_quota_under_head_is_refused_with_easy_backfill() -> None:
     with pytest.raises(ConfigError, match="quota_under_head and easy_backfill do not go together"):
         PolicyConfig(quota_under_head=True, easy_backfill=True)
@@ -1058,6 +1096,13 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
         )
         for i in range(draw(st.integers(0, 12)))
     ]
+    # Victims on their way out for a queued job, and free GPUs just freed for one.
+    ids = [j.id for j in queued] or ["gone"]
+    running = [
+        j if j.preemptible else dataclasses.replace(j, leaving_for=draw(st.sampled_from([None, *ids])))
+        for j in running
+    ]
+    freed_for = {g: draw(st.sampled_from(ids)) for g in free if draw(st.booleans())}
     cfg = PolicyConfig(
         same_node=draw(st.booleans()),
         backfill=draw(st.booleans()),
@@ -1070,8 +1115,10 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
         las_threshold_gpu_s=draw(st.sampled_from([1500.0, 3250.0])),
         reclaim_preempts_young=draw(st.booleans()),
         quota_under_head=draw(st.booleans()),
+        holds_yield_to_quota=draw(st.booleans()),
+        hold_freed_for_job=draw(st.booleans()),
     )
-    return view(gpus, queued, running, teams), cfg
+    return dataclasses.replace(view(gpus, queued, running, teams), freed_for=freed_for), cfg
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

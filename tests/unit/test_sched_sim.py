@@ -536,6 +536,36 @@ def test_stretches_a_policy_could_have_kept_are_told_apart_when_begun_short_of_g
     assert (r.quota_wait_late_reclaimable, r.quota_wait_late_reclaimable_short) == (1, 0)
 
 
+@pytest.mark.parametrize("sigterm", [True, False])
+def test_a_victim_is_shown_leaving_for_its_job_and_its_gpus_freed_for_it_once_checkpointed(
+    sigterm: bool,
+) -> None:
+    # b borrows a's 2 GPUs with B; a's A comes at 100 and reclaims them. B is shown leaving
+    # for A through its grace period; once gone, its GPUs are shown freed for A for one
+    # cycle, if it wrote a checkpoint at SIGTERM (else any job may take them first).
+    teams = (Team("a", 2, 0), Team("b", 0, 2))
+    cluster = ClusterSpec((NodeSpec("n0", 2, "fake"),), teams)
+    trace = [
+        TraceJob("B", 0, 2, 3600, "b", "normal", "allowed"),
+        TraceJob("A", 100, 2, 100, "a", "normal", "allowed"),
+    ]
+    views: list[ClusterView] = []
+    cfg = PolicyConfig(same_node=False, min_runtime_s=0)
+
+    def policy(view: ClusterView) -> Decision:
+        views.append(view)
+        return schedule(view, cfg)
+
+    r = simulate(trace, cluster, policy, SimConfig(sigterm_checkpoint=sigterm, tick_s=30.0))
+    leaving = {(v.now, j.id, j.leaving_for) for v in views for j in v.running if j.leaving_for}
+    assert leaving == {(130.0, "B", "A")}  # the cycle in its grace period
+    freed = [(v.now, dict(v.freed_for)) for v in views if v.freed_for]
+    b_gpus = {g.id for g in views[0].gpus}
+    assert freed == ([(160.0, dict.fromkeys(sorted(b_gpus), "A"))] if sigterm else [])
+    a = next(j for j in r.jobs if j.id == "A")
+    assert a.first_start == 160.0
+
+
 def test_what_a_policy_could_give_counts_free_and_lent_gpus_of_a_kind_the_job_accepts() -> None:
     teams = {"a": Team("a", 4), "b": Team("b", 2)}
     # b holds 4 (2 beyond its nominal), 1 on a fixed GPU and 3 on spot; 1 GPU is free.

@@ -263,6 +263,13 @@ class Cycle(Waiting):
         return self.saturated
 
     def _consider(self, job: PendingJob, prio: int) -> None:
+        """Place, claim, preempt or give a reason, with the GPUs owed to it back in the pools
+        (`CycleState._open_owed`)."""
+        if self.owed:
+            self._open_owed(job)
+        self._consider_job(job, prio)
+
+    def _consider_job(self, job: PendingJob, prio: int) -> None:
         waiting = self.decision.waiting
         if job.not_before > self.now:
             waiting[job.id] = backoff_reason(job, self.now)

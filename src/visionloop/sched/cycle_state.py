@@ -70,6 +70,13 @@ class CycleState:
         for gs in self.free.values():
             for g in gs:
                 self.free_count[g.price_class] += 1
+        # GPUs owed to a queued job: free ones its victim just released, and those its
+        # victims are still releasing (`ClusterView.freed_for`, `ActiveJob.leaving_for`). Only
+        # it may take them (`Cycle._consider` opens them for it): else a job ahead of it in
+        # the cycle's order takes what it evicted for, and it must evict again.
+        self.owed: dict[str, tuple[list[Gpu], list[Gpu]]] = {}
+        if cfg.hold_freed_for_job:
+            self._set_owed(view, gpu_by_id)
         self.releasing_left = sum(len(gs) for gs in self.releasing.values())
         self.gpu_by_id = gpu_by_id
         # Node CPU/memory left, where the node declares limits.
@@ -191,6 +198,70 @@ class CycleState:
         if ts is None:  # not configured: no entitlement, no limit (only what is idle)
             ts = self.teams[name] = TeamState(Team(name, 0, borrow_limit=_UNLIMITED))
         return ts
+
+    def _set_owed(self, view: ClusterView, gpu_by_id: dict[str, Gpu]) -> None:
+        """Take the GPUs owed to queued jobs out of the free and releasing pools (`self.owed`:
+        job -> (free ones, ones being released)): those freed or being released for a job
+        that fits in its team's unused nominal quota, by victims that checkpointed at SIGTERM
+        (`hold_freed_for_job`)."""
+        leaving = [
+            j
+            for j in view.running
+            if not j.preemptible and j.leaving_for is not None and j.checkpoints_at_stop
+        ]
+        if not view.freed_for and not leaving:
+            return
+        used: dict[str, int] = {}
+        for j in view.running:
+            if j.preemptible:
+                used[j.team] = used.get(j.team, 0) + len(j.gpu_ids)
+        wanted = set(view.freed_for.values()) | {j.leaving_for for j in leaving}
+        fitting = {
+            j.id
+            for j in view.queued
+            if j.id in wanted
+            and j.team in view.teams
+            and used.get(j.team, 0) + j.gpus <= view.teams[j.team].nominal_gpus
+        }
+        free_ids = self._free_ids()
+        for gid, job in view.freed_for.items():
+            if job in fitting and gid in free_ids:
+                self.owed.setdefault(job, ([], []))[0].append(gpu_by_id[gid])
+        for v in leaving:
+            if v.leaving_for in fitting:
+                coming = [gpu_by_id[i] for i in v.gpu_ids if i in gpu_by_id and gpu_by_id[i].up]
+                self.owed.setdefault(v.leaving_for, ([], []))[1].extend(coming)
+        for free, coming in self.owed.values():
+            take(self.free, free)
+            for g in free:
+                self.free_count[g.price_class] -= 1
+                self.reserved_count[g.price_class] += 1
+            take(self.releasing, coming)
+
+    def _open_owed(self, job: PendingJob) -> None:
+        """Put the GPUs owed to `job` back in the free and releasing pools as it is
+        considered; those it does not take stay there for the jobs after it."""
+        owed = self.owed.pop(job.id, None)
+        if owed is None:
+            return
+        free, coming = owed
+        for g in free:
+            self.free.setdefault(g.node, []).append(g)
+            self.free_count[g.price_class] += 1
+            self.reserved_count[g.price_class] -= 1
+        for g in coming:
+            self.releasing.setdefault(g.node, []).append(g)
+        self.releasing_left += len(coming)
+        self._pools_grew()
+
+    def _pools_grew(self) -> None:
+        """The failure memos and `saturated` assume the pools only shrink within a cycle:
+        forget them when GPUs go back in."""
+        self.fail_free.clear()
+        self.fail_release.clear()
+        self.fail_evict.clear()
+        self.fail_lend.clear()
+        self.saturated = False
 
     def _may_hold(self) -> bool:
         """Does a reservation keep its free GPUs from jobs that would delay it? Only if some

@@ -98,6 +98,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             reclaim_preempts_young=t.reclaim_preempts_young,
             quota_under_head=t.quota_under_head,
             holds_yield_to_quota=t.holds_yield_to_quota,
+            hold_freed_for_job=t.hold_freed_for_job,
             order=t.order,
             srpt_preemption=t.srpt_preemption,
             las_preemption=t.las_preemption,
@@ -117,6 +118,8 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         self._progress = ProgressReader()  # where each open attempt's log was read up to
         self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
         self._attempts_ended = 0
+        self._leaving_for: dict[int, int] = {}  # victim → the job it steps aside for
+        self._freed_for: dict[str, str] = {}  # GPU → that job, for the cycle after it left
         # Launches (and the evictions made for them) wait until then: the executor was unreachable.
         self._launch_paused_until = 0.0
         self._unreachable_streak = 0
@@ -208,7 +211,10 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     )
                 except TransitionError:
                     continue  # it finished meanwhile; the next cycle sees the freed GPUs
+                if ev.for_job is not None:
+                    self._leaving_for[job_id] = int(ev.for_job)
                 self._signal(job_id, terminate=True)
+            self._freed_for = {}  # for one cycle only
             gpus = {g.id: g for g in view.gpus}  # read this cycle, under the lock
             reasons = {int(k): v for k, v in decision.waiting.items()}
             for p in decision.placements:
@@ -270,10 +276,13 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     max_runtime_s=job.max_runtime_s,
                     expected_runtime_s=self._expected_runtime(job),
                     checkpoints_at_stop=ALL_CHECKPOINT_AT_SIGTERM,
+                    leaving_for=leaving_for(self._leaving_for.get(job.id), job.state),
                 )
             )
         queued = self._queued  # shared between cycles while unchanged: the policy only reads it
-        return ClusterView(now=now, gpus=gpus, teams=teams, running=running, queued=queued)
+        return ClusterView(
+            now=now, gpus=gpus, teams=teams, running=running, queued=queued, freed_for=self._freed_for
+        )
 
     def _read_history(self, rows: tuple[ViewJob, ...]) -> None:
         """Read the runtime history of the shapes in the view again (one indexed query; the
@@ -417,3 +426,8 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
 
 
 __all__ = ["ControlPlane", "Principal", "SubmitError"]
+
+
+def leaving_for(job: int | None, state: str) -> str | None:
+    """The job a running job steps aside for, while it is on its way out (PREEMPTING)."""
+    return None if job is None or state != JobState.PREEMPTING.value else str(job)

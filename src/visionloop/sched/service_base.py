@@ -40,6 +40,11 @@ class PlaneBase:
     _progress: ProgressReader
     _attempts_ended: int
     _inventory_at: float
+    # The job each victim steps aside for (ActiveJob.leaving_for), and the GPUs the victims
+    # that left this cycle freed for it (ClusterView.freed_for): in memory, as a restart
+    # only costs what the policy did before it kept them (a job ahead may take them).
+    _leaving_for: dict[int, int]
+    _freed_for: dict[str, str]
 
     def job_dir(self, job_id: int) -> Path:
         return self.jobs_dir / f"job-{job_id}"

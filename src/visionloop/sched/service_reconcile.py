@@ -20,7 +20,7 @@ from visionloop.sched.progress import CheckpointEvent, EvalEvent, PaceEvent
 from visionloop.sched.service_base import PlaneBase, log
 from visionloop.sched.states import ACTIVE, JobState
 from visionloop.sched.store import Attempt, Job
-from visionloop.sched.workload import AttemptExit
+from visionloop.sched.workload import ALL_CHECKPOINT_AT_SIGTERM, AttemptExit
 from visionloop.train.abandoned import Ending, close_abandoned_run
 
 # How many log lines a failed job shows as its reason.
@@ -130,6 +130,7 @@ class ReconcileMixin(PlaneBase):
         """Store.end_attempt, counted: the cycle re-reads the open attempts only if one ended.
         A job that ended for good gets its run closed if its trainer could not (SIGKILL)."""
         self._attempts_ended += 1
+        self._leaving_for.pop(job_id, None)
         job = self.store.end_attempt(job_id, attempt, outcome, exit_code, now, next_state, reason, **kwargs)
         if next_state in (JobState.FAILED, JobState.CANCELLED):
             ending: Ending = "failed" if next_state == JobState.FAILED else "cancelled"
@@ -295,7 +296,11 @@ class ReconcileMixin(PlaneBase):
             self._finish_failed(job, number, code, ending.reason, now, handle, retry=ending.retry)
             return
         extra = {"preemptions": job.preemptions + 1} if ending.preemption else {}
+        freed_for = self._leaving_for.get(job.id)
         self._end_attempt(job.id, number, ending.outcome, code, now, ending.state, ending.reason, **extra)
+        if freed_for is not None and ending.preemption and ALL_CHECKPOINT_AT_SIGTERM:
+            # It stepped aside for that job, checkpointed: its GPUs are that job's next cycle.
+            self._freed_for.update(dict.fromkeys(attempt.gpu_ids, str(freed_for)))
 
     def _on_down_gpu(self, gpu_ids: tuple[str, ...]) -> bool:
         """Whether the attempt held a GPU that is down now: its preemption was a spot

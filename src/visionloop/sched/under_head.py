@@ -112,12 +112,7 @@ class UnderHead(Reservations):
             self.free.setdefault(g.node, []).append(g)
             self.free_count[g.price_class] += 1
             self.reserved_count[g.price_class] -= 1
-        # The failure memos assume pools only shrink within a cycle: not across this.
-        self.fail_free.clear()
-        self.fail_release.clear()
-        self.fail_evict.clear()
-        self.fail_lend.clear()
-        self.saturated = False
+        self._pools_grew()
         return opened, head_gpus
 
     def _close_holds(self, opened: list[Gpu]) -> None:

@@ -122,6 +122,9 @@ class ActiveJob:
     # It writes a checkpoint when asked to stop (SIGTERM), so an eviction loses only the
     # grace period, not the work since `last_checkpoint_at` ("las" preemption reads it).
     checkpoints_at_stop: bool = False
+    # The queued job it steps aside for, once on its way out (the eviction's `for_job`): the
+    # policy may keep the GPUs it releases for that job (`ClusterView.freed_for`).
+    leaving_for: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,11 @@ class ClusterView:
     running: Sequence[ActiveJob]
     queued: Sequence[PendingJob]
     nodes: Mapping[str, Node] = field(default_factory=dict)
+    # Free GPUs that a job just released stepping aside for a queued job, having written a
+    # checkpoint at SIGTERM (GPU id -> that job), for the first cycle after: the policy may
+    # keep them for that job (`PolicyConfig.hold_freed_for_job`), so that no job ahead of it
+    # takes what it evicted for and it must evict again.
+    freed_for: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

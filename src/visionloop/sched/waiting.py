@@ -43,6 +43,7 @@ class Waiting(UnderHead):
             if (
                 n <= 0
                 or self.blocker is not None
+                or job.id in self.owed
                 or (
                     head is None
                     and self.evictions_left > 0

@@ -150,6 +150,7 @@ class _Job:
         "gpus",
         "kept",
         "last_cause",
+        "leaving_for",
         "overhead",
         "p0",
         "pace",
@@ -174,6 +175,7 @@ class _Job:
         self.gpus: tuple[str, ...] = ()
         self.epoch = self.restarts = 0
         self.attained = 0.0
+        self.leaving_for: str | None = None  # the job it steps aside for, while stopping
         self.last_cause = ""
         self.pace = 1.0  # this allocation's error on its reported pace (see SimConfig)
 
@@ -219,6 +221,7 @@ class Simulation:
         self.contended_s = 0.0
         self.quota = QuotaMeter(self.teams, self.cfg.tick_s + self.cfg.grace_s)
         self.evicted_for: dict[str, list[float]] = {}  # job -> when evictions were made for it
+        self.freed_for: dict[str, str] = {}  # GPU -> the job its last holder stepped aside for
         self.named_evictions = 0
         self.wasted_evictions = 0
         self._gpus_cache: list[Gpu] | None = None
@@ -284,6 +287,7 @@ class Simulation:
                 j.state == "running" or (j.state == "stopping" and j.last_cause == "preempted")
             ):
                 # A victim may finish inside its grace period: that allocation lost nothing.
+                self._free_for(j)
                 j.state = "running"
                 self._end_allocation(j, t, kept=j.spec.duration_s)
                 j.state, j.rec.finish = "done", t
@@ -292,6 +296,7 @@ class Simulation:
         elif kind == _RELEASE:
             j = self.jobs[key]
             if j.epoch == epoch and j.state == "stopping":
+                self._free_for(j)
                 self._end_allocation(j, t, kept=j.kept)
                 j.progress, j.state, j.queued_since = j.kept, "queued", t
                 j.restarts += 1
@@ -337,6 +342,13 @@ class Simulation:
         else:
             j.rec.interruptions += 1
         self._push(t + self.cfg.grace_s, _RELEASE, j.spec.id, j.epoch)
+
+    def _free_for(self, j: _Job) -> None:
+        """A victim leaves: its GPUs are the job's it stepped aside for, in the next cycle
+        (`ClusterView.freed_for`), if it wrote a checkpoint at SIGTERM."""
+        if j.leaving_for is not None and self.cfg.sigterm_checkpoint:
+            self.freed_for.update(dict.fromkeys(j.gpus, j.leaving_for))
+        j.leaving_for = None
 
     def _end_allocation(self, j: _Job, t: float, kept: float) -> None:
         held = t - j.t0
@@ -385,8 +397,10 @@ class Simulation:
             j = self.jobs.get(e.job_id)
             if j is None or j.state != "running":
                 raise SimError(f"t={t}: evicted job {e.job_id}, which is not running")
+        self.freed_for = {}  # for one cycle only
         for e in decision.evictions:
             self._stop(self.jobs[e.job_id], t, "preempted")
+            self.jobs[e.job_id].leaving_for = e.for_job
             if e.for_job is not None:
                 self.evicted_for.setdefault(e.for_job, []).append(t)
                 self.named_evictions += 1

@@ -81,6 +81,7 @@ def cluster_view(sim: Simulation, t: float) -> ClusterView:
                     max_runtime_s=time_limit(s, cfg),
                     expected_runtime_s=expected_runtime(sim, s),
                     checkpoints_at_stop=cfg.sigterm_checkpoint,
+                    leaving_for=j.leaving_for if j.state == "stopping" else None,
                 )
             )
         elif j.state == "queued":
@@ -97,4 +98,5 @@ def cluster_view(sim: Simulation, t: float) -> ClusterView:
                     expected_runtime_s=expected_runtime(sim, s),
                 )
             )
-    return ClusterView(t, sim._gpus(), sim.teams, running, queued)
+    freed_for = {g: job for g, job in sim.freed_for.items() if g not in sim.holder}
+    return ClusterView(t, sim._gpus(), sim.teams, running, queued, freed_for=freed_for)
