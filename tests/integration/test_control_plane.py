@@ -19,7 +19,7 @@ import pytest
 from _cpkit import CP, TEAMS, cluster_config, control_plane
 from _cpkit import train_doc as _train
 from _dbkit import BACKENDS, fresh_database
-from visionloop.sched.view import ClusterView
+from visionloop.sched.view import ClusterView, Freed
 
 ONE_GPU = [{"node": "local", "type": "fake", "count": 1, "price_class": "owned"}]
 
@@ -228,7 +228,9 @@ def test_a_higher_priority_job_preempts_through_a_checkpoint_and_the_victim_resu
     # The victim was shown leaving for the high job, and its GPU, once free, as that job's.
     victim, winner = str(low["id"]), str(high["id"])
     assert any(j.id == victim and j.leaving_for == winner for v in views for j in v.running)
-    assert any(v.freed_for == {"local/0": winner} for v in views), [v.freed_for for v in views]
+    assert any(v.freed_for == {"local/0": Freed(winner, "research")} for v in views), [
+        v.freed_for for v in views
+    ]
     assert all(not v.freed_for for v in views[-3:])  # for one cycle only
 
 

@@ -16,6 +16,7 @@ from visionloop.sched.view import (
     ActiveJob,
     ClusterView,
     Decision,
+    Freed,
     Gpu,
     Node,
     PendingJob,
@@ -618,7 +619,8 @@ def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_
     d = schedule(view(gpus, queue, [b0, plain], teams), CFG)
     assert d.waiting["K"].startswith("waiting for 2 GPUs being released") and d.evictions == []
     # Once they are free, for one cycle (`ClusterView.freed_for`): J starts on them.
-    freed = dataclasses.replace(view(gpus, queue, [b0], teams), freed_for={"n0/2": "J", "n0/3": "J"})
+    by_b = {"n0/2": Freed("J", "b"), "n0/3": Freed("J", "b")}
+    freed = dataclasses.replace(view(gpus, queue, [b0], teams), freed_for=by_b)
     d = schedule(freed, CFG)
     assert placed(d) == {"J": ("n0/2", "n0/3")} and [e.job_id for e in d.evictions] == ["b0"]
     assert placed(schedule(freed, off)) == {"K": ("n0/2", "n0/3")}
@@ -626,6 +628,12 @@ def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_
     big = [q("J", 4, team="a", prio=LOW, t=NOW - 300), queue[1]]
     d = schedule(dataclasses.replace(freed, queued=big), CFG)
     assert placed(d) == {"K": ("n0/2", "n0/3")}
+    # Nor GPUs its own team's victim frees (its team's own order: its quota is the same).
+    own = dataclasses.replace(freed, freed_for={"n0/2": Freed("J", "a"), "n0/3": Freed("J", "a")})
+    assert placed(schedule(own, CFG)) == {"K": ("n0/2", "n0/3")}
+    mine = dataclasses.replace(leaving, team="a")
+    d = schedule(view(gpus, queue, [b0, mine], teams), CFG)
+    assert d.waiting["K"].startswith("waiting for 2 GPUs being released") and d.evictions == []
 
 
 def test_quota_under_head_is_refused_with_easy_backfill() -> None:
@@ -1102,7 +1110,11 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
         j if j.preemptible else dataclasses.replace(j, leaving_for=draw(st.sampled_from([None, *ids])))
         for j in running
     ]
-    freed_for = {g: draw(st.sampled_from(ids)) for g in free if draw(st.booleans())}
+    freed_for = {
+        g: Freed(draw(st.sampled_from(ids)), draw(st.sampled_from("abc")))
+        for g in free
+        if draw(st.booleans())
+    }
     cfg = PolicyConfig(
         same_node=draw(st.booleans()),
         backfill=draw(st.booleans()),

@@ -30,7 +30,7 @@ from visionloop.sched.sim import (
     summarize,
 )
 from visionloop.sched.sim.quota import waiting_in_quota
-from visionloop.sched.view import ClusterView, Decision, Eviction, Placement, Team
+from visionloop.sched.view import ClusterView, Decision, Eviction, Freed, Placement, Team
 
 VL = partial(schedule, config=PolicyConfig(same_node=False))
 FIFO = partial(fifo, same_node=False)
@@ -561,7 +561,7 @@ def test_a_victim_is_shown_leaving_for_its_job_and_its_gpus_freed_for_it_once_ch
     assert leaving == {(130.0, "B", "A")}  # the cycle in its grace period
     freed = [(v.now, dict(v.freed_for)) for v in views if v.freed_for]
     b_gpus = {g.id for g in views[0].gpus}
-    assert freed == ([(160.0, dict.fromkeys(sorted(b_gpus), "A"))] if sigterm else [])
+    assert freed == ([(160.0, dict.fromkeys(sorted(b_gpus), Freed("A", "b")))] if sigterm else [])
     a = next(j for j in r.jobs if j.id == "A")
     assert a.first_start == 160.0
 

@@ -63,7 +63,7 @@ from visionloop.sched.service_gpus import GpuSyncMixin
 from visionloop.sched.service_reconcile import ReconcileMixin
 from visionloop.sched.states import JobState, TransitionError
 from visionloop.sched.store import Attempt, Job, Store
-from visionloop.sched.view import ActiveJob, ClusterView, Gpu, PendingJob, Team
+from visionloop.sched.view import ActiveJob, ClusterView, Freed, Gpu, PendingJob, Team
 from visionloop.sched.workload import ALL_CHECKPOINT_AT_SIGTERM, CommandContext
 from visionloop.train.progress import ENV as PROGRESS_ENV
 
@@ -119,7 +119,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
         self._attempts_ended = 0
         self._leaving_for: dict[int, int] = {}  # victim → the job it steps aside for
-        self._freed_for: dict[str, str] = {}  # GPU → that job, for the cycle after it left
+        self._freed_for: dict[str, Freed] = {}  # GPU → that job, for the cycle after it left
         # Launches (and the evictions made for them) wait until then: the executor was unreachable.
         self._launch_paused_until = 0.0
         self._unreachable_streak = 0

@@ -16,6 +16,7 @@ from visionloop.sched.executors.base import Executor
 from visionloop.sched.prices import PriceCatalog
 from visionloop.sched.progress import ProgressReader
 from visionloop.sched.store import Store
+from visionloop.sched.view import Freed
 
 # One logger for the whole control plane, named as before it was split into modules, so log
 # filters and the messages' names stay as operators know them.
@@ -44,7 +45,7 @@ class PlaneBase:
     # that left this cycle freed for it (ClusterView.freed_for): in memory, as a restart
     # only costs what the policy did before it kept them (a job ahead may take them).
     _leaving_for: dict[int, int]
-    _freed_for: dict[str, str]
+    _freed_for: dict[str, Freed]
 
     def job_dir(self, job_id: int) -> Path:
         return self.jobs_dir / f"job-{job_id}"

@@ -20,6 +20,7 @@ from visionloop.sched.progress import CheckpointEvent, EvalEvent, PaceEvent
 from visionloop.sched.service_base import PlaneBase, log
 from visionloop.sched.states import ACTIVE, JobState
 from visionloop.sched.store import Attempt, Job
+from visionloop.sched.view import Freed
 from visionloop.sched.workload import ALL_CHECKPOINT_AT_SIGTERM, AttemptExit
 from visionloop.train.abandoned import Ending, close_abandoned_run
 
@@ -300,7 +301,7 @@ class ReconcileMixin(PlaneBase):
         self._end_attempt(job.id, number, ending.outcome, code, now, ending.state, ending.reason, **extra)
         if freed_for is not None and ending.preemption and ALL_CHECKPOINT_AT_SIGTERM:
             # It stepped aside for that job, checkpointed: its GPUs are that job's next cycle.
-            self._freed_for.update(dict.fromkeys(attempt.gpu_ids, str(freed_for)))
+            self._freed_for.update(dict.fromkeys(attempt.gpu_ids, Freed(str(freed_for), job.team)))
 
     def _on_down_gpu(self, gpu_ids: tuple[str, ...]) -> bool:
         """Whether the attempt held a GPU that is down now: its preemption was a spot

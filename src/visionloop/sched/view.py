@@ -143,10 +143,18 @@ class ClusterView:
     queued: Sequence[PendingJob]
     nodes: Mapping[str, Node] = field(default_factory=dict)
     # Free GPUs that a job just released stepping aside for a queued job, having written a
-    # checkpoint at SIGTERM (GPU id -> that job), for the first cycle after: the policy may
+    # checkpoint at SIGTERM (GPU id -> `Freed`), for the first cycle after: the policy may
     # keep them for that job (`PolicyConfig.hold_freed_for_job`), so that no job ahead of it
     # takes what it evicted for and it must evict again.
-    freed_for: Mapping[str, str] = field(default_factory=dict)
+    freed_for: Mapping[str, Freed] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Freed:
+    """A GPU a job just released stepping aside for a queued job (`ClusterView.freed_for`)."""
+
+    for_job: str
+    by_team: str  # the team of the job that released it
 
 
 @dataclass(frozen=True, slots=True)

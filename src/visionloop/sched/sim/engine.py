@@ -35,6 +35,7 @@ from visionloop.sched.view import (
     DEFAULT_PRIORITIES,
     ClusterView,
     Decision,
+    Freed,
     Gpu,
     PriceClass,
 )
@@ -221,7 +222,7 @@ class Simulation:
         self.contended_s = 0.0
         self.quota = QuotaMeter(self.teams, self.cfg.tick_s + self.cfg.grace_s)
         self.evicted_for: dict[str, list[float]] = {}  # job -> when evictions were made for it
-        self.freed_for: dict[str, str] = {}  # GPU -> the job its last holder stepped aside for
+        self.freed_for: dict[str, Freed] = {}  # GPU -> the job its last holder stepped aside for
         self.named_evictions = 0
         self.wasted_evictions = 0
         self._gpus_cache: list[Gpu] | None = None
@@ -347,7 +348,7 @@ class Simulation:
         """A victim leaves: its GPUs are the job's it stepped aside for, in the next cycle
         (`ClusterView.freed_for`), if it wrote a checkpoint at SIGTERM."""
         if j.leaving_for is not None and self.cfg.sigterm_checkpoint:
-            self.freed_for.update(dict.fromkeys(j.gpus, j.leaving_for))
+            self.freed_for.update(dict.fromkeys(j.gpus, Freed(j.leaving_for, j.spec.team)))
         j.leaving_for = None
 
     def _end_allocation(self, j: _Job, t: float, kept: float) -> None:
