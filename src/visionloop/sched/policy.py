@@ -86,17 +86,19 @@ class PolicyConfig:
     # borrower's hold (a borrower never keeps a team from its quota), and its own head's
     # (it starts there as the head's tenant, the head's GPUs not counted against the quota
     # while it does). Not the starvation guard's hold. BENCHMARKS.md, "Holds yield to the
-    # quota": over 64 jittered runs, late quota stretches with the GPUs there 110 -> 76 with
-    # SIGTERM checkpoints (177 -> 152 without), average JCT +0.3% (-0.5% without).
+    # quota, and freed GPUs stay with their reclaim": over 64 jittered runs, late quota
+    # stretches with the GPUs there 110 -> 76 with SIGTERM checkpoints (177 -> 152 without),
+    # average JCT +0.3% (-0.5% without).
     holds_yield_to_quota: bool = True
-    # The GPUs a victim frees stay the job's it stepped aside for, while that job fits in its
-    # team's unused nominal quota (a reclaim) and the victim wrote a checkpoint at SIGTERM
-    # (`ActiveJob.leaving_for`, `ClusterView.freed_for`): no job ahead of it in the cycle's
-    # order takes them, which made it reclaim again, a grace period later each time. Only
-    # then: a team's fitting job that took such GPUs could not have reclaimed young borrowers
-    # that lose all they did (`reclaim_preempts_young`), and waited longer without them.
-    # BENCHMARKS.md, "Holds yield to the quota": over 64 jittered runs with SIGTERM
-    # checkpoints, late quota stretches with the GPUs there 76 -> 58, average JCT +0.1%.
+    # The GPUs another team's victim frees stay the job's it stepped aside for, while that job
+    # fits in its team's unused nominal quota (a reclaim) and the victim wrote a checkpoint at
+    # SIGTERM (`ActiveJob.leaving_for`, `ClusterView.freed_for`): no job ahead of it in the
+    # cycle's order takes them, which made it reclaim again, a grace period later each time.
+    # Only then: a team's fitting job that took such GPUs could not have reclaimed young
+    # borrowers that lose all they did (`reclaim_preempts_young`), and waited longer without
+    # them. BENCHMARKS.md, "Holds yield to the quota, and freed GPUs stay with their
+    # reclaim": over 64 jittered runs with SIGTERM checkpoints, late quota stretches with
+    # the GPUs there 76 -> 59, average JCT -0.4%.
     hold_freed_for_job: bool = True
     # Within a team and class: "las" (least attained GPU-service first: jobs that were
     # preempted or ran long wait behind fresh ones, which shortens completion times when job
