@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from visionloop.sched.owed import owed_gpus
 from visionloop.sched.placement import CLASS_ORDER, capacities, free_pool, held_by, take, usable
 from visionloop.sched.view import (
     ActiveJob,
@@ -74,9 +75,10 @@ class CycleState:
         # victims are still releasing (`ClusterView.freed_for`, `ActiveJob.leaving_for`). Only
         # it may take them (`Cycle._consider` opens them for it): else a job ahead of it in
         # the cycle's order takes what it evicted for, and it must evict again.
-        self.owed: dict[str, tuple[list[Gpu], list[Gpu]]] = {}
-        if cfg.hold_freed_for_job:
-            self._set_owed(view, gpu_by_id)
+        self.owed = owed_gpus(view, self._free_ids(), gpu_by_id) if cfg.hold_freed_for_job else {}
+        for free, coming in self.owed.values():
+            self._reserve_free(free)
+            take(self.releasing, coming)
         self.releasing_left = sum(len(gs) for gs in self.releasing.values())
         self.gpu_by_id = gpu_by_id
         # Node CPU/memory left, where the node declares limits.
@@ -199,48 +201,6 @@ class CycleState:
             ts = self.teams[name] = TeamState(Team(name, 0, borrow_limit=_UNLIMITED))
         return ts
 
-    def _set_owed(self, view: ClusterView, gpu_by_id: dict[str, Gpu]) -> None:
-        """Take the GPUs owed to queued jobs out of the free and releasing pools (`self.owed`:
-        job -> (free ones, ones being released)): those freed or being released for a job
-        that fits in its team's unused nominal quota, by another team's victims that
-        checkpointed at SIGTERM (`hold_freed_for_job`). Not its own team's: the GPUs of a
-        victim of its team's own order (a class, least attained service) change nothing of
-        its team's quota, and holding them for it only kept them from others (over 64
-        jittered runs avg JCT 0.921 of Tiresias' against 0.916, the same late stretches)."""
-        leaving = [
-            j
-            for j in view.running
-            if not j.preemptible and j.leaving_for is not None and j.checkpoints_at_stop
-        ]
-        if not view.freed_for and not leaving:
-            return
-        used: dict[str, int] = {}
-        for j in view.running:
-            if j.preemptible:
-                used[j.team] = used.get(j.team, 0) + len(j.gpu_ids)
-        wanted = {f.for_job for f in view.freed_for.values()} | {j.leaving_for for j in leaving}
-        fitting = {  # job -> its team
-            j.id: j.team
-            for j in view.queued
-            if j.id in wanted
-            and j.team in view.teams
-            and used.get(j.team, 0) + j.gpus <= view.teams[j.team].nominal_gpus
-        }
-        free_ids = self._free_ids()
-        for gid, f in view.freed_for.items():
-            if fitting.get(f.for_job, f.by_team) != f.by_team and gid in free_ids:
-                self.owed.setdefault(f.for_job, ([], []))[0].append(gpu_by_id[gid])
-        for v in leaving:
-            if v.leaving_for is not None and fitting.get(v.leaving_for, v.team) != v.team:
-                coming = [gpu_by_id[i] for i in v.gpu_ids if i in gpu_by_id and gpu_by_id[i].up]
-                self.owed.setdefault(v.leaving_for, ([], []))[1].extend(coming)
-        for free, coming in self.owed.values():
-            take(self.free, free)
-            for g in free:
-                self.free_count[g.price_class] -= 1
-                self.reserved_count[g.price_class] += 1
-            take(self.releasing, coming)
-
     def _open_owed(self, job: PendingJob) -> None:
         """Put the GPUs owed to `job` back in the free and releasing pools as it is
         considered; those it does not take stay there for the jobs after it."""
@@ -248,14 +208,25 @@ class CycleState:
         if owed is None:
             return
         free, coming = owed
-        for g in free:
-            self.free.setdefault(g.node, []).append(g)
-            self.free_count[g.price_class] += 1
-            self.reserved_count[g.price_class] -= 1
+        self._unreserve(free)
         for g in coming:
             self.releasing.setdefault(g.node, []).append(g)
         self.releasing_left += len(coming)
         self._pools_grew()
+
+    def _reserve_free(self, gpus: Sequence[Gpu]) -> None:
+        """Free GPUs out of the free pool, claimed or held for a job (`reserved_count`)."""
+        take(self.free, gpus)
+        for g in gpus:
+            self.free_count[g.price_class] -= 1
+            self.reserved_count[g.price_class] += 1
+
+    def _unreserve(self, gpus: Sequence[Gpu]) -> None:
+        """Reserved free GPUs back into the free pool (`_reserve_free` undone)."""
+        for g in gpus:
+            self.free.setdefault(g.node, []).append(g)
+            self.free_count[g.price_class] += 1
+            self.reserved_count[g.price_class] -= 1
 
     def _pools_grew(self) -> None:
         """The failure memos and `saturated` assume the pools only shrink within a cycle:
@@ -417,11 +388,7 @@ class CycleState:
         """Reserve GPUs (free now, being released, or about to be freed by victims) for a job
         that will start on them in a later cycle."""
         free_ids = self._free_ids()
-        now_free = [g for g in gpus if g.id in free_ids]
-        take(self.free, now_free)
-        for g in now_free:
-            self.free_count[g.price_class] -= 1
-            self.reserved_count[g.price_class] += 1
+        self._reserve_free([g for g in gpus if g.id in free_ids])
         before = sum(len(gs) for gs in self.releasing.values())
         take(self.releasing, [g for g in gpus if g.id not in free_ids])
         self.releasing_left -= before - sum(len(gs) for gs in self.releasing.values())
@@ -446,10 +413,7 @@ class CycleState:
         held = held[: job.gpus]
         if not held:
             return 0
-        take(self.free, held)
-        for g in held:
-            self.free_count[g.price_class] -= 1
-            self.reserved_count[g.price_class] += 1
+        self._reserve_free(held)
         if job not in self.claimants:
             self.claimants.append(job)
             self._account(job, ts, None)  # its team's standing counts the reservation

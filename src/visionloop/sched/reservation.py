@@ -153,10 +153,8 @@ class Reservations(Preemption):
         if self._may_hold():
             free_ids = self._free_ids()
             now_free = [g for g in got if g.id in free_ids]
-            take(self.free, now_free)
+            self._reserve_free(now_free)
             for g in now_free:
-                self.free_count[g.price_class] -= 1
-                self.reserved_count[g.price_class] += 1
                 self.lend[g.id] = (start, g, job)
             coming = [g for g in got if self._releasing(g)]
             if coming:  # being released: promised to it, like a claim (not lent)
@@ -232,11 +230,9 @@ class Reservations(Preemption):
             return None
         lent = [g for g in got if g.id in self.lend]
         tenant = tenant and any(end > self.lend[g.id][0] for g in lent)
-        for g in lent:  # back into the free pool, so that _place takes them as any free GPU
+        for g in lent:
             del self.lend[g.id]
-            self.free.setdefault(g.node, []).append(g)
-            self.free_count[g.price_class] += 1
-            self.reserved_count[g.price_class] -= 1
+        self._unreserve(lent)  # back into the free pool, so that _place takes them as any free GPU
         return got, tenant
 
     def _may_be_tenant(self, job: PendingJob, prio: int, owner: PendingJob) -> bool:

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from visionloop.sched.cycle_state import TeamState
-from visionloop.sched.placement import take
 from visionloop.sched.reservation import Reservations
 from visionloop.sched.view import Gpu, PendingJob
 
@@ -108,10 +107,7 @@ class UnderHead(Reservations):
             opened.extend(g for g in held if g.id not in self.holds_taken)
         if not opened:
             return [], head_gpus
-        for g in opened:
-            self.free.setdefault(g.node, []).append(g)
-            self.free_count[g.price_class] += 1
-            self.reserved_count[g.price_class] -= 1
+        self._unreserve(opened)
         self._pools_grew()
         return opened, head_gpus
 
@@ -120,10 +116,7 @@ class UnderHead(Reservations):
         free_ids = self._free_ids()
         still = [g for g in opened if g.id in free_ids]
         self.holds_taken.update(g.id for g in opened if g.id not in free_ids)
-        take(self.free, still)
-        for g in still:
-            self.free_count[g.price_class] -= 1
-            self.reserved_count[g.price_class] += 1
+        self._reserve_free(still)
 
     def _consider_team_unders(self, team: str, after: int, ts: TeamState) -> None:
         """`_consider_unders` for one team's group, with `ts` its standing."""
