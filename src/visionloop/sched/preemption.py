@@ -128,9 +128,13 @@ class Preemption(CycleState):
         pending = [g for g in got if g.id not in victim_ids]
         self._claim(job, ts, pending)
         ids = ", ".join(v.id for v in chosen)
-        freed = n_gpus(len(got) - len(pending))
+        why = [f"to free {n_gpus(len(got) - len(pending))}"] if len(got) > len(pending) else []
+        if quota_gap > 0:
+            # Evicted to make room in the team's limit, not (only) for their GPUs.
+            why.append(f"to bring team {job.team} within its limit of {ts.limit}")
+        held = f"; {n_gpus(len(pending))} held for it" if pending else ""
         self.decision.waiting[job.id] = (
-            f"preempting {len(chosen)} job{plural(len(chosen))} ({ids}) to free {freed}; "
+            f"preempting {len(chosen)} job{plural(len(chosen))} ({ids}) {' and '.join(why)}{held}; "
             "starts once they have checkpointed and stopped"
         )
         return True
