@@ -616,6 +616,34 @@ def test_holds_yield_to_the_quota_another_teams_borrower_holds_none_of_it() -> N
     assert placed(d) == {} and "2 more are held for job b-high" in d.waiting["a-low"]
 
 
+def test_holds_yield_to_the_quota_its_teams_other_borrower_holds_none_of_it() -> None:
+    """Trace 5's 10-minute wait in miniature: a's high head is at a's limit and holds
+    nothing; a's normal job (4 GPUs) borrows and holds the 2 free GPUs until b's young job
+    may be preempted, its hold counting all 4 against a's quota. a's low job (1 GPU) fits
+    in a's unused nominal quota: it starts on a held GPU, as the borrowers' tenant."""
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 2, borrow_limit=8)]
+    gpus = node_gpus("n0", 8)
+    running = [
+        r("a-run", ["n0/0"], team="a", prio=NORMAL, started=NOW - 7200),
+        r("b-own", ["n0/1", "n0/2"], team="b", prio=NORMAL, started=NOW - 7200),
+        r("b-low", [f"n0/{i}" for i in range(3, 6)], team="b", prio=LOW, started=NOW - 60),
+    ]
+    queue = [
+        q("a-high", 8, team="a", prio=HIGH, t=NOW - 900),  # 1 + 8 > a's limit 8
+        q("a-normal", 4, team="a", prio=NORMAL, t=NOW - 800),
+        q("a-low", 1, team="a", prio=LOW, t=NOW - 600),
+    ]
+    kw = {"aging_s": None, "top_class_preempts_young": False}
+    d = schedule(view(gpus, queue, running, teams), PolicyConfig(**kw, holds_yield_to_quota=False))
+    assert placed(d) == {} and d.evictions == []
+    held = "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
+    assert d.waiting["a-normal"].endswith(held)
+    assert "2 more are held for job a-normal" in d.waiting["a-low"]
+    d = schedule(view(gpus, queue, running, teams), PolicyConfig(**kw))
+    assert placed(d) == {"a-low": ("n0/6",)} and d.evictions == []
+    assert d.waiting["a-high"].startswith("waiting for 8 GPUs: team a is at its limit 8")
+
+
 def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_reclaims_its_own() -> None:
     """Trace 2's chain in miniature: a's low job J reclaimed 2 GPUs from b's borrower, which
     is on its way out; c's high job K, which also fits in its team's quota, came meanwhile.

@@ -83,9 +83,10 @@ class PolicyConfig:
     # With `quota_under_head`: free GPUs held idle (`_hold`, while the holder waits for
     # victims to become preemptible) for a job whose team borrows with it yield to such a
     # lower-class job that fits in its own team's unused nominal quota: another team's
-    # borrower's hold (a borrower never keeps a team from its quota), and its own head's
-    # (it starts there as the head's tenant, the head's GPUs not counted against the quota
-    # while it does). Not the starvation guard's hold. BENCHMARKS.md, "Holds yield to the
+    # borrower's hold (a borrower never keeps a team from its quota), and its own team's
+    # borrowers' (its head's and those of the classes it follows: it starts there as their
+    # tenant, their GPUs not counted against the quota while it does). Not the starvation
+    # guard's hold. BENCHMARKS.md, "Holds yield to the
     # quota, and freed GPUs stay with their reclaim": over 64 jittered runs, late quota
     # stretches with the GPUs there 110 -> 76 with SIGTERM checkpoints (177 -> 152 without),
     # average JCT +0.3% (-0.5% without).

@@ -80,36 +80,35 @@ class UnderHead(Reservations):
         share); right after the head, they jumped their team's classes between theirs and
         the head's."""
         ts = self._team(team)
-        opened, head_gpus = self._open_holds(team) if self.cfg.holds_yield_to_quota else ([], 0)
-        if not opened and not head_gpus:
+        opened, own_gpus = self._open_holds(team) if self.cfg.holds_yield_to_quota else ([], 0)
+        if not opened and not own_gpus:
             self._consider_team_unders(team, after, ts)
             return
-        ts.used -= head_gpus  # the head's GPUs do not count against the quota its tenants take
+        ts.used -= own_gpus  # its borrowers' GPUs do not count against the quota their tenants take
         try:
             self._consider_team_unders(team, after, ts)
         finally:
-            ts.used += head_gpus
+            ts.used += own_gpus
             self._close_holds(opened)
 
     def _open_holds(self, team: str) -> tuple[list[Gpu], int]:
         """Put back in the free pool, for `team`'s jobs behind their head, the free GPUs held
         idle for jobs whose teams borrow with them (`holds_yield_to_quota`): other teams'
-        borrowers' holds, and its own head's. Those GPUs, and the GPUs its own head counts
-        against the team (0 when the head holds none)."""
-        head = self.heads.get(team)
+        borrowers' holds, and its own borrowers' (its head's and those of the classes it
+        follows, whose tenant it becomes). Those GPUs, and the GPUs its own borrowers count
+        against the team (0 when they hold none)."""
         opened: list[Gpu] = []
-        head_gpus = 0
+        own_gpus = 0
         for job, held in self.borrower_holds:
-            own = head is not None and head[0] is job
-            if job.team == team and not own:
-                continue  # its team's other borrowers: it stays behind them
-            head_gpus += job.gpus if own else 0
+            # Its own team's too: one borrower of the head's class holding a GPU counted all
+            # its 12 against the quota, and kept a 1-GPU job that fitted out for 10 minutes.
+            own_gpus += job.gpus if job.team == team else 0
             opened.extend(g for g in held if g.id not in self.holds_taken)
         if not opened:
-            return [], head_gpus
+            return [], own_gpus
         self._unreserve(opened)
         self._pools_grew()
-        return opened, head_gpus
+        return opened, own_gpus
 
     def _close_holds(self, opened: list[Gpu]) -> None:
         """Hold again what `_open_holds` opened and nobody took."""
