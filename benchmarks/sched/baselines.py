@@ -311,7 +311,9 @@ def main() -> None:
         "the grace period (the guarantee; in brackets: begun with fewer GPUs up than the quotas add "
         "up to) and the longest (min); then the same counting only while the GPUs existed, free or "
         "lent beyond a nominal quota, of a kind the job accepts (what a policy could have given; in "
-        "brackets again those begun short of GPUs, when giving it to one team may take it from another)",
+        "brackets again those begun short of GPUs, when giving it to one team may take it from another); "
+        "and the same job by job: waits of one job in its team's unused quota, GPUs there, longer than "
+        "the guarantee (a team's stretch may span several jobs, each served in time)",
         [
             "scheduler",
             "makespan",
@@ -325,6 +327,8 @@ def main() -> None:
             "late",
             "longest",
             "late, GPUs there",
+            "longest",
+            "jobs late",
             "longest",
         ],
         [
@@ -347,6 +351,9 @@ def main() -> None:
                 f"{sum(per[n][k]['quota_wait_late_reclaimable'] for n in traces)} "
                 f"({sum(per[n][k]['quota_wait_late_reclaimable_short'] for n in traces)})",
                 f"{max(longest(per[n][k], 'quota_wait_longest_reclaimable_s') for n in traces) / 60:.0f}",
+                f"{sum(per[n][k]['quota_jobs_late'] for n in traces)} "
+                f"({sum(per[n][k]['quota_jobs_late_short'] for n in traces)})",
+                f"{max(per[n][k]['quota_job_longest_s'] for n in traces) / 60:.0f}",
             ]
             for k in names
         ],

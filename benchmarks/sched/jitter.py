@@ -12,7 +12,8 @@ itself) and prints, per configuration:
 - per trace, the mean and the worst ratio to Tiresias over the variants (the issue's per-trace
   target, taken where it is not luck), and the ratio on the unjittered trace;
 - the quota guarantee: stretches a team's fitting job waited longer than a cycle plus the
-  grace period, all of them and those with the GPUs there to give.
+  grace period, all of them and those with the GPUs there to give; and job by job, each
+  job's own such waits.
 
     python benchmarks/sched/jitter.py [--variants 8] [--jitter 60] [--sigterm-checkpoint] \\
         [--config '{}' --config '{"quota_under_head": false}']
@@ -86,6 +87,9 @@ def run_one(args: tuple[Path, int, int, float, bool, list[dict[str, Any]]]) -> d
                 "quota_wait_late": r.quota_wait_late,
                 "quota_wait_late_reclaimable": r.quota_wait_late_reclaimable,
                 "quota_wait_late_reclaimable_short": r.quota_wait_late_reclaimable_short,
+                "quota_jobs_late": r.quota_jobs_late,
+                "quota_jobs_late_short": r.quota_jobs_late_short,
+                "quota_job_longest_s": r.quota_job_longest_s,
             }
         )
     return out
@@ -149,6 +153,9 @@ def main() -> None:
             "quota_wait_late_reclaimable_short": sum(
                 r["configs"][i]["quota_wait_late_reclaimable_short"] for r in runs
             ),
+            "quota_jobs_late": sum(r["configs"][i]["quota_jobs_late"] for r in runs),
+            "quota_jobs_late_short": sum(r["configs"][i]["quota_jobs_late_short"] for r in runs),
+            "quota_job_longest_min": max(r["configs"][i]["quota_job_longest_s"] for r in runs) / 60,
         }
         summary.append(row)
         print(
@@ -168,6 +175,11 @@ def main() -> None:
             f"  quota guarantee: {row['quota_wait_late']} stretches longer than a cycle + the grace period, "
             f"{row['quota_wait_late_reclaimable']} with the GPUs there "
             f"({row['quota_wait_late_reclaimable_short']} of them begun short of GPUs: a spot node down)"
+        )
+        print(
+            f"  job by job: {row['quota_jobs_late']} waits of a job in its team's unused quota, the GPUs "
+            f"there, longer than the guarantee ({row['quota_jobs_late_short']} begun short of GPUs); "
+            f"the longest {row['quota_job_longest_min']:.1f} min"
         )
     name = "sched_jitter" + ("_sigterm" if args.sigterm_checkpoint else "")
     path = write_result(

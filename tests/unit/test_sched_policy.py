@@ -620,7 +620,8 @@ def test_holds_yield_to_the_quota_its_teams_other_borrower_holds_none_of_it() ->
     """Trace 5's 10-minute wait in miniature: a's high head is at a's limit and holds
     nothing; a's normal job (4 GPUs) borrows and holds the 2 free GPUs until b's young job
     may be preempted, its hold counting all 4 against a's quota. a's low job (1 GPU) fits
-    in a's unused nominal quota: it starts on a held GPU, as the borrowers' tenant."""
+    in a's unused nominal quota: it starts on a held GPU, as the borrowers' tenant, if it
+    writes a checkpoint when asked to stop (stepping aside then costs it nothing)."""
     teams = [Team("a", 4, borrow_limit=4), Team("b", 2, borrow_limit=8)]
     gpus = node_gpus("n0", 8)
     running = [
@@ -628,17 +629,22 @@ def test_holds_yield_to_the_quota_its_teams_other_borrower_holds_none_of_it() ->
         r("b-own", ["n0/1", "n0/2"], team="b", prio=NORMAL, started=NOW - 7200),
         r("b-low", [f"n0/{i}" for i in range(3, 6)], team="b", prio=LOW, started=NOW - 60),
     ]
+    low = PendingJob("a-low", "a", LOW, 1, submitted_at=NOW - 600, checkpoints_at_stop=True)
     queue = [
         q("a-high", 8, team="a", prio=HIGH, t=NOW - 900),  # 1 + 8 > a's limit 8
         q("a-normal", 4, team="a", prio=NORMAL, t=NOW - 800),
-        q("a-low", 1, team="a", prio=LOW, t=NOW - 600),
+        low,
     ]
     kw = {"aging_s": None, "top_class_preempts_young": False}
-    d = schedule(view(gpus, queue, running, teams), PolicyConfig(**kw, holds_yield_to_quota=False))
-    assert placed(d) == {} and d.evictions == []
     held = "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
-    assert d.waiting["a-normal"].endswith(held)
-    assert "2 more are held for job a-normal" in d.waiting["a-low"]
+    for cfg, job in (
+        (PolicyConfig(**kw, holds_yield_to_quota=False), low),
+        (PolicyConfig(**kw), dataclasses.replace(low, checkpoints_at_stop=False)),
+    ):
+        d = schedule(view(gpus, [*queue[:2], job], running, teams), cfg)
+        assert placed(d) == {} and d.evictions == []
+        assert d.waiting["a-normal"].endswith(held)
+        assert "2 more are held for job a-normal" in d.waiting["a-low"]
     d = schedule(view(gpus, queue, running, teams), PolicyConfig(**kw))
     assert placed(d) == {"a-low": ("n0/6",)} and d.evictions == []
     assert d.waiting["a-high"].startswith("waiting for 8 GPUs: team a is at its limit 8")
@@ -1153,6 +1159,7 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
             not_before=draw(st.sampled_from([0.0, 0.0, NOW + 30])),
             attained_gpu_s=float(draw(st.integers(0, 3)) * 1000),
             max_runtime_s=draw(st.sampled_from(LIMITS)),
+            checkpoints_at_stop=draw(st.booleans()),
         )
         for i in range(draw(st.integers(0, 12)))
     ]

@@ -485,6 +485,30 @@ def test_quota_guarantee_hours_count_a_fitting_job_kept_waiting() -> None:
     assert r.quota_wait_late_reclaimable == 1 and r.quota_wait_longest_reclaimable_s == {"a": 280.0}
 
 
+def test_quota_guarantee_job_by_job_tells_a_chain_of_jobs_served_in_time_from_one_kept_waiting() -> None:
+    # Team a is entitled to 3 GPUs and holds 1 (A0); b holds the other 4 (2 beyond its
+    # nominal): B1 until 100, B2 until 200. Under FIFO a's X (at 5) starts at 100, a's Y (at
+    # 90) at 200: a had a fitting job waiting for 195 s, a late stretch, but each job waited
+    # less than the guarantee allows (95 s and 110 s).
+    teams = (Team("a", 3, 2), Team("b", 2, 3))
+    cluster = ClusterSpec((NodeSpec("n0", 5, "fake"),), teams)
+    trace = [
+        TraceJob("A0", 0, 1, 1000, "a", "normal", "allowed"),
+        TraceJob("B1", 0, 1, 100, "b", "normal", "allowed"),
+        TraceJob("B2", 0, 3, 200, "b", "normal", "allowed"),
+        TraceJob("X", 5, 1, 1000, "a", "normal", "allowed"),
+        TraceJob("Y", 90, 1, 50, "a", "normal", "allowed"),
+    ]
+    r = simulate(trace, cluster, FIFO)
+    assert r.quota_wait_longest_reclaimable_s == {"a": 195.0} and r.quota_wait_late_reclaimable == 1
+    assert (r.quota_jobs_late, r.quota_jobs_late_short, r.quota_job_longest_s) == (0, 0, 110.0)
+    # Y submitted with X waits 195 s itself: late job by job too.
+    trace[4] = TraceJob("Y", 5, 1, 50, "a", "normal", "allowed")
+    r = simulate(trace, cluster, FIFO)
+    assert (r.quota_jobs_late, r.quota_job_longest_s) == (1, 195.0)
+    assert summarize(r, cluster, load_catalog())["quota_jobs_late"] == 1
+
+
 def test_quota_stretches_begun_with_gpus_down_are_told_apart() -> None:
     # The quotas (2 + 2) add up to the 4 GPUs, but the spot node's 2 are down until 600 s. b's
     # B holds the other 2 until 300; a's A (never on spot) fits in a's unused quota and waits

@@ -324,6 +324,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     j.nodes,
                     j.max_runtime_s,
                     self._expected_runtime(j),
+                    checkpoints_at_stop=ALL_CHECKPOINT_AT_SIGTERM,
                 )
             pending[j.id] = (j, p)
             queued.append(p)

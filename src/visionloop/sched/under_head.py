@@ -80,7 +80,9 @@ class UnderHead(Reservations):
         share); right after the head, they jumped their team's classes between theirs and
         the head's."""
         ts = self._team(team)
-        opened, own_gpus = self._open_holds(team) if self.cfg.holds_yield_to_quota else ([], 0)
+        group = self.under_after.get((team, after), ())
+        checkpoint = all(job.checkpoints_at_stop for job, _ in group)
+        opened, own_gpus = self._open_holds(team, checkpoint) if self.cfg.holds_yield_to_quota else ([], 0)
         if not opened and not own_gpus:
             self._consider_team_unders(team, after, ts)
             return
@@ -91,18 +93,25 @@ class UnderHead(Reservations):
             ts.used += own_gpus
             self._close_holds(opened)
 
-    def _open_holds(self, team: str) -> tuple[list[Gpu], int]:
+    def _open_holds(self, team: str, checkpoint: bool) -> tuple[list[Gpu], int]:
         """Put back in the free pool, for `team`'s jobs behind their head, the free GPUs held
         idle for jobs whose teams borrow with them (`holds_yield_to_quota`): other teams'
-        borrowers' holds, and its own borrowers' (its head's and those of the classes it
-        follows, whose tenant it becomes). Those GPUs, and the GPUs its own borrowers count
-        against the team (0 when they hold none)."""
+        borrowers' holds, and its own head's, whose tenants they become; with `checkpoint`
+        (they write a checkpoint when asked to stop), those of its other borrowers too. Those
+        GPUs, and the GPUs its own borrowers count against the team (0 when they hold none)."""
+        head = self.heads.get(team)
         opened: list[Gpu] = []
         own_gpus = 0
         for job, held in self.borrower_holds:
-            # Its own team's too: one borrower of the head's class holding a GPU counted all
-            # its 12 against the quota, and kept a 1-GPU job that fitted out for 10 minutes.
-            own_gpus += job.gpus if job.team == team else 0
+            if job.team == team:
+                # Another borrower of its own team (of the head's class or the next class
+                # up): a 12-GPU one holding 1 GPU counted all 12 against the quota and kept
+                # a 1-GPU job that fitted out for 10 minutes. Only a tenant that checkpoints
+                # at SIGTERM, which loses nothing when it steps aside: without, such tenants,
+                # evicted young, made more late waits than they saved (BENCHMARKS.md).
+                if not (checkpoint or (head is not None and head[0] is job)):
+                    continue
+                own_gpus += job.gpus
             opened.extend(g for g in held if g.id not in self.holds_taken)
         if not opened:
             return [], own_gpus

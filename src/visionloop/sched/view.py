@@ -90,6 +90,9 @@ class PendingJob:
     # How long the runs of the same spec or architecture before it took (sched/history.py;
     # None: none ran). Planned with where no limit was given (`planned_runtime_s`).
     expected_runtime_s: float | None = None
+    # Will it write a checkpoint when asked to stop, once running (as `ActiveJob`'s)? Then
+    # starting it as a tenant that may have to step aside costs it almost nothing.
+    checkpoints_at_stop: bool = False
 
 
 @dataclass(frozen=True, slots=True)

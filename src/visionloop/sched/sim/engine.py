@@ -133,6 +133,12 @@ class SimResult:
     quota_wait_late_reclaimable: int = 0
     quota_wait_late_reclaimable_short: int = 0  # ...of which began short of GPUs, as above
     quota_wait_longest_reclaimable_s: dict[str, float] = field(default_factory=dict)
+    # The guarantee job by job, while the GPUs existed: jobs that waited longer than it
+    # allows in their team's unused quota (a job may do so more than once), of which begun
+    # short of GPUs, and the longest such wait.
+    quota_jobs_late: int = 0
+    quota_jobs_late_short: int = 0
+    quota_job_longest_s: float = 0.0
     # Evictions that named the job they were for, and those of them after which that job
     # did not start within the grace period plus WASTED_AFTER_S: the victim lost its place
     # for nothing (a scheduler whose evictions name no job counts none).
@@ -274,7 +280,7 @@ class Simulation:
             # where the quota guarantee is not kept (at once).
             queued = (j.spec for j in self.jobs.values() if j.state == "queued")
             held = {g: j.spec.team for g, j in self.holder.items()}
-            self.quota.update(t, ((s.team, s.gpus, s.spot) for s in queued), self._gpus(), held)
+            self.quota.update(t, ((s.id, s.team, s.gpus, s.spot) for s in queued), self._gpus(), held)
         self.quota.close(stop)  # what the run saw: not past max_time_s
         return self._result(start, t)
 
@@ -449,6 +455,9 @@ class Simulation:
             quota_wait_late_reclaimable=self.quota.reclaimable.late,
             quota_wait_late_reclaimable_short=self.quota.reclaimable.late_short,
             quota_wait_longest_reclaimable_s=self.quota.reclaimable.longest_s,
+            quota_jobs_late=self.quota.jobs.late,
+            quota_jobs_late_short=self.quota.jobs.late_short,
+            quota_job_longest_s=max(self.quota.jobs.longest_s.values(), default=0.0),
             named_evictions=self.named_evictions,
             # Those whose job never started count as wasted too.
             wasted_evictions=self.wasted_evictions + sum(len(v) for v in self.evicted_for.values()),

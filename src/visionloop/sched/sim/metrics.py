@@ -100,6 +100,10 @@ def summarize(result: SimResult, cluster: ClusterSpec, catalog: PriceCatalog) ->
         "quota_wait_late_reclaimable": result.quota_wait_late_reclaimable,
         "quota_wait_late_reclaimable_short": result.quota_wait_late_reclaimable_short,
         "quota_wait_longest_reclaimable_s": dict(sorted(result.quota_wait_longest_reclaimable_s.items())),
+        # The same job by job (`SimResult.quota_jobs_late`).
+        "quota_jobs_late": result.quota_jobs_late,
+        "quota_jobs_late_short": result.quota_jobs_late_short,
+        "quota_job_longest_s": result.quota_job_longest_s,
         # Jobs larger than their team's nominal quota: how long they waited.
         "over_quota": _group([j for j in jobs if j.gpus > cluster.nominal_gpus(j.team)]),
         "preemptions": sum(j.preemptions for j in jobs),

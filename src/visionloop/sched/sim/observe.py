@@ -96,6 +96,7 @@ def cluster_view(sim: Simulation, t: float) -> ClusterView:
                     attained_gpu_s=j.attained,
                     max_runtime_s=time_limit(s, cfg),
                     expected_runtime_s=expected_runtime(sim, s),
+                    checkpoints_at_stop=cfg.sigterm_checkpoint,
                 )
             )
     freed_for = {g: job for g, job in sim.freed_for.items() if g not in sim.holder}

@@ -26,44 +26,65 @@ def waiting_in_quota(
     quota; and those of them with such a job that the GPUs up could hold: free ones plus
     those other teams hold beyond their nominal quota, of a kind it accepts. `held` (per
     team) and `free` count (GPUs not on spot, GPUs on spot)."""
+    jobs = [(str(i), *j) for i, j in enumerate(queued)]
+    team_of = {i: team for i, team, _, _ in jobs}
+    fits, there = jobs_in_quota(jobs, held, free, teams)
+    return {team_of[i] for i in fits}, {team_of[i] for i in there}
+
+
+def jobs_in_quota(
+    queued: Iterable[tuple[str, str, int, SpotPolicy]],
+    held: Mapping[str, tuple[int, int]],
+    free: tuple[int, int],
+    teams: Mapping[str, Team],
+) -> tuple[set[str], set[str]]:
+    """`waiting_in_quota` job by job: of the queued jobs (id, team, GPUs, spot policy), those
+    that fit in their team's unused nominal quota, and those of them the GPUs up could hold."""
     fits: set[str] = set()
-    reclaimable: set[str] = set()
-    for name, gpus, spot in queued:
+    there: set[str] = set()
+    rooms: dict[tuple[str, bool], int] = {}
+    for job_id, name, gpus, spot in queued:
         team = teams.get(name)
         own = held.get(name, (0, 0))
         if team is None or gpus > team.nominal_gpus - own[0] - own[1]:
             continue
-        fits.add(name)
-        if name in reclaimable:
-            continue
-        room = free[0] + (free[1] if spot != "never" else 0)
-        for other, (fixed, on_spot) in held.items():
-            lent = fixed + on_spot - (teams[other].nominal_gpus if other in teams else 0)
-            if other != name and lent > 0:
-                room += min(lent, fixed + (on_spot if spot != "never" else 0))
+        fits.add(job_id)
+        never = spot == "never"
+        room = rooms.get((name, never))
+        if room is None:
+            room = free[0] + (0 if never else free[1])
+            for other, (fixed, on_spot) in held.items():
+                lent = fixed + on_spot - (teams[other].nominal_gpus if other in teams else 0)
+                if other != name and lent > 0:
+                    room += min(lent, fixed + (0 if never else on_spot))
+            rooms[(name, never)] = room
         if gpus <= room:
-            reclaimable.add(name)
-    return fits, reclaimable
+            there.add(job_id)
+    return fits, there
 
 
 class QuotaMeter:
-    """Both measures over a run: `every` counts each stretch, `reclaimable` only while the
-    GPUs were there to give. `update` after every cycle, `close` at the end of the run."""
+    """The measures over a run: `every` counts each team's stretches, `reclaimable` only
+    while the GPUs were there to give, and `jobs` each job's own (the guarantee read job by
+    job: a team whose jobs each get their quota in time, one after another, may still have
+    had one waiting all along, as when its own classes preempt each other). `update` after
+    every cycle, `close` at the end of the run."""
 
     def __init__(self, teams: Mapping[str, Team], guarantee_s: float) -> None:
         self.teams = teams
         self.every = QuotaWatch(teams, guarantee_s)
         self.reclaimable = QuotaWatch(teams, guarantee_s)
+        self.jobs = QuotaWatch(teams, guarantee_s)
 
     def update(
         self,
         t: float,
-        queued: Iterable[tuple[str, int, SpotPolicy]],
+        queued: Iterable[tuple[str, str, int, SpotPolicy]],
         gpus: Iterable[Gpu],
         team_of: Mapping[str, str],
     ) -> None:
-        """After a cycle: the queued jobs (team, GPUs, spot policy), the GPUs, and the team
-        that holds each held GPU."""
+        """After a cycle: the queued jobs (id, team, GPUs, spot policy), the GPUs, and the
+        team that holds each held GPU."""
         held: dict[str, tuple[int, int]] = {}
         free = [0, 0]
         up = 0
@@ -76,18 +97,22 @@ class QuotaMeter:
             elif g.up:
                 free[spot] += 1
             up += g.up
-        fits, reclaimable = waiting_in_quota(queued, held, (free[0], free[1]), self.teams)
-        self.every.update(t, fits, lambda: up)
-        self.reclaimable.update(t, reclaimable, lambda: up)
+        jobs = list(queued)
+        fits, there = jobs_in_quota(jobs, held, (free[0], free[1]), self.teams)
+        team_of_job = {job_id: team for job_id, team, _, _ in jobs}
+        self.every.update(t, {team_of_job[i] for i in fits}, lambda: up)
+        self.reclaimable.update(t, {team_of_job[i] for i in there}, lambda: up)
+        self.jobs.update(t, there, lambda: up)
 
     def close(self, t: float) -> None:
         self.every.close(t)
         self.reclaimable.close(t)
+        self.jobs.close(t)
 
 
 class QuotaWatch:
-    """The stretches each team waits in unused quota; `update` after every cycle, `close`
-    at the end of the run."""
+    """The stretches each team (or job) waits in unused quota; `update` after every cycle,
+    `close` at the end of the run."""
 
     def __init__(self, teams: Mapping[str, Team], guarantee_s: float) -> None:
         self.nominal = sum(t.nominal_gpus for t in teams.values())
