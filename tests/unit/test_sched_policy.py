@@ -650,6 +650,39 @@ def test_holds_yield_to_the_quota_its_teams_other_borrower_holds_none_of_it() ->
     assert d.waiting["a-high"].startswith("waiting for 8 GPUs: team a is at its limit 8")
 
 
+def test_a_job_behind_its_head_reclaims_a_borrower_of_the_heads_class_that_checkpoints_at_sigterm() -> None:
+    """Trace 1's 10-minute wait in miniature: a's low job (3 GPUs) fits in a's unused quota
+    behind a's normal head; the GPUs it needs beyond the 2 free ones are b's normal borrower's.
+    Without it b's share would be smaller than a's: back in the queue it would go first and
+    take them back, so the share rule keeps it. One that checkpoints at SIGTERM cannot: what
+    it frees stays the low job's (`hold_freed_for_job`), which reclaims it."""
+    teams = [Team("a", 4, borrow_limit=8, weight=0.5), Team("b", 2, borrow_limit=8, weight=0.2)]
+    gpus = node_gpus("n0", 8)
+    big = r(
+        "b-big", [f"n0/{i}" for i in range(6)], team="b", prio=NORMAL, started=NOW - 7200, ckpt_at_stop=True
+    )
+    queue = [
+        q("a-head", 6, team="a", prio=NORMAL, t=NOW - 900),
+        q("a-low", 3, team="a", prio=LOW, t=NOW - 600),
+    ]
+    cfg = PolicyConfig(aging_s=None)
+    d = schedule(view(gpus, queue, [big], teams), cfg)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-big", "a-low")]
+    assert d.waiting["a-low"].startswith("preempting 1 job (b-big)")
+    for running, c in (
+        (dataclasses.replace(big, checkpoints_at_stop=False), cfg),
+        (big, dataclasses.replace(cfg, hold_freed_for_job=False)),
+    ):
+        d = schedule(view(gpus, queue, [running], teams), c)
+        assert d.evictions == [] and placed(d) == {}
+        assert d.waiting["a-low"].endswith("behind job a-head of team a (priority normal)")
+    # Not a borrower of the top class: ahead of every other class, it would take back what
+    # the low job claims besides its GPUs (the livelock fuzz).
+    top = dataclasses.replace(big, priority=HIGH)
+    d = schedule(view(gpus, [dataclasses.replace(queue[0], priority=HIGH), queue[1]], [top], teams), cfg)
+    assert d.evictions == []
+
+
 def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_reclaims_its_own() -> None:
     """Trace 2's chain in miniature: a's low job J reclaimed 2 GPUs from b's borrower, which
     is on its way out; c's high job K, which also fits in its team's quota, came meanwhile.

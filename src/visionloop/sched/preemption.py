@@ -227,10 +227,12 @@ class Preemption(CycleState):
         borrowed GPUs of a class below the one `job` went right after (`_consider_unders`),
         or of that class from a team that, without `v`, still comes after `job`'s team in the
         class's fair-share order next cycle: back in the queue, `v` then comes after `job`
-        and cannot take its GPUs straight back. (Any borrower of that class, or one counted
-        with the GPUs held for its team's waiting jobs, which are gone by the next cycle:
-        the livelock fuzz found jobs evicted up to 7,481 times for the same job.) Not with
-        the starvation guard: its job goes first in its class whatever the shares."""
+        and cannot take its GPUs straight back; or, with `hold_freed_for_job`, one of that
+        class (not the top one) that checkpoints at SIGTERM, whose GPUs stay `job`'s. (Any
+        borrower of that class, or one counted with the GPUs held for its team's waiting
+        jobs, which are gone by the next cycle: the livelock fuzz found jobs evicted up to
+        7,481 times for the same job.) Not with the starvation guard: its job goes first in
+        its class whatever the shares."""
         vt = self._team(v.team)
         rank, after = self._held_rank(v), self.under_head[job.id]
         if rank > after or not (vt.over_nominal(taken) and self._borrowing(v)):
@@ -239,6 +241,12 @@ class Preemption(CycleState):
             return True
         if self.cfg.reserve_after_s is not None:
             return False
+        if self.cfg.hold_freed_for_job and v.checkpoints_at_stop and rank < self.ranks[-1]:
+            # What `v` frees stays `job`'s while it leaves and for the cycle after (owed.py):
+            # back in the queue, it cannot take it back, whatever the shares. Not the top
+            # class: ahead of every other, it took the free GPUs `job` had claimed besides
+            # its victims' at once, and the livelock fuzz found `job` evicting it 17 times.
+            return True
         ours = (job.gpus, job.cpus, job.memory_gb)
         theirs = (-taken - len(v.gpu_ids), -v.cpus, -v.memory_gb)  # `taken`: its GPUs only, a bound
         # Strictly larger, beyond rounding: on a tie the order falls to the jobs' own keys.
