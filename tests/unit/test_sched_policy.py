@@ -683,6 +683,24 @@ def test_a_job_behind_its_head_reclaims_a_borrower_of_the_heads_class_that_check
     assert d.evictions == []
 
 
+def test_a_job_that_never_runs_on_spot_reclaims_a_borrower_on_gpus_it_can_use() -> None:
+    """b borrows 4 GPUs beyond its nominal 2: a job mostly on spot GPUs (3 of 4), which lost
+    less since its last checkpoint and comes first in the victim order, and one on 2 fixed
+    GPUs. a's job never runs on spot: taking the first used up what b could give (a reclaim
+    stops at b's nominal) and freed 1 GPU it runs on. It reclaims the fixed one."""
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 2, borrow_limit=8)]
+    gpus = node_gpus("n0", 3) + node_gpus("s", 3, "spot")
+    running = [
+        r("b-mixed", ["n0/0", "s/0", "s/1", "s/2"], team="b", ckpt=NOW - 30),
+        r("b-fixed", ["n0/1", "n0/2"], team="b", ckpt=NOW - 3000),
+    ]
+    d = schedule(view(gpus, [q("a-never", 2, spot="never")], running, teams), CFG)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-fixed", "a-never")]
+    # A job that may run on spot takes the victim that lost least.
+    d = schedule(view(gpus, [q("a-any", 2)], running, teams), CFG)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-mixed", "a-any")]
+
+
 def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_reclaims_its_own() -> None:
     """Trace 2's chain in miniature: a's low job J reclaimed 2 GPUs from b's borrower, which
     is on its way out; c's high job K, which also fits in its team's quota, came meanwhile.

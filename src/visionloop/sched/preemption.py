@@ -97,20 +97,20 @@ class Preemption(CycleState):
         ]
         pool = merge(self.free, self.releasing)
         cap = self._node_cap(job)
-        chosen: list[ActiveJob] = []
-        taken: dict[str, int] = {}
-        found = False
-        for v in cands:
-            if not self._may_evict(v, job, reclaim, taken.get(v.team, 0)):
-                continue  # its team is no longer above nominal once earlier victims leave
-            chosen.append(v)
-            taken[v.team] = taken.get(v.team, 0) + len(v.gpu_ids)
-            if self._fits(job, ts, pool, chosen, cap):
-                found = True
-                break
-        if not found:
+        found = None
+        if job.spot == "never":
+            # Victims wholly on GPUs it can use first: one mostly on spot used up what its
+            # team could give (a reclaim stops at the team's nominal) and freed nothing this
+            # job runs on (a 4-minute wait in the jittered runs).
+            whole = [v for v in cands if self._usable_gpus(v, job.spot) == len(v.gpu_ids)]
+            if len(whole) < len(cands):
+                found = self._greedy(job, ts, pool, whole, reclaim, cap)
+        if found is None:
+            found = self._greedy(job, ts, pool, cands, reclaim, cap)
+        if found is None:
             self.fail_evict[shape] = n
             return False
+        chosen = found
         for v in reversed(chosen[:-1]):  # never evict more than needed
             rest = [c for c in chosen if c is not v]
             if self._fits(job, ts, pool, rest, cap):
@@ -138,6 +138,27 @@ class Preemption(CycleState):
             "starts once they have checkpointed and stopped"
         )
         return True
+
+    def _greedy(
+        self,
+        job: PendingJob,
+        ts: TeamState,
+        pool: Mapping[str, list[Gpu]],
+        cands: Sequence[ActiveJob],
+        reclaim: bool,
+        cap: Mapping[str, int] | None,
+    ) -> list[ActiveJob] | None:
+        """Victims from `cands`, in their order, until `job` fits (None: it never does)."""
+        chosen: list[ActiveJob] = []
+        taken: dict[str, int] = {}
+        for v in cands:
+            if not self._may_evict(v, job, reclaim, taken.get(v.team, 0)):
+                continue  # its team is no longer above nominal once earlier victims leave
+            chosen.append(v)
+            taken[v.team] = taken.get(v.team, 0) + len(v.gpu_ids)
+            if self._fits(job, ts, pool, chosen, cap):
+                return chosen
+        return None
 
     def _evict_shape(self, job: PendingJob, ts: TeamState) -> tuple[object, ...]:
         """What decides whether some victims make `job` fit, but for its size: a job of the
