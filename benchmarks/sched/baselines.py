@@ -54,7 +54,7 @@ from visionloop.sched.sim import (
     summarize,
 )
 from visionloop.sched.sim.cluster import ClusterSpec
-from visionloop.sched.sim.engine import Scheduler
+from visionloop.sched.sim.config import Scheduler
 from visionloop.sched.sim.kueue import Kueue, KueueConfig
 from visionloop.sched.sim.slurm import Slurm, SlurmConfig
 from visionloop.sched.sim.tiresias import Tiresias, TiresiasConfig

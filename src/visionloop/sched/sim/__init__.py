@@ -9,16 +9,10 @@ from visionloop.sched.sim.cluster import (
     default_spot_traces,
     entitlement_teams,
 )
-from visionloop.sched.sim.engine import (
-    JobRecord,
-    Scheduler,
-    SimConfig,
-    SimError,
-    SimResult,
-    Simulation,
-    simulate,
-)
+from visionloop.sched.sim.config import Scheduler, SimConfig, SimError
+from visionloop.sched.sim.engine import Simulation, simulate
 from visionloop.sched.sim.metrics import SIZE_BUCKETS, size_bucket, summarize
+from visionloop.sched.sim.result import JobRecord, SimResult
 from visionloop.sched.sim.trace import SpotTrace, TraceJob, load_spot_trace, load_trace, spot_trace
 
 __all__ = [

@@ -19,7 +19,8 @@ from visionloop.core.errors import VisionloopError
 from visionloop.sched.policy import PolicyConfig, fifo, schedule
 from visionloop.sched.prices import load_catalog
 from visionloop.sched.sim.cluster import default_cluster, default_spot_traces
-from visionloop.sched.sim.engine import Scheduler, SimConfig, simulate
+from visionloop.sched.sim.config import Scheduler, SimConfig
+from visionloop.sched.sim.engine import simulate
 from visionloop.sched.sim.metrics import summarize
 from visionloop.sched.sim.trace import load_trace
 

@@ -23,131 +23,21 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
-from visionloop.core.errors import VisionloopError
 from visionloop.sched.sim.cluster import ClusterSpec
+from visionloop.sched.sim.config import Scheduler, SimConfig, SimError
 from visionloop.sched.sim.observe import cluster_view, history_key, last_checkpoint
 from visionloop.sched.sim.quota import QuotaMeter
+from visionloop.sched.sim.result import WASTED_AFTER_S, JobRecord, SimResult
 from visionloop.sched.sim.trace import TraceJob
 from visionloop.sched.view import (
-    DEFAULT_PRIORITIES,
-    ClusterView,
     Decision,
     Freed,
     Gpu,
     PriceClass,
 )
 
-Scheduler = Callable[[ClusterView], Decision]
-
 _FINISH, _RELEASE, _SPOT, _ARRIVE, _TICK = range(5)  # processing order at equal times
-
-
-class SimError(VisionloopError):
-    """The policy under simulation made a decision the cluster cannot carry out."""
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    checkpoint_every_s: float = 600.0
-    grace_s: float = 60.0
-    restart_overhead_s: float = 60.0
-    tick_s: float = 60.0
-    max_time_s: float = 60 * 86400.0  # give up (and report unfinished jobs) past this
-    priorities: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
-    # What the policy may know of a running job's end: its pace, first reported once an
-    # allocation has made `pace_after_s` of progress, as the remaining time times a per-
-    # allocation error exp(N(0, pace_error)) (a rate measured over evaluations, data stalls
-    # and a shared machine), never the trace's duration itself. Seeded: runs repeat.
-    # A preempted job checkpoints at SIGTERM, within its grace period (what visionloop's
-    # trainer does): it keeps its progress up to the eviction. Off: it keeps only its last
-    # periodic checkpoint (the figures recorded before 2026-11-28). A spot interruption with
-    # no notice always loses the work since the last periodic checkpoint.
-    sigterm_checkpoint: bool = False
-    # Time limits users give (`max_runtime` in the job spec), as a multiple of each job's true
-    # duration (2.0: users ask for twice what they need, as in the Slurm 2x baseline). None:
-    # no job gives one, so the policy knows ends only from reported paces.
-    time_limit: float | None = None
-    time_limit_share: float = 1.0  # the share of jobs that give one (chosen by their id's CRC)
-    # Runtime history (sched/history.py): a job is planned with the median run time of the
-    # jobs of the same application (its id's prefix, e.g. "cifar10") and GPU count that
-    # finished before, as the control plane plans with the runs of the same spec. The run time
-    # counted is the time a job held GPUs, lost work included, as the control plane counts it.
-    history: bool = False
-    pace_after_s: float = 60.0
-    pace_error: float = 0.2
-    seed: int = 0
-
-
-@dataclass
-class JobRecord:
-    id: str
-    team: str
-    priority: str
-    gpus: int
-    spot: str
-    submit: float
-    duration_s: float
-    first_start: float | None = None
-    finish: float | None = None
-    queued_s: float = 0.0  # total time waiting in the queue (first wait and after stops)
-    preemptions: int = 0
-    interruptions: int = 0
-
-    @property
-    def jct(self) -> float | None:
-        return None if self.finish is None else self.finish - self.submit
-
-
-@dataclass
-class SimResult:
-    jobs: list[JobRecord]
-    start: float  # first submission
-    end: float  # last completion (or when the simulation gave up)
-    busy_gpu_s: dict[tuple[str, PriceClass], float]  # (gpu type, price class) -> GPU-seconds allocated
-    team_gpu_s: dict[str, float]  # team -> GPU-seconds allocated
-    up_gpu_s: dict[tuple[str, PriceClass], float]  # (gpu type, price class) -> GPU-seconds available
-    lost_gpu_s: dict[str, float]  # "preempted" / "interrupted" -> GPU-seconds that produced nothing kept
-    useful_gpu_s: float
-    cycles: int
-    unfinished: list[str]
-    # GPU-seconds held per team while every team of the cluster had jobs waiting: the share a
-    # policy gives each team under contention (over a whole run it is fixed by the workload).
-    contended_team_gpu_s: dict[str, float] = field(default_factory=dict)
-    contended_s: float = 0.0  # how long that was
-    # The quota guarantee: seconds per team during which one of its queued jobs would have
-    # fit in the team's unused nominal quota, yet waited.
-    quota_wait_s: dict[str, float] = field(default_factory=dict)
-    # ...its longest unbroken stretch per team, and how many stretches lasted longer than the
-    # guarantee allows: a cycle (`tick_s`) plus the grace period that a reclaim waits for.
-    quota_wait_longest_s: dict[str, float] = field(default_factory=dict)
-    quota_wait_late: int = 0
-    # ...of which began while fewer GPUs were up than the nominal quotas add up to (a spot
-    # node down): then not every team can have its quota, whatever the policy.
-    quota_wait_late_short: int = 0
-    # The same, counting only while the GPUs existed: free, or lent to teams beyond their
-    # nominal quota, of a kind the job accepts (`quota.waiting_in_quota`). What remains
-    # is what the policy, not the cluster, failed to give.
-    quota_wait_late_reclaimable: int = 0
-    quota_wait_late_reclaimable_short: int = 0  # ...of which began short of GPUs, as above
-    quota_wait_longest_reclaimable_s: dict[str, float] = field(default_factory=dict)
-    # The guarantee job by job, while the GPUs existed: jobs that waited longer than it
-    # allows in their team's unused quota (a job may do so more than once), of which begun
-    # short of GPUs, and the longest such wait.
-    quota_jobs_late: int = 0
-    quota_jobs_late_short: int = 0
-    quota_job_longest_s: float = 0.0
-    # Evictions that named the job they were for, and those of them after which that job
-    # did not start within the grace period plus WASTED_AFTER_S: the victim lost its place
-    # for nothing (a scheduler whose evictions name no job counts none).
-    named_evictions: int = 0
-    wasted_evictions: int = 0
-
-
-# An eviction is wasted when the job it was for has not started this long after the grace.
-WASTED_AFTER_S = 300.0
 
 
 class _Job:

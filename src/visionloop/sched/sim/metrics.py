@@ -13,7 +13,7 @@ from typing import Any
 
 from visionloop.sched.prices import PriceCatalog
 from visionloop.sched.sim.cluster import ClusterSpec
-from visionloop.sched.sim.engine import JobRecord, SimResult
+from visionloop.sched.sim.result import JobRecord, SimResult
 
 SIZE_BUCKETS: tuple[tuple[str, int, int], ...] = (
     ("1", 1, 1),
@@ -108,7 +108,7 @@ def summarize(result: SimResult, cluster: ClusterSpec, catalog: PriceCatalog) ->
         "over_quota": _group([j for j in jobs if j.gpus > cluster.nominal_gpus(j.team)]),
         "preemptions": sum(j.preemptions for j in jobs),
         # Evictions naming the job they were for, and those after which it did not start
-        # within the grace period plus engine.WASTED_AFTER_S.
+        # within the grace period plus result.WASTED_AFTER_S.
         "named_evictions": result.named_evictions,
         "wasted_evictions": result.wasted_evictions,
         "interruptions": sum(j.interruptions for j in jobs),

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from visionloop.sched.view import ActiveJob, ClusterView, PendingJob
 
 if TYPE_CHECKING:
-    from visionloop.sched.sim.engine import SimConfig, Simulation, _Job
+    from visionloop.sched.sim.config import SimConfig
+    from visionloop.sched.sim.engine import Simulation, _Job
     from visionloop.sched.sim.trace import TraceJob
 
 
