@@ -232,6 +232,11 @@ def test_a_higher_priority_job_preempts_through_a_checkpoint_and_the_victim_resu
         v.freed_for for v in views
     ]
     assert all(not v.freed_for for v in views[-3:])  # for one cycle only
+    # Every job it runs checkpoints when asked to stop, and the policy is told so while it
+    # waits too (what lets it start as a tenant on GPUs held for another job).
+    waiting = [j for v in views for j in v.queued if j.id == winner]
+    assert waiting and all(j.checkpoints_at_stop for j in waiting)
+    assert all(j.checkpoints_at_stop for v in views for j in v.running)
 
 
 def test_failures_are_retried_with_backoff_then_fail_with_the_log(
