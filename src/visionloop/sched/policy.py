@@ -83,13 +83,14 @@ class PolicyConfig:
     # With `quota_under_head`: free GPUs held idle (`_hold`, while the holder waits for
     # victims to become preemptible) for a job whose team borrows with it yield to such a
     # lower-class job that fits in its own team's unused nominal quota: another team's
-    # borrower's hold (a borrower never keeps a team from its quota), and its own team's
-    # borrowers' (its head's and those of the classes it follows: it starts there as their
-    # tenant, their GPUs not counted against the quota while it does). Not the starvation
-    # guard's hold. BENCHMARKS.md, "Holds yield to the
-    # quota, and freed GPUs stay with their reclaim": over 64 jittered runs, late quota
-    # stretches with the GPUs there 110 -> 76 with SIGTERM checkpoints (177 -> 152 without),
-    # average JCT +0.3% (-0.5% without).
+    # borrower's hold (a borrower never keeps a team from its quota), and its own head's (it
+    # starts there as the head's tenant, the head's GPUs not counted against the quota while
+    # it does); if it checkpoints at SIGTERM (`PendingJob.checkpoints_at_stop`), its team's
+    # other borrowers' too, as theirs. Not the starvation guard's hold. BENCHMARKS.md, "Holds
+    # yield to the quota, and freed GPUs stay with their reclaim": over 64 jittered runs,
+    # late quota stretches with the GPUs there 110 -> 76 with SIGTERM checkpoints (177 -> 152
+    # without), average JCT +0.3% (-0.5% without); "The guarantee job by job": the other
+    # borrowers' holds, 75 -> 59 late job waits with SIGTERM checkpoints.
     holds_yield_to_quota: bool = True
     # The GPUs another team's victim frees stay the job's it stepped aside for, while that job
     # fits in its team's unused nominal quota (a reclaim) and the victim wrote a checkpoint at
@@ -99,7 +100,9 @@ class PolicyConfig:
     # borrowers that lose all they did (`reclaim_preempts_young`), and waited longer without
     # them. BENCHMARKS.md, "Holds yield to the quota, and freed GPUs stay with their
     # reclaim": over 64 jittered runs with SIGTERM checkpoints, late quota stretches with
-    # the GPUs there 76 -> 59, average JCT -0.4%.
+    # the GPUs there 76 -> 59, average JCT -0.4%. Such a victim cannot take its GPUs back, so
+    # a job behind its borrowing head may also reclaim it from a team with a smaller share
+    # (preemption.py's `_after_head`; not the top class): 59 -> 49 late job waits.
     hold_freed_for_job: bool = True
     # Within a team and class: "las" (least attained GPU-service first: jobs that were
     # preempted or ran long wait behind fresh ones, which shortens completion times when job
