@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from visionloop.core.errors import ConfigError
-from visionloop.sched.policy import PolicyConfig, fifo, schedule
+from visionloop.sched.policy import Order, PolicyConfig, fifo, schedule
 from visionloop.sched.view import (
     ActiveJob,
     ClusterView,
@@ -42,7 +43,7 @@ def q(
     prio: int = NORMAL,
     t: float = 0.0,
     spot: SpotPolicy = "allowed",
-    **kw: float,
+    **kw: float | None,
 ) -> PendingJob:
     return PendingJob(id, team, prio, gpus, submitted_at=t, spot=spot, **kw)  # type: ignore[arg-type]
 
@@ -605,7 +606,7 @@ def test_holds_yield_to_the_quota_another_teams_borrower_holds_none_of_it() -> N
         q("head", 8, team="a", prio=NORMAL, t=NOW - 900),
         q("a-low", 2, team="a", prio=LOW, t=NOW - 600),
     ]
-    kw = {"aging_s": None, "top_class_preempts_young": False, "min_runtime_s": 10_000.0}
+    kw: dict[str, Any] = {"aging_s": None, "top_class_preempts_young": False, "min_runtime_s": 10_000.0}
     d = schedule(view(gpus, queue, [young], teams), PolicyConfig(**kw, holds_yield_to_quota=False))
     held = "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
     assert placed(d) == {} and d.waiting["b-high"].endswith(held)
@@ -635,7 +636,7 @@ def test_holds_yield_to_the_quota_its_teams_other_borrower_holds_none_of_it() ->
         q("a-normal", 4, team="a", prio=NORMAL, t=NOW - 800),
         low,
     ]
-    kw = {"aging_s": None, "top_class_preempts_young": False}
+    kw: dict[str, Any] = {"aging_s": None, "top_class_preempts_young": False}
     held = "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
     for cfg, job in (
         (PolicyConfig(**kw, holds_yield_to_quota=False), low),
@@ -1164,6 +1165,7 @@ def test_fifo_skips_backoff_and_impossible_jobs() -> None:
 
 
 LIMITS = [None, None, 600.0, 3600.0, 36000.0]
+ORDERS: list[Order] = ["las", "fifo", "srpt"]
 
 
 @st.composite
@@ -1171,7 +1173,7 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
     n_nodes = draw(st.integers(1, 4))
     gpus: list[Gpu] = []
     for k in range(n_nodes):
-        cls = draw(st.sampled_from(["owned", "on_demand", "spot"]))
+        cls: PriceClass = draw(st.sampled_from(["owned", "on_demand", "spot"]))
         up = draw(st.booleans()) if cls == "spot" else True
         gpus += node_gpus(f"n{k}", draw(st.integers(1, 4)), cls, up)
     teams = [
@@ -1228,7 +1230,7 @@ def random_views(draw: st.DrawFn) -> tuple[ClusterView, PolicyConfig]:
     cfg = PolicyConfig(
         same_node=draw(st.booleans()),
         backfill=draw(st.booleans()),
-        order=(order := draw(st.sampled_from(["las", "fifo", "srpt"]))),
+        order=(order := draw(st.sampled_from(ORDERS))),
         srpt_preemption=order == "srpt" and draw(st.booleans()),
         max_evictions_per_cycle=draw(st.integers(0, 3)),
         reserve_after_s=draw(st.sampled_from([None, 3600.0])),
