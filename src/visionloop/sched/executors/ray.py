@@ -162,12 +162,17 @@ _PRICE_CLASSES: tuple[PriceClass, ...] = ("owned", "on_demand", "spot")
 # The signal job's entrypoint: `sh -c SCRIPT vl-signal SUBMISSION_ID SIGNAL`. It signals the
 # roots of the attempt's process tree (marked processes whose parent is not marked): the
 # entrypoint's main process, which Ray's supervisor started. It retries for ~10 s, because a
-# job reads RUNNING a moment before its command is exec'd.
+# job reads RUNNING a moment before its command is exec'd. Only processes of its own cluster:
+# Ray's supervisor gives every job's driver the cluster's GCS address as RAY_ADDRESS, and two
+# clusters on one machine (two test workers; two installs) may both run a job with the same
+# submission id (a CI run saw another cluster's attempt SIGTERMed at its start).
 _SIGNAL_SCRIPT = r"""want="VISIONLOOP_RAY_SUBMISSION_ID=$1"
+here="RAY_ADDRESS=${RAY_ADDRESS:-}"
 n=0
 while :; do
   marked=" "
   for f in $(grep -lsxzF -e "$want" /proc/[0-9]*/environ); do
+    if [ -n "${RAY_ADDRESS:-}" ] && ! grep -qsxzF -e "$here" "$f"; then continue; fi
     p=${f#/proc/}; marked="$marked${p%/environ} "
   done
   sent=""
