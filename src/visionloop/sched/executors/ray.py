@@ -61,9 +61,11 @@ Decisions worth knowing:
   could not be read back. Instead `terminate` submits a tiny *signal job* pinned to the node
   running the attempt, which sends SIGTERM to the attempt's main process only (found in
   /proc by `VISIONLOOP_RAY_SUBMISSION_ID`, set in the entrypoint's own environment, not in the
-  supervisor's). The trainer (or its DDP launcher, which forwards to its ranks) checkpoints
-  and exits 75 in its own time, and Ray records exit 75 as the driver's exit code. The grace
-  period is the control plane's (`grace_s`): after it, it calls `kill`.
+  supervisor's, and by the cluster's `RAY_ADDRESS`, so that another cluster's attempt of
+  the same id on that machine is left alone). The trainer (or its DDP launcher, which
+  forwards to its ranks) checkpoints and exits 75 in its own time, and Ray records exit 75
+  as the driver's exit code. The grace period is the control plane's (`grace_s`): after
+  it, it calls `kill`.
 - **Kill.** Every attempt is submitted with `RAY_JOB_STOP_WAIT_TIME_S=0` in its runtime env,
   so `kill` = Ray's `stop_job` = SIGTERM immediately followed by SIGKILL of the whole process
   tree. Ray records STOPPED without an exit code; `poll` reports 137 (128 + SIGKILL), as the
