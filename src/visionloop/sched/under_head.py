@@ -80,9 +80,11 @@ class UnderHead(Reservations):
         share); right after the head, they jumped their team's classes between theirs and
         the head's."""
         ts = self._team(team)
-        group = self.under_after.get((team, after), ())
-        checkpoint = all(job.checkpoints_at_stop for job, _ in group)
-        opened, own_gpus = self._open_holds(team, checkpoint) if self.cfg.holds_yield_to_quota else ([], 0)
+        opened: list[Gpu] = []
+        own_gpus = 0
+        if self.cfg.holds_yield_to_quota:
+            group = self.under_after.get((team, after), ())
+            opened, own_gpus = self._open_holds(team, all(job.checkpoints_at_stop for job, _ in group))
         if not opened and not own_gpus:
             self._consider_team_unders(team, after, ts)
             return
