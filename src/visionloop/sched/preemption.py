@@ -27,7 +27,7 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from visionloop.sched.cycle_state import CycleState, TeamState
+from visionloop.sched.cycle_state import TeamState
 from visionloop.sched.placement import held_by, merge, pick, usable
 from visionloop.sched.reasons import n_gpus, plural
 from visionloop.sched.view import (
@@ -37,15 +37,11 @@ from visionloop.sched.view import (
     PendingJob,
     SpotPolicy,
     planned_runtime_s,
-    remaining_gpu_s,
 )
-
-# "srpt" preemption: a victim must have more than this many times the waiting job's
-# remaining GPU-time, so that a restart is paid only for a large gain.
-SRPT_FACTOR = 2.0
+from visionloop.sched.within_class import WithinClass
 
 
-class Preemption(CycleState):
+class Preemption(WithinClass):
     """Victim selection on top of the cycle's state."""
 
     def _try_preempt(self, job: PendingJob, ts: TeamState) -> bool:
@@ -331,40 +327,6 @@ class Preemption(CycleState):
         rank = self._held_rank(v)
         held = sum(len(j.gpu_ids) for j in stack if j.id not in self.evicted and self._held_rank(j) >= rank)
         return held > self._team(v.team).team.nominal_gpus
-
-    def _srpt_yields(self, v: ActiveJob, job: PendingJob) -> bool:
-        """ "srpt" preemption: `v`, of `job`'s team and class, has more than twice the GPU-time
-        left by its limit that `job` has by its own."""
-        left = self.srpt_left.get(v.id)
-        own = remaining_gpu_s(job.gpus, planned_runtime_s(job), job.attained_gpu_s)
-        if left is None or own is None or self._held_rank(v) != job.priority:
-            return False
-        return left > SRPT_FACTOR * own
-
-    def _las_yields(self, v: ActiveJob, job: PendingJob) -> bool:
-        """ "las" preemption: `v`, of `job`'s team and class, may step aside for it
-        (`_las_victim`), and `job` has received less than the threshold."""
-        return (
-            self.cfg.las_preemption
-            and job.attained_gpu_s < self.cfg.las_threshold_gpu_s
-            and v.priority == job.priority
-            and self._las_victim(v)
-        )
-
-    def _starved(self, v: ActiveJob) -> bool:
-        """Was `v` submitted longer ago than the starvation guard's `reserve_after_s`? Back in
-        the queue, the guard would start it first again, on the GPUs its evictor waits for."""
-        after = self.cfg.reserve_after_s
-        return after is not None and v.submitted_at is not None and self.now - v.submitted_at >= after
-
-    def _las_could(self, job: PendingJob) -> bool:
-        return job.attained_gpu_s < self.cfg.las_threshold_gpu_s and (job.team, job.priority) in self.las_old
-
-    def _srpt_could(self, job: PendingJob) -> bool:
-        own = remaining_gpu_s(job.gpus, planned_runtime_s(job), job.attained_gpu_s)
-        if not self.srpt_most or own is None:
-            return False
-        return self.srpt_most.get((job.team, job.priority), -math.inf) > SRPT_FACTOR * own
 
     def _usable_gpus(self, v: ActiveJob, spot: SpotPolicy) -> int:
         return sum(1 for gid in v.gpu_ids if gid in self.gpu_by_id and usable(self.gpu_by_id[gid], spot))
