@@ -125,6 +125,38 @@ def test_sigterm_exits_75_with_a_checkpoint_and_resumes(tmp_path: Path, digits_d
 
 
 @pytest.mark.slow
+def test_a_sigterm_while_a_paused_run_winds_down_keeps_its_exit_status(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
+    # A tuning trial paused at its rung can be sent the scheduler's SIGTERM (its preemption)
+    # while its process winds down after the checkpoint: the run is saved, so the stop has
+    # nothing left to do and must not turn exit 76 into the default action's 143 (seen in CI).
+    spec = write_spec(tmp_path / "spec.yaml", spec_doc(digits_dataset, epochs=2))
+    run_dir = tmp_path / "run"
+    p = popen("train", str(spec), "--run-dir", str(run_dir), "--until-epoch", "1", "--no-track")
+    assert p.stdout is not None
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if "paused at step" in line:
+            break
+    assert any("paused at step" in line for line in seen), "".join(seen)
+    # Signal the whole group until it is gone: every moment of its teardown gets one.
+    sent = 0
+    while p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            sent += 1
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    out = "".join(seen) + p.communicate(timeout=60)[0]
+    assert sent >= 1
+    assert p.returncode == 76, out
+    assert '"status": "paused"' in (run_dir / "run.json").read_text()
+
+
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_and_still_matches(tmp_path: Path, digits_dataset: Path) -> None:
     doc = spec_doc(digits_dataset, epochs=1)
     spec = write_spec(tmp_path / "spec.yaml", doc)

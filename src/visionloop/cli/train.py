@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -95,12 +96,23 @@ def train(
             stop=stop,
             until_epoch=until_epoch,
         )
+    _ignore_stop_signals()
     if is_main:
         extra = [f"--nproc-per-node {os.environ['WORLD_SIZE']}"] if "WORLD_SIZE" in os.environ else []
         _summary(result, spec, overrides, extra + (["--no-track"] if no_track else []))
     if int(os.environ.get("WORLD_SIZE") or 1) > 1:
         _exit_distributed_worker(result.exit_code)
     raise typer.Exit(result.exit_code)
+
+
+def _ignore_stop_signals() -> None:
+    """From here on the run is saved and its exit status decided: a SIGTERM or SIGUSR1 that
+    comes while the process winds down (the scheduler preempting a trial that has just paused
+    at its rung) has nothing left to stop. Ignored, not left to the handler: the interpreter
+    restores the default action for Python handlers during its shutdown, and a late SIGTERM
+    then turned a saved run's exit 75 or 76 into 143, which the queue reads as a failure."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _exit_distributed_worker(code: int) -> None:

@@ -80,7 +80,11 @@ def train(
         torch.set_num_threads(threads)
     own_group = dist.init(info, device)
     # The CLI installs the handlers before its slow imports, so a SIGTERM during start-up is
-    # also a clean, resumable stop; library callers get them installed here.
+    # also a clean, resumable stop; library callers get them installed here. Handlers the
+    # caller installed stay: a stop signal that comes while the CLI's process winds down
+    # (the scheduler's SIGTERM to a trial that has just paused at its rung) must find the
+    # flag, not the default action, which would turn a saved run's exit 75/76 into 143.
+    own_stop = stop is None
     stop = stop or StopRequest().install()
     rd = RunDir(run_dir)
     handler: logging.Handler | None = None
@@ -151,6 +155,10 @@ def train(
         # after the pending checkpoint write is durable and the writer thread is joined, and
         # on every way out (a process that exits with its group alive can abort at exit).
         with contextlib.ExitStack() as cleanup:
+            # Registered first, so it runs last: until the last checkpoint is durable
+            # (loop.close), a SIGTERM is still a request, never the default kill.
+            if own_stop:
+                cleanup.callback(stop.uninstall)
             if own_group:
                 cleanup.callback(dist.shutdown)
             cleanup.callback(rd.unlock)
@@ -158,7 +166,6 @@ def train(
                 cleanup.callback(_detach_log_file, handler)
             if loop is not None:
                 cleanup.callback(loop.close)
-            cleanup.callback(stop.uninstall)
             cleanup.callback(torch.set_num_threads, restore_threads)
 
 
