@@ -617,6 +617,36 @@ def test_holds_yield_to_the_quota_another_teams_borrower_holds_none_of_it() -> N
     assert placed(d) == {} and "2 more are held for job b-high" in d.waiting["a-low"]
 
 
+def test_holds_yield_to_the_quota_another_teams_borrower_claims_none_of_it() -> None:
+    """Trace 6's 2.2-minute wait in miniature: b's normal job (4 GPUs) borrows and claims the
+    2 free GPUs with the 2 its team's leaving job releases; a's low job (2 GPUs), behind a's
+    head at its limit, fits in a's unused quota. A borrower's claim is a hold like any
+    other: its free part is open to a team taking its quota, as `_hold`'s is."""
+    teams = [Team("a", 4, borrow_limit=4, weight=0.1), Team("b", 2, borrow_limit=8, weight=1.0)]
+    gpus = node_gpus("n0", 8)
+    running = [
+        r("b-own", ["n0/0", "n0/1"], team="b", prio=NORMAL, started=NOW - 7200),
+        r("b-leaving", ["n0/2", "n0/3"], team="b", prio=NORMAL, started=NOW - 7200, preemptible=False),
+        r("a-run", ["n0/4", "n0/5"], team="a", prio=NORMAL, started=NOW - 7200),
+    ]
+    queue = [
+        q("b-big", 4, team="b", prio=NORMAL, t=NOW - 1000),  # b's share is the smaller: first
+        q("a-head", 8, team="a", prio=NORMAL, t=NOW - 900),  # 2 + 8 > a's limit 8
+        PendingJob("a-low", "a", LOW, 2, submitted_at=NOW - 600, checkpoints_at_stop=True),
+    ]
+    claimed = "waiting for 2 GPUs being released by jobs that are stopping; 4 GPUs held for it"
+    d = schedule(view(gpus, queue, running, teams), PolicyConfig(aging_s=None, holds_yield_to_quota=False))
+    assert placed(d) == {} and d.evictions == [] and d.waiting["b-big"] == claimed
+    assert "2 more are held for job b-big" in d.waiting["a-low"]
+    d = schedule(view(gpus, queue, running, teams), CFG)
+    assert placed(d) == {"a-low": ("n0/6", "n0/7")} and d.evictions == []
+    assert d.waiting["b-big"].startswith("waiting for 2 GPUs being released")
+    # The top class's claim it leaves alone: its waits stay the shortest.
+    top = [dataclasses.replace(queue[0], priority=HIGH), *queue[1:]]
+    d = schedule(view(gpus, top, running, teams), CFG)
+    assert placed(d) == {} and "2 more are held for job b-big" in d.waiting["a-low"]
+
+
 def test_holds_yield_to_the_quota_its_teams_other_borrower_holds_none_of_it() -> None:
     """Trace 5's 10-minute wait in miniature: a's high head is at a's limit and holds
     nothing; a's normal job (4 GPUs) borrows and holds the 2 free GPUs until b's young job
@@ -744,6 +774,32 @@ def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_
     mine = dataclasses.replace(leaving, team="a")
     d = schedule(view(gpus, queue, [b0, mine], teams), CFG)
     assert d.waiting["K"].startswith("waiting for 2 GPUs being released") and d.evictions == []
+
+
+def test_gpus_freed_for_a_job_that_never_runs_on_spot_are_only_those_it_can_use() -> None:
+    """Trace 2's 3-minute wait (jittered) in miniature: b's borrower leaves for a's job J,
+    which never runs on spot, from one fixed and one spot GPU. Only the fixed one is J's:
+    the spot one, held for J, was held for nobody, and c's job K, which fits in c's quota
+    and comes first (c's share is the smaller), waited for a running job's end instead."""
+    teams = [Team("a", 2, borrow_limit=4), Team("b", 1, borrow_limit=4), Team("c", 1, borrow_limit=4)]
+    gpus = node_gpus("n0", 3) + node_gpus("s", 1, "spot")
+    leaving = dataclasses.replace(
+        r("b1", ["n0/1", "s/0"], team="b", prio=NORMAL, preemptible=False, ckpt_at_stop=True),
+        leaving_for="J",
+    )
+    running = [r("a0", ["n0/2"], team="a", prio=NORMAL), r("b0", ["n0/0"], team="b", prio=NORMAL), leaving]
+    queue = [
+        q("J", 1, team="a", prio=NORMAL, t=NOW - 300, spot="never"),
+        q("K", 1, team="c", prio=NORMAL, t=NOW - 30),
+    ]
+    d = schedule(view(gpus, queue, running, teams), CFG)
+    coming = "waiting for 1 GPU being released by jobs that are stopping; 1 GPU held for it"
+    assert placed(d) == {} and d.evictions == []
+    assert d.waiting == {"J": coming, "K": coming}
+    # Once free (`ClusterView.freed_for`, one cycle): J starts on the fixed GPU, K on spot.
+    by_b = {"n0/1": Freed("J", "b"), "s/0": Freed("J", "b")}
+    freed = dataclasses.replace(view(gpus, queue, running[:2], teams), freed_for=by_b)
+    assert placed(schedule(freed, CFG)) == {"J": ("n0/1",), "K": ("s/0",)}
 
 
 def test_quota_under_head_is_refused_with_easy_backfill() -> None:

@@ -388,12 +388,23 @@ class CycleState:
         """Reserve GPUs (free now, being released, or about to be freed by victims) for a job
         that will start on them in a later cycle."""
         free_ids = self._free_ids()
-        self._reserve_free([g for g in gpus if g.id in free_ids])
+        free_now = [g for g in gpus if g.id in free_ids]
+        self._reserve_free(free_now)
         before = sum(len(gs) for gs in self.releasing.values())
         take(self.releasing, [g for g in gpus if g.id not in free_ids])
         self.releasing_left -= before - sum(len(gs) for gs in self.releasing.values())
         self._account(job, ts, None)
         self.claimants.append(job)
+        if (
+            free_now
+            and ts.over_nominal()
+            and job.id != self.starving_id
+            and job.priority < max(self.ranks, default=math.inf)
+        ):
+            # A borrower's claim holds its free part idle as `_hold` does: the same hold,
+            # open to another team's jobs that fit in their quota (`_open_holds`). Not the
+            # top class's: its waits are the shortest of all and stay so.
+            self.borrower_holds.append((job, free_now))
 
     def _hold(self, job: PendingJob, ts: TeamState, target: Sequence[Gpu] | None = None) -> int:
         """Hold free GPUs for a blocked job so that backfill stops taking them: the free
