@@ -376,7 +376,9 @@ def test_own_team_lower_class_takes_gpus_its_borrower_holds_only_as_its_tenant()
     )
     assert d.evictions == [] and placed(d) == {"al": ("n0/6",)}
     assert d.waiting["ah"].endswith(
-        "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
+        "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted; 1 GPU of "
+        "those held for it went to its team's lower-class jobs within the team's nominal quota, as "
+        "its tenants"
     )
     tenant = r("al", ["n0/6"], team="a", prio=LOW, started=NOW - 5, submitted=NOW - 5)
     old = r("b0", ["n0/2", "n0/3", "n0/4"], team="b", prio=LOW, started=NOW - 700)
@@ -613,6 +615,11 @@ def test_holds_yield_to_the_quota_another_teams_borrower_holds_none_of_it() -> N
     assert "2 more are held for job b-high" in d.waiting["a-low"]
     d = schedule(view(gpus, queue, [young], teams), PolicyConfig(**kw))
     assert placed(d) == {"a-low": ("n0/6", "n0/7")} and d.evictions == []
+    assert d.waiting["b-high"].endswith(
+        f"{held}; 2 GPUs of those held for it went to team a's jobs "
+        "within its nominal quota (a team's quota comes before "
+        "another team's borrowing)"
+    )
     d = schedule(view(gpus, queue, [young], teams), PolicyConfig(**kw, reserve_after_s=3600.0))
     assert placed(d) == {} and "2 more are held for job b-high" in d.waiting["a-low"]
 
@@ -640,7 +647,10 @@ def test_holds_yield_to_the_quota_another_teams_borrower_claims_none_of_it() -> 
     assert "2 more are held for job b-big" in d.waiting["a-low"]
     d = schedule(view(gpus, queue, running, teams), CFG)
     assert placed(d) == {"a-low": ("n0/6", "n0/7")} and d.evictions == []
-    assert d.waiting["b-big"].startswith("waiting for 2 GPUs being released")
+    assert d.waiting["b-big"] == (
+        f"{claimed}; 2 GPUs of those held for it went to team a's jobs within its nominal quota "
+        "(a team's quota comes before another team's borrowing)"
+    )
     # The top class's claim it leaves alone: its waits stay the shortest.
     top = [dataclasses.replace(queue[0], priority=HIGH), *queue[1:]]
     d = schedule(view(gpus, top, running, teams), CFG)

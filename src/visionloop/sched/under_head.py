@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from visionloop.sched.cycle_state import TeamState
+from visionloop.sched.reasons import n_gpus
 from visionloop.sched.reservation import Reservations
 from visionloop.sched.view import Gpu, PendingJob
 
@@ -93,7 +94,7 @@ class UnderHead(Reservations):
             self._consider_team_unders(team, after, ts)
         finally:
             ts.used += own_gpus
-            self._close_holds(opened)
+            self._close_holds(opened, team)
 
     def _open_holds(self, team: str, checkpoint: bool) -> tuple[list[Gpu], int]:
         """Put back in the free pool, for `team`'s jobs behind their head, the free GPUs held
@@ -121,12 +122,32 @@ class UnderHead(Reservations):
         self._pools_grew()
         return opened, own_gpus
 
-    def _close_holds(self, opened: list[Gpu]) -> None:
-        """Hold again what `_open_holds` opened and nobody took."""
+    def _close_holds(self, opened: list[Gpu], team: str) -> None:
+        """Hold again what `_open_holds` opened and nobody took; the jobs whose holds `team`'s
+        jobs took from are told so (their reasons were written when they held them)."""
         free_ids = self._free_ids()
         still = [g for g in opened if g.id in free_ids]
-        self.holds_taken.update(g.id for g in opened if g.id not in free_ids)
+        taken = {g.id for g in opened if g.id not in free_ids}
+        self.holds_taken.update(taken)
         self._reserve_free(still)
+        if not taken:
+            return
+        lost: dict[str, tuple[PendingJob, int]] = {}
+        for job, held in self.borrower_holds:
+            k = sum(1 for g in held if g.id in taken)
+            if k:
+                lost[job.id] = (job, lost.get(job.id, (job, 0))[1] + k)
+        for job, k in lost.values():
+            why = self.decision.waiting.get(job.id)
+            if why is None:
+                continue
+            to = (
+                f"team {team}'s jobs within its nominal quota (a team's quota comes before another "
+                "team's borrowing)"
+                if job.team != team
+                else "its team's lower-class jobs within the team's nominal quota, as its tenants"
+            )
+            self.decision.waiting[job.id] = f"{why}; {n_gpus(k)} of those held for it went to {to}"
 
     def _consider_team_unders(self, team: str, after: int, ts: TeamState) -> None:
         """`_consider_unders` for one team's group, with `ts` its standing."""
