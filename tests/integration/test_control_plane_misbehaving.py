@@ -137,3 +137,96 @@ def test_a_job_that_stops_heart_beating_is_killed_and_requeued(
     first = show["attempts"][0]
     assert first["outcome"] == "lost"
     assert "no heartbeat" in show["transitions"][2]["reason"]
+
+
+# Stops when asked, but only once a marker file appears: a victim whose grace period is long
+# enough to restart the control plane in.
+SLOW_STOP = """
+import os, signal, sys, time
+asked = []
+signal.signal(signal.SIGTERM, lambda *a: asked.append(1))
+print("started", flush=True)
+while not (asked and os.path.exists(sys.argv[1])):
+    time.sleep(0.05)
+print("stopping after SIGTERM", flush=True)
+sys.exit(75)
+"""
+
+
+def test_a_victims_gpus_stay_with_the_job_it_left_for_across_a_control_plane_restart(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
+    # The job a victim steps aside for is stored with it (`Job.leaving_for`), not kept in the
+    # control plane's memory: a control plane restarted while the victim is on its way out
+    # still shows the policy that it leaves for that job, and gives the job its GPU.
+    from visionloop.api.server import build_plane
+    from visionloop.core.settings import load_settings
+    from visionloop.sched.service_admission import Principal
+    from visionloop.sched.states import JobState
+    from visionloop.sched.view import ClusterView, Freed
+
+    cfg = cluster_config(inventory=ONE_GPU, teams=TEAMS, scheduler={"grace_s": 120.0})
+    go = tmp_path / "go"
+    admin = Principal(None, True)
+    settings = load_settings().ensure()
+    with fresh_database("sqlite", tmp_path) as url:
+        first = build_plane(settings, cfg, url)
+        planes = [first]
+        try:
+
+            def command(job: Job) -> list[str]:
+                if job.priority == "high":
+                    return [sys.executable, "-c", "print('done')"]
+                return [sys.executable, "-c", SLOW_STOP, str(go)]
+
+            first._command = command  # type: ignore[method-assign]
+            low = first.submit(admin, _train(digits_dataset), team="research", priority="low")
+            first.cycle()  # starts it
+            (attempt,) = first.store.active_attempts()
+            log = first.executor.log_path(attempt.handle or {})
+            assert log is not None
+            deadline = time.monotonic() + 60
+            while not (log.is_file() and "started" in log.read_text()):  # its handler is installed
+                assert time.monotonic() < deadline, "the victim did not start within 60 s"
+                time.sleep(0.05)
+            high = first.submit(admin, _train(digits_dataset), team="vision", priority="high")
+            first.cycle()  # evicts it for the high job
+            stored = first.store.get_job(low.id)
+            assert (stored.state, stored.leaving_for) == (JobState.PREEMPTING, high.id)
+
+            # The control plane goes (its memory with it); the victim runs on, still stopping.
+            first.store.close()
+            second = build_plane(settings, cfg, url)
+            planes.append(second)
+            second._command = command  # type: ignore[method-assign]
+            views: list[ClusterView] = []
+            build = second._view
+
+            def recording(now: float, attempts: Any) -> ClusterView:
+                views.append(build(now, attempts))
+                return views[-1]
+
+            second._view = recording  # type: ignore[method-assign]
+            second.cycle()
+            (victim,) = [j for j in views[0].running if j.id == str(low.id)]
+            assert victim.leaving_for == str(high.id) and not victim.preemptible
+            go.touch()  # now it stops, with a checkpoint (75)
+            deadline = time.monotonic() + 60
+            while second.store.get_job(high.id).state == JobState.QUEUED:
+                assert time.monotonic() < deadline, "the high job did not start within 60 s"
+                second.cycle()
+                time.sleep(0.1)
+            # Its GPU, once free, was shown as the high job's, and the victim went back to the
+            # queue as a preemption, its stored link gone with the state.
+            assert any(v.freed_for == {"local/0": Freed(str(high.id), "research")} for v in views)
+            back = second.store.get_job(low.id)
+            assert back.state == JobState.QUEUED and back.preemptions == 1 and back.leaving_for is None
+        finally:
+            for plane in planes:
+                try:
+                    for a in plane.store.active_attempts():
+                        if a.handle:
+                            plane.executor.kill(a.handle)
+                except Exception:
+                    pass
+            planes[-1].store.close()

@@ -107,6 +107,7 @@ class ViewJob(NamedTuple):
     spec_key: str | None
     shape_key: str | None
     run_length: int | None
+    leaving_for: int | None  # while PREEMPTING, the job it steps aside for
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,8 @@ class Job:
     pace_at: float | None = None
     # Its spec's `max_runtime` in seconds (None: none given): planning only, never enforced.
     max_runtime_s: float | None = None
+    # While PREEMPTING, the job it steps aside for (None otherwise): its GPUs stay that job's.
+    leaving_for: int | None = None
     # The documents are loaded by get_job and submit (and list_jobs(with_specs=True)) only:
     # a scheduler listing 10,000 queued jobs does not need them.
     # What it runs, when not plain training (a tuning trial): sched/workload.py's document.

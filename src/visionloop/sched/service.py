@@ -118,7 +118,6 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
         self._progress = ProgressReader()  # where each open attempt's log was read up to
         self._reasons_sent: dict[int, str] = {}  # queued job → the waiting reason last stored
         self._attempts_ended = 0
-        self._leaving_for: dict[int, int] = {}  # victim → the job it steps aside for
         self._freed_for: dict[str, Freed] = {}  # GPU → that job, for the cycle after it left
         # Launches (and the evictions made for them) wait until then: the executor was unreachable.
         self._launch_paused_until = 0.0
@@ -205,14 +204,20 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             paused = now < self._launch_paused_until
             for ev in () if paused else decision.evictions:
                 job_id = int(ev.job_id)
+                for_job = None if ev.for_job is None else int(ev.for_job)
                 try:
+                    # Stored with the job it steps aside for, so that a restart during its
+                    # grace period still keeps its GPUs for that job.
                     self.store.transition(
-                        job_id, JobState.PREEMPTING, ev.reason, expect=JobState.RUNNING, now=now
+                        job_id,
+                        JobState.PREEMPTING,
+                        ev.reason,
+                        expect=JobState.RUNNING,
+                        now=now,
+                        leaving_for=for_job,
                     )
                 except TransitionError:
                     continue  # it finished meanwhile; the next cycle sees the freed GPUs
-                if ev.for_job is not None:
-                    self._leaving_for[job_id] = int(ev.for_job)
                 self._signal(job_id, terminate=True)
             self._freed_for = {}  # for one cycle only
             gpus = {g.id: g for g in view.gpus}  # read this cycle, under the lock
@@ -276,7 +281,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
                     max_runtime_s=job.max_runtime_s,
                     expected_runtime_s=self._expected_runtime(job),
                     checkpoints_at_stop=ALL_CHECKPOINT_AT_SIGTERM,
-                    leaving_for=leaving_for(self._leaving_for.get(job.id), job.state),
+                    leaving_for=leaving_for(job.leaving_for, job.state),
                 )
             )
         queued = self._queued  # shared between cycles while unchanged: the policy only reads it

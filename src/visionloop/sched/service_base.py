@@ -41,10 +41,10 @@ class PlaneBase:
     _progress: ProgressReader
     _attempts_ended: int
     _inventory_at: float
-    # The job each victim steps aside for (ActiveJob.leaving_for), and the GPUs the victims
-    # that left this cycle freed for it (ClusterView.freed_for): in memory, as a restart
-    # only costs what the policy did before it kept them (a job ahead may take them).
-    _leaving_for: dict[int, int]
+    # The GPUs the victims that left this cycle freed for the job each stepped aside for
+    # (ClusterView.freed_for; the job is stored with the victim, `Job.leaving_for`): in
+    # memory, for one cycle, as a restart in between only costs what the policy did before
+    # it kept them (a job ahead may take them).
     _freed_for: dict[str, Freed]
 
     def job_dir(self, job_id: int) -> Path:

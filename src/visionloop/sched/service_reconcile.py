@@ -131,7 +131,6 @@ class ReconcileMixin(PlaneBase):
         """Store.end_attempt, counted: the cycle re-reads the open attempts only if one ended.
         A job that ended for good gets its run closed if its trainer could not (SIGKILL)."""
         self._attempts_ended += 1
-        self._leaving_for.pop(job_id, None)
         job = self.store.end_attempt(job_id, attempt, outcome, exit_code, now, next_state, reason, **kwargs)
         if next_state in (JobState.FAILED, JobState.CANCELLED):
             ending: Ending = "failed" if next_state == JobState.FAILED else "cancelled"
@@ -297,7 +296,7 @@ class ReconcileMixin(PlaneBase):
             self._finish_failed(job, number, code, ending.reason, now, handle, retry=ending.retry)
             return
         extra = {"preemptions": job.preemptions + 1} if ending.preemption else {}
-        freed_for = self._leaving_for.get(job.id)
+        freed_for = job.leaving_for
         self._end_attempt(job.id, number, ending.outcome, code, now, ending.state, ending.reason, **extra)
         if freed_for is not None and ending.preemption and ALL_CHECKPOINT_AT_SIGTERM:
             # It stepped aside for that job, checkpointed: its GPUs are that job's next cycle.

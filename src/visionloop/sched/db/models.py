@@ -159,6 +159,9 @@ class JobRow(Base):
     # Seconds its attempts held GPUs, set when it ended after running its whole length
     # (succeeded, or a trial paused at its rung): one sample of the history.
     ran_s: Mapped[float | None]
+    # While it is PREEMPTING, the job it steps aside for (None: none in particular, or not on
+    # its way out): the GPUs it releases stay that job's (sched/owed.py). Revision 0008.
+    leaving_for: Mapped[int | None]
 
 
 class TransitionRow(Base):

@@ -230,6 +230,8 @@ class StoreBase:
         row.state_since = now
         row.updated_at = now
         row.version += 1
+        if dst is not JobState.PREEMPTING:
+            row.leaving_for = None  # only a job on its way out steps aside for one
         if dst is not JobState.QUEUED:
             row.waiting_reason = None
         elif src is not JobState.QUEUED and row.waiting_reason is None:

@@ -109,6 +109,7 @@ class JobsMixin(StoreBase):
             "pace_rate": None,
             "pace_at": None,
             "max_runtime_s": job.max_runtime,
+            "leaving_for": None,
             "workload_doc": workload_doc,
             "spec_doc": doc,
             "train_spec": job.train.model_dump(mode="json"),
@@ -309,9 +310,11 @@ class JobsMixin(StoreBase):
         exit_code: int | None = None,
         restarts: int | None = None,
         preemptions: int | None = None,
+        leaving_for: int | None = None,
     ) -> Job:
         """Change a job's state, atomically with its transition row and the given fields
-        (None leaves a field as it is).
+        (None leaves a field as it is). `leaving_for`: entering PREEMPTING, the job it steps
+        aside for (kept until it leaves that state).
 
         `expect`: the state(s) the caller saw; if the job has moved since, TransitionError
         (a lost race: re-read and decide again). Entering RUNNING is `start_attempt`'s job and
@@ -329,6 +332,8 @@ class JobsMixin(StoreBase):
                 )
             self._set_fields(row, waiting_reason, not_before, exit_code, restarts, preemptions)
             self._enter(s, row, src, dst, reason, now)
+            if leaving_for is not None and dst is JobState.PREEMPTING:
+                row.leaving_for = leaving_for
             s.flush()
             return _job(row, specs=False)
 
