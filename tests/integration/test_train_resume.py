@@ -125,15 +125,18 @@ def test_sigterm_exits_75_with_a_checkpoint_and_resumes(tmp_path: Path, digits_d
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nproc", ["1", "2"])
 def test_a_sigterm_while_a_paused_run_winds_down_keeps_its_exit_status(
-    tmp_path: Path, digits_dataset: Path
+    tmp_path: Path, digits_dataset: Path, nproc: str
 ) -> None:
     # A tuning trial paused at its rung can be sent the scheduler's SIGTERM (its preemption)
     # while its process winds down after the checkpoint: the run is saved, so the stop has
     # nothing left to do and must not turn exit 76 into the default action's 143 (seen in CI).
     spec = write_spec(tmp_path / "spec.yaml", spec_doc(digits_dataset, epochs=2))
     run_dir = tmp_path / "run"
-    p = popen("train", str(spec), "--run-dir", str(run_dir), "--until-epoch", "1", "--no-track")
+    # One process, and the DDP launcher's (two workers; the launcher's own exit too).
+    args = ["--until-epoch", "1", "--no-track", "--nproc-per-node", nproc]
+    p = popen("train", str(spec), "--run-dir", str(run_dir), *args)
     assert p.stdout is not None
     seen = []
     for line in p.stdout:

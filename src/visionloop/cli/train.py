@@ -72,7 +72,9 @@ def train(
             raise TrainingError(
                 "--nproc-per-node cannot be used inside torchrun; the launcher already set WORLD_SIZE."
             )
-        raise typer.Exit(_launch(spec, run_dir, overrides, nproc_per_node, no_track, until_epoch))
+        code = _launch(spec, run_dir, overrides, nproc_per_node, no_track, until_epoch)
+        _ignore_stop_signals()  # as below: the workers' exits decided it
+        raise typer.Exit(code)
 
     from visionloop.cli.progress import RichReporter
     from visionloop.train import dist
