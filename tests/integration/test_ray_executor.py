@@ -301,20 +301,21 @@ def test_ray_job_states_map_to_attempt_states(details: object, expected: tuple[s
 
 
 def test_types_and_price_classes_from_labels_and_resources() -> None:
-    from visionloop.sched.executors.ray import _gpu_type, _price_class
+    from visionloop.sched.executors.ray_nodes import node_gpu_type, node_price_class
 
-    assert _gpu_type({"GPU": 8, "accelerator_type:H100": 1}, {}) == "H100"  # Ray's own detection
+    assert node_gpu_type({"GPU": 8, "accelerator_type:H100": 1}, {}) == "H100"  # Ray's own detection
     assert (
-        _gpu_type({"gpu_type:L4": 1, "accelerator_type:L4": 1}, {"visionloop.io/gpu-type": "L4-24GB"})
+        node_gpu_type({"gpu_type:L4": 1, "accelerator_type:L4": 1}, {"visionloop.io/gpu-type": "L4-24GB"})
         == "L4-24GB"
     )
-    assert _gpu_type({"GPU": 2}, {}) == "unknown"
-    assert _price_class({}, {"ray.io/market-type": "spot"}, "n") == "spot"
-    assert _price_class({}, {"ray.io/market-type": "on-demand"}, "n") == "on_demand"
-    assert _price_class({"spot": 1}, {"visionloop.io/price-class": "owned"}, "n") == "owned"  # the label wins
-    assert _price_class({}, {}, "n") == "owned"
+    assert node_gpu_type({"GPU": 2}, {}) == "unknown"
+    assert node_price_class({}, {"ray.io/market-type": "spot"}, "n") == "spot"
+    assert node_price_class({}, {"ray.io/market-type": "on-demand"}, "n") == "on_demand"
+    # the label wins
+    assert node_price_class({"spot": 1}, {"visionloop.io/price-class": "owned"}, "n") == "owned"
+    assert node_price_class({}, {}, "n") == "owned"
     with pytest.raises(ExecutorError, match="owned, on_demand, spot"):
-        _price_class({}, {"visionloop.io/price-class": "preemptible"}, "n")
+        node_price_class({}, {"visionloop.io/price-class": "preemptible"}, "n")
 
 
 def test_older_ray_without_label_selectors_pins_to_the_node_ip() -> None:

@@ -1,4 +1,4 @@
-"""The Ray executor's signal script (`_SIGNAL_SCRIPT`), run as it runs in a signal job, on real
+"""The Ray executor's signal script (`SIGNAL_SCRIPT`), run as it runs in a signal job, on real
 processes: it SIGTERMs the attempt's process marked with its submission id, and only one of
 its own cluster (the same RAY_ADDRESS, which Ray gives every job's driver). Two clusters on
 one machine can run jobs with the same submission id: a CI run saw one cluster's terminate
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from visionloop.sched.executors.ray import _SIGNAL_SCRIPT, SUBMISSION_ENV
+from visionloop.sched.executors.ray_signal import SIGNAL_SCRIPT, SUBMISSION_ENV
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 
@@ -35,8 +35,8 @@ def attempt() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 def send(sid: str, ray_address: str | None) -> subprocess.CompletedProcess[str]:
     """Run the script as a signal job would (its retries cut from ~10 s to ~0.5 s)."""
-    script = _SIGNAL_SCRIPT.replace("-ge 40 ]", "-ge 2 ]")
-    assert script != _SIGNAL_SCRIPT
+    script = SIGNAL_SCRIPT.replace("-ge 40 ]", "-ge 2 ]")
+    assert script != SIGNAL_SCRIPT
     env = {"PATH": os.environ.get("PATH", "")}
     if ray_address is not None:
         env["RAY_ADDRESS"] = ray_address

@@ -62,10 +62,10 @@ Decisions worth knowing:
   running the attempt, which sends SIGTERM to the attempt's main process only (found in
   /proc by `VISIONLOOP_RAY_SUBMISSION_ID`, set in the entrypoint's own environment, not in the
   supervisor's, and by the cluster's `RAY_ADDRESS`, so that another cluster's attempt of
-  the same id on that machine is left alone). The trainer (or its DDP launcher, which
-  forwards to its ranks) checkpoints and exits 75 in its own time, and Ray records exit 75
-  as the driver's exit code. The grace period is the control plane's (`grace_s`): after
-  it, it calls `kill`.
+  the same id on that machine is left alone; the script is in `ray_signal.py`). The trainer
+  (or its DDP launcher, which forwards to its ranks) checkpoints and exits 75 in its own
+  time, and Ray records exit 75 as the driver's exit code. The grace period is the control
+  plane's (`grace_s`): after it, it calls `kill`.
 - **Kill.** Every attempt is submitted with `RAY_JOB_STOP_WAIT_TIME_S=0` in its runtime env,
   so `kill` = Ray's `stop_job` = SIGTERM immediately followed by SIGKILL of the whole process
   tree. Ray records STOPPED without an exit code; `poll` reports 137 (128 + SIGKILL), as the
@@ -127,21 +127,24 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
-from visionloop.sched.view import Gpu, PriceClass
+from visionloop.sched.executors.ray_nodes import (
+    NODE_ID_LABEL,
+    RayNode,
+    ip_of,
+    node_gpu_type,
+    node_price_class,
+)
+from visionloop.sched.executors.ray_signal import SUBMISSION_ENV, signal_entrypoint
+from visionloop.sched.view import Gpu
 from visionloop.train.launch import NNODES_ENV, NODE_RANK_ENV, RESUMABLE_EXITS, combine_exit_codes
 
 log = logging.getLogger(__name__)
 
-SUBMISSION_ENV = "VISIONLOOP_RAY_SUBMISSION_ID"
-GPU_TYPE_LABEL = "visionloop.io/gpu-type"
-PRICE_CLASS_LABEL = "visionloop.io/price-class"
-NODE_ID_LABEL = "ray.io/node-id"
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 EXIT_KILLED = 128 + 9  # SIGKILL, as a shell reports it
 EXIT_NOT_STARTED = 126  # the command could not be started (a shell's "cannot execute")
@@ -159,42 +162,6 @@ _TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 _LOST_ERRORS = {"JOB_SUPERVISOR_ACTOR_DIED", "JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE"}
 _ATTEMPT_DIR = re.compile(r"job-(\d+)[/\\]attempt-(\d+)[/\\]?$")
 _PREFIX = re.compile(r"[a-z0-9][a-z0-9-]*")
-_PRICE_CLASSES: tuple[PriceClass, ...] = ("owned", "on_demand", "spot")
-
-# The signal job's entrypoint: `sh -c SCRIPT vl-signal SUBMISSION_ID SIGNAL`. It signals the
-# roots of the attempt's process tree (marked processes whose parent is not marked): the
-# entrypoint's main process, which Ray's supervisor started. It retries for ~10 s, because a
-# job reads RUNNING a moment before its command is exec'd. Only processes of its own cluster:
-# Ray's supervisor gives every job's driver the cluster's GCS address as RAY_ADDRESS, and two
-# clusters on one machine (two test workers; two installs) may both run a job with the same
-# submission id (a CI run saw another cluster's attempt SIGTERMed at its start).
-_SIGNAL_SCRIPT = r"""want="VISIONLOOP_RAY_SUBMISSION_ID=$1"
-here="RAY_ADDRESS=${RAY_ADDRESS:-}"
-n=0
-while :; do
-  marked=" "
-  for f in $(grep -lsxzF -e "$want" /proc/[0-9]*/environ); do
-    if [ -n "${RAY_ADDRESS:-}" ] && ! grep -qsxzF -e "$here" "$f"; then continue; fi
-    p=${f#/proc/}; marked="$marked${p%/environ} "
-  done
-  sent=""
-  for p in $marked; do
-    pp=$(sed -n 's/^PPid:[[:space:]]*//p' "/proc/$p/status" 2>/dev/null)
-    case "$marked" in *" $pp "*) ;; *) kill -s "$2" "$p" 2>/dev/null && sent="$sent $p" ;; esac
-  done
-  if [ -n "$sent" ]; then echo "visionloop: sent SIG$2 to$sent ($1)"; exit 0; fi
-  n=$((n + 1))
-  if [ "$n" -ge 40 ]; then echo "visionloop: no process of $1 on this node"; exit 1; fi
-  sleep 0.25
-done"""
-
-
-@dataclass(frozen=True)
-class RayNode:
-    node_id: str
-    ip: str
-    name: str  # the Gpu.node name: "{node_name}-{node_id[:8]}"
-    cpus: float = 0.0  # the node's CPU resource (total), for placing CPU jobs across nodes
 
 
 class RayExecutor:
@@ -377,8 +344,8 @@ class RayExecutor:
                 cpus=float(resources.get("CPU", 0)),
             )
             known[short] = node
-            gpu_type = _gpu_type(resources, labels)
-            price = _price_class(resources, labels, node.name)
+            gpu_type = node_gpu_type(resources, labels)
+            price = node_price_class(resources, labels, node.name)
             count = int(resources.get("GPU", 0))
             gpus += [Gpu(f"{short}/{i}", node.name, gpu_type, price) for i in range(count)]
         with self._lock:
@@ -721,11 +688,11 @@ class RayExecutor:
         self._call(
             f"submit the signal job {signal_sid}",
             self._client().submit_job,
-            entrypoint=f"sh -c {shlex.quote(_SIGNAL_SCRIPT)} vl-signal {shlex.quote(sid)} TERM",
+            entrypoint=signal_entrypoint(sid, "TERM"),
             submission_id=signal_sid,
             metadata={"visionloop_signal_for": sid},
             entrypoint_num_cpus=0,
-            **self._pin(node_id, _ip_of(getattr(info, "driver_agent_http_address", None))),
+            **self._pin(node_id, ip_of(getattr(info, "driver_agent_http_address", None))),
         )
         with self._lock:
             self._signal_jobs.setdefault(sid, []).append(signal_sid)
@@ -798,45 +765,6 @@ def _attempt_status(info: Any) -> AttemptStatus:
     if error_type in _LOST_ERRORS:
         return AttemptStatus("lost", detail=f"Ray lost the job: {message}")
     return AttemptStatus("exited", exit_code=EXIT_NOT_STARTED, detail=f"Ray could not start it: {message}")
-
-
-def _gpu_type(resources: Mapping[str, float], labels: Mapping[str, str]) -> str:
-    if labels.get(GPU_TYPE_LABEL):
-        return labels[GPU_TYPE_LABEL]
-    for key in resources:
-        if key.startswith("gpu_type:"):
-            return key.split(":", 1)[1]
-    if labels.get("ray.io/accelerator-type"):
-        return labels["ray.io/accelerator-type"]
-    for key in resources:
-        if key.startswith("accelerator_type:"):
-            return key.split(":", 1)[1]
-    return "unknown"
-
-
-def _price_class(resources: Mapping[str, float], labels: Mapping[str, str], node: str) -> PriceClass:
-    label = labels.get(PRICE_CLASS_LABEL)
-    if label is not None:
-        for price in _PRICE_CLASSES:
-            if label == price:
-                return price
-        raise ExecutorError(
-            f"Ray node {node} has label {PRICE_CLASS_LABEL}={label!r}; use one of "
-            f"{', '.join(_PRICE_CLASSES)} (e.g. `ray start ... --labels {PRICE_CLASS_LABEL}=spot`)."
-        )
-    if resources.get("spot", 0) > 0:
-        return "spot"
-    market = labels.get("ray.io/market-type", "").lower().replace("-", "_")
-    if market == "spot":
-        return "spot"
-    if market == "on_demand":
-        return "on_demand"
-    return "owned"
-
-
-def _ip_of(url: str | None) -> str | None:
-    m = re.match(r"https?://\[?([^\]/]+?)\]?:\d+", url or "")
-    return m.group(1) if m else None
 
 
 def _reason(e: BaseException | str) -> str:
