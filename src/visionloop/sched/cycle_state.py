@@ -59,6 +59,7 @@ class CycleState:
         self.decision = Decision()
         self.names = {rank: name for name, rank in cfg.priorities.items()}
         self.ranks = sorted(set(cfg.priorities.values()))
+        self.top_rank = self.ranks[-1] if self.ranks else math.inf  # the top class's rank
         self.aged: dict[tuple[int, int], int] = {}  # memo of _aged()
         self.total_gpus = max(1, len(view.gpus))
         self.caps = capacities(view.gpus)
@@ -125,7 +126,7 @@ class CycleState:
         # Running jobs too young to be victims, in victim order: the top class's extra
         # victims (`top_class_preempts_young`) and a reclaim's (`reclaim_preempts_young`);
         # not sorted when nothing would read them.
-        self.top = self.ranks[-1] if cfg.top_class_preempts_young and self.ranks else math.inf
+        self.top = self.top_rank if cfg.top_class_preempts_young else math.inf
         self.young = (
             sorted(
                 (j for j in view.running if j.preemptible and self.now - j.started_at < cfg.min_runtime_s),
@@ -395,12 +396,7 @@ class CycleState:
         self.releasing_left -= before - sum(len(gs) for gs in self.releasing.values())
         self._account(job, ts, None)
         self.claimants.append(job)
-        if (
-            free_now
-            and ts.over_nominal()
-            and job.id != self.starving_id
-            and job.priority < max(self.ranks, default=math.inf)
-        ):
+        if free_now and ts.over_nominal() and job.id != self.starving_id and job.priority < self.top_rank:
             # A borrower's claim holds its free part idle as `_hold` does: the same hold,
             # open to another team's jobs that fit in their quota (`_open_holds`). Not the
             # top class's: its waits are the shortest of all and stay so.

@@ -258,7 +258,7 @@ class Preemption(WithinClass):
             return True
         if self.cfg.reserve_after_s is not None:
             return False
-        if self.cfg.hold_freed_for_job and v.checkpoints_at_stop and rank < self.ranks[-1]:
+        if self.cfg.hold_freed_for_job and v.checkpoints_at_stop and rank < self.top_rank:
             # What `v` frees stays `job`'s while it leaves and for the cycle after (owed.py):
             # back in the queue, it cannot take it back, whatever the shares. Not the top
             # class: ahead of every other, it took the free GPUs `job` had claimed besides
@@ -386,14 +386,13 @@ class Preemption(WithinClass):
         `team`), that write a checkpoint when asked to stop, but for the top class: it keeps
         `min_runtime_s`, as no lower class evicts it young either. A young job that does not
         checkpoint at SIGTERM keeps it too: evicted, it would lose all it has done."""
-        top = self.ranks[-1] if self.ranks else math.inf
         return [
             v
             for v in self.young
             if v.team != team
             and v.checkpoints_at_stop
             and v.id not in self.evicted
-            and self._held_rank(v) < top
+            and self._held_rank(v) < self.top_rank
             and self._team(v.team).over_nominal()
         ]
 

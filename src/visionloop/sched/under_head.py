@@ -7,6 +7,7 @@ stays larger (`Preemption._after_head`), as the head's tenants. `Cycle.run` mark
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -132,12 +133,14 @@ class UnderHead(Reservations):
         self._reserve_free(still)
         if not taken:
             return
-        lost: dict[str, tuple[PendingJob, int]] = {}
+        lost: Counter[str] = Counter()  # job -> how many of its held GPUs were taken
+        holders: dict[str, PendingJob] = {}
         for job, held in self.borrower_holds:
-            k = sum(1 for g in held if g.id in taken)
-            if k:
-                lost[job.id] = (job, lost.get(job.id, (job, 0))[1] + k)
-        for job, k in lost.values():
+            if k := sum(1 for g in held if g.id in taken):
+                lost[job.id] += k
+                holders[job.id] = job
+        for job_id, k in lost.items():
+            job = holders[job_id]
             why = self.decision.waiting.get(job.id)
             if why is None:
                 continue
