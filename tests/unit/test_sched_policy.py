@@ -742,6 +742,29 @@ def test_a_job_that_never_runs_on_spot_reclaims_a_borrower_on_gpus_it_can_use() 
     assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-mixed", "a-any")]
 
 
+def test_a_never_spot_reclaim_takes_the_lenders_higher_class_when_only_its_spot_low_job_borrows() -> None:
+    """Trace 3 in miniature: b (nominal 4) holds 6: a low job on 3 spot GPUs, a normal one
+    on 3 fixed GPUs. By classes b borrows only through the low job, on spot, which a's job
+    that never runs on spot cannot use: the 2 fixed GPUs it needs (1 free) stayed b's. Its
+    spot GPUs now cover b's nominal first, so a takes back the fixed GPUs b lends; a job
+    that may run on spot still takes the low job's. (Jobs on one node: `same_node`.)"""
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=8)]
+    gpus = node_gpus("n0", 4) + node_gpus("s", 3, "spot")
+    running = [
+        r("b-low", ["s/0", "s/1", "s/2"], team="b", prio=LOW, ckpt=NOW - 30),
+        r("b-normal", ["n0/0", "n0/1", "n0/2"], team="b", ckpt=NOW - 3000),
+    ]
+    d = schedule(view(gpus, [q("a-never", 2, spot="never")], running, teams), CFG)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-normal", "a-never")]
+    assert d.evictions[0].reason == "team a reclaims its nominal quota (4 GPUs) for job a-never"
+    d = schedule(view(gpus, [q("a-any", 3)], running, teams), CFG)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-low", "a-any")]
+    # b at its nominal lends nothing: no eviction, whatever GPUs its jobs are on.
+    at_nominal = [running[0], r("b-normal", ["n0/0"], team="b")]
+    d = schedule(view(gpus, [q("a-never", 4, spot="never")], at_nominal, teams), CFG)
+    assert d.evictions == [] and d.waiting["a-never"].startswith("waiting for 4 GPUs: 3 free")
+
+
 def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_reclaims_its_own() -> None:
     """Trace 2's chain in miniature: a's low job J reclaimed 2 GPUs from b's borrower, which
     is on its way out; c's high job K, which also fits in its team's quota, came meanwhile.

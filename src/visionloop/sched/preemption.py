@@ -252,7 +252,7 @@ class Preemption(WithinClass):
         its class whatever the shares."""
         vt = self._team(v.team)
         rank, after = self._held_rank(v), self.under_head[job.id]
-        if rank > after or not (vt.over_nominal(taken) and self._borrowing(v)):
+        if rank > after or not (vt.over_nominal(taken) and self._borrowing(v, job.spot)):
             return False
         if rank < after:
             return True
@@ -309,23 +309,33 @@ class Preemption(WithinClass):
             return lower or (not self._starved(v) and (self._srpt_yields(v, job) or self._las_yields(v, job)))
         vt = self._team(v.team)
         if reclaim:
-            return lower or (vt.over_nominal(taken) and self._borrowing(v))
+            return lower or (vt.over_nominal(taken) and self._borrowing(v, job.spot))
         return lower and vt.used - taken - len(v.gpu_ids) >= vt.team.nominal_gpus
 
-    def _borrowing(self, v: ActiveJob) -> bool:
+    def _borrowing(self, v: ActiveJob, spot: SpotPolicy = "allowed") -> bool:
         """Does `v` hold borrowed GPUs? A team's nominal quota covers its highest classes
         first: `v` borrows if its team's jobs of its class and above hold more than the
         nominal (which of a class's jobs step aside is the victim order's choice: the least
         work lost). So a reclaim takes back borrowed GPUs from a team's lowest classes, never
         from its high-class job that the nominal covers (a reclaim evicted one five times in
-        one trace while a low-class job of its team, too young to preempt, kept its GPUs)."""
+        one trace while a low-class job of its team, too young to preempt, kept its GPUs).
+        For a job that never runs on spot (`spot`), the lender's spot GPUs cover its nominal
+        before the rest: a team borrowing only on paper through a low-class job on spot GPUs
+        lent nothing such a job could take back, and its quota stayed with the lender."""
         stack = self.team_stacks.get(v.team)
         if stack is None:
             stack = self.team_stacks[v.team] = [
                 j for j in self.view.running if j.team == v.team and j.preemptible
             ]
         rank = self._held_rank(v)
-        held = sum(len(j.gpu_ids) for j in stack if j.id not in self.evicted and self._held_rank(j) >= rank)
+        held = 0
+        for j in stack:
+            if j.id in self.evicted:
+                continue
+            if self._held_rank(j) >= rank:
+                held += len(j.gpu_ids)
+            elif spot == "never":
+                held += len(j.gpu_ids) - self._usable_gpus(j, spot)
         return held > self._team(v.team).team.nominal_gpus
 
     def _usable_gpus(self, v: ActiveJob, spot: SpotPolicy) -> int:
