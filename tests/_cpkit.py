@@ -82,20 +82,21 @@ class CP:
 
 
 @contextmanager
-def control_plane(db_url: str, config: ClusterConfig, *, run_scheduler: bool = True) -> Iterator[CP]:
+def control_plane(
+    db_url: str, config: ClusterConfig, *, run_scheduler: bool = True, **server_options: Any
+) -> Iterator[CP]:
     import uvicorn
 
     from visionloop.api.app import create_app
-    from visionloop.api.server import build_plane, ensure_admin_token
+    from visionloop.api.server import build_plane, ensure_admin_token, uvicorn_config
 
     settings = load_settings().ensure()
     plane = build_plane(settings, config, db_url)
     token_path = ensure_admin_token(plane, settings.home)
     port = free_port()
+    # Served as `visionloop up` serves it (its HTTP parser and limits).
     server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(plane, run_scheduler=run_scheduler), host="127.0.0.1", port=port, log_level="warning"
-        )
+        uvicorn_config(create_app(plane, run_scheduler=run_scheduler), "127.0.0.1", port, **server_options)
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -118,7 +118,7 @@ def test_impossible_and_unknown_requests_are_refused_at_submit(cp: CP, digits_da
         r = c.post("/v1/jobs", json={"spec": relative, "team": "vision"})
         assert r.status_code == 422 and "relative" in r.json()["detail"]
         r = c.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
-        assert r.status_code == 422
+        assert r.status_code == 400 and "the body is not valid JSON" in r.json()["detail"]
         r = c.post("/v1/jobs", content=b"x" * (2 * 1024 * 1024), headers={"Content-Type": "application/json"})
         assert r.status_code == 413
         assert c.get("/v1/jobs/999").status_code == 404

@@ -14,12 +14,13 @@ import secrets
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import DBAPIError
 
 from visionloop.api.bodies import (
     LabellingBody,
@@ -28,22 +29,34 @@ from visionloop.api.bodies import (
     SpotBody,
     SubmitBody,
     TeamBody,
+    TeamName,
     TokenBody,
 )
-from visionloop.api.guard import Admin, BodyLimit, Who
-from visionloop.core.errors import NotFoundError, VisionloopError
+from visionloop.api.guard import Admin, BodyLimit, Who, short_detail
+from visionloop.core.errors import NotFoundError, StoreError, VisionloopError
 from visionloop.sched.cost import cost_report
 from visionloop.sched.history import Estimate
 from visionloop.sched.records import Attempt, Job
 from visionloop.sched.service import ControlPlane, SubmitError
 from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
 from visionloop.sched.states import JobState, TransitionError
+from visionloop.sched.store.base import ConflictError
 from visionloop.sched.view import planned_runtime
 
 log = logging.getLogger(__name__)
 
 # A job spec is a few KiB; anything near this is a mistake or an attack.
 MAX_BODY_BYTES = 1024 * 1024
+# Job ids are a 32-bit column on PostgreSQL; offsets past this are beyond any store. Before,
+# `GET /v1/jobs/9223372036854775808` (or `?offset=` that large) was a 500 on SQLite and, on
+# PostgreSQL, a 422 blaming the database ("check the database is reachable") with its URL.
+MAX_JOB_ID = 2**31 - 1
+MAX_OFFSET = 2**53
+# How many problems an error answer lists; the rest are counted.
+MAX_PROBLEMS = 20
+
+# A job id in a path: any integer parses (an id no job can have answers 404 like a missing one).
+JobId = Annotated[int, Path(description="a job id, from `visionloop jobs list`")]
 
 
 def _job_doc(job: Job, now: float) -> dict[str, Any]:
@@ -69,6 +82,34 @@ def _planned_end(
     return {"at": attempts[-1].started_at + seconds, "by": by}
 
 
+def _in_range(job_id: int) -> int:
+    """An id no job can have (0, negative, past the store's integer) answers as a missing one
+    does, before it reaches the store."""
+    if not 1 <= job_id <= MAX_JOB_ID:
+        raise NotFoundError(f"no job {job_id} visible to you; `visionloop jobs list` shows yours.")
+    return job_id
+
+
+def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug or a broken store: the answer says only an id, the log has the exception (its
+    text may name files, SQL or credentials in a database URL). A failing job store is a 503
+    (try again), anything else a 500."""
+    error_id = secrets.token_hex(6)
+    where = f"{request.method} {request.url.path}"
+    log.error("internal error (error id %s) answering %s", error_id, where, exc_info=exc)
+    if isinstance(exc, StoreError):
+        return JSONResponse(
+            {
+                "detail": f"the job store failed (error id {error_id}); try again, and if it persists "
+                "ask an admin to look for that id in the control plane log."
+            },
+            status_code=503,
+        )
+    return JSONResponse(
+        {"detail": f"internal error, id {error_id}; see the control plane log"}, status_code=500
+    )
+
+
 def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
     stop = threading.Event()
 
@@ -91,28 +132,33 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # The first problems only: a body with 90,000 unknown fields was answered with 3.5 MB,
+        # built on the event loop (every other request waited a second).
+        errors = exc.errors()
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+            for e in errors[:MAX_PROBLEMS]
         )
-        return JSONResponse({"detail": f"invalid request: {problems}"}, status_code=422)
+        if len(errors) > MAX_PROBLEMS:
+            problems += f"; and {len(errors) - MAX_PROBLEMS} more problems"
+        return JSONResponse({"detail": short_detail(f"invalid request: {problems}")}, status_code=422)
 
     @app.exception_handler(VisionloopError)
-    async def known_error(_request: Request, exc: VisionloopError) -> JSONResponse:
+    async def known_error(request: Request, exc: VisionloopError) -> JSONResponse:
         status = 404 if isinstance(exc, NotFoundError) else 409 if isinstance(exc, TransitionError) else 422
         if isinstance(exc, SubmitError):
             status = exc.status
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+        if isinstance(exc, ConflictError):
+            status = 409  # a reused idempotency key, or a change that raced another
+        elif isinstance(exc, StoreError) and isinstance(exc.__cause__, DBAPIError):
+            # The database failed, not the caller: its text names the store's URL, which is
+            # for the operator's log, not for every team's token.
+            return _server_error(request, exc)
+        return JSONResponse({"detail": short_detail(str(exc))}, status_code=status)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        # A bug or a broken store: the answer says only an id, the log has the exception
-        # (its text may name files, SQL or credentials in a database URL).
-        error_id = secrets.token_hex(6)
-        where = f"{request.method} {request.url.path}"
-        log.error("internal error (error id %s) answering %s", error_id, where, exc_info=exc)
-        return JSONResponse(
-            {"detail": f"internal error, id {error_id}; see the control plane log"}, status_code=500
-        )
+        return _server_error(request, exc)
 
     @app.get("/v1/health")
     def health() -> dict[str, Any]:
@@ -137,23 +183,30 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
     def list_jobs(
         who: Who,
         state: Annotated[list[JobState] | None, Query()] = None,
-        team: str | None = None,
+        team: Annotated[TeamName | None, Query()] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
-        offset: Annotated[int, Query(ge=0)] = 0,
+        offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
+        order: Annotated[
+            Literal["oldest", "newest"], Query(description="oldest (default) or newest first")
+        ] = "oldest",
     ) -> list[dict[str, Any]]:
         if not who.admin:
             if team is not None and team != who.team:
                 raise HTTPException(403, f"your token belongs to team {who.team!r}.")
             team = who.team
         jobs = plane.store.list_jobs(
-            team=team, states=set(state) if state else None, limit=limit, offset=offset
+            team=team,
+            states=set(state) if state else None,
+            limit=limit,
+            offset=offset,
+            newest_first=order == "newest",
         )
         now = plane.clock()
         return [_job_doc(j, now) for j in jobs]
 
     @app.get("/v1/jobs/{job_id}")
-    def show_job(job_id: int, who: Who) -> dict[str, Any]:
-        job = plane.visible_job(who, job_id)
+    def show_job(job_id: JobId, who: Who) -> dict[str, Any]:
+        job = plane.visible_job(who, _in_range(job_id))
         now = plane.clock()
         estimate = plane.store.runtime_estimate(job_id)
         attempts = plane.store.attempts(job_id)
@@ -173,13 +226,13 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/logs")
     def job_logs(
-        job_id: int,
+        job_id: JobId,
         who: Who,
         attempt: int | None = None,
-        offset: Annotated[int, Query(ge=0)] = 0,
+        offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
         limit: Annotated[int, Query(ge=1, le=8 * 1024 * 1024)] = 1024 * 1024,
     ) -> Response:
-        plane.visible_job(who, job_id)
+        plane.visible_job(who, _in_range(job_id))
         attempts = plane.store.attempts(job_id)
         if not attempts:
             return Response(
@@ -201,26 +254,26 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
         )
 
     @app.post("/v1/jobs/{job_id}/cancel")
-    def cancel(job_id: int, who: Who) -> dict[str, Any]:
-        return jsonable_encoder(plane.cancel(who, job_id))  # type: ignore[no-any-return]
+    def cancel(job_id: JobId, who: Who) -> dict[str, Any]:
+        return jsonable_encoder(plane.cancel(who, _in_range(job_id)))  # type: ignore[no-any-return]
 
     @app.get("/v1/jobs/{job_id}/evals")
-    def job_evals(job_id: int, who: Who) -> dict[str, Any]:
+    def job_evals(job_id: JobId, who: Who) -> dict[str, Any]:
         """The evaluations the job reported (from its log, as the control plane read them),
         in order: what a tuner judges its trial by, from any machine."""
-        plane.visible_job(who, job_id)
+        plane.visible_job(who, _in_range(job_id))
         events = read_evals(plane.job_dir(job_id) / EVALS_FILE)
         return {"evals": [{"step": e.step, "epoch": e.epoch, "metrics": e.metrics} for e in events]}
 
     @app.post("/v1/jobs/{job_id}/resume")
-    def resume(job_id: int, body: ResumeBody, who: Who) -> dict[str, Any]:
+    def resume(job_id: JobId, body: ResumeBody, who: Who) -> dict[str, Any]:
         """A paused tuning trial goes on (its study promoted it), to `until_epoch` or the end."""
-        return jsonable_encoder(plane.resume(who, job_id, body.until_epoch, body.reason))  # type: ignore[no-any-return]
+        return jsonable_encoder(plane.resume(who, _in_range(job_id), body.until_epoch, body.reason))  # type: ignore[no-any-return]
 
     @app.post("/v1/jobs/{job_id}/prune")
-    def prune(job_id: int, body: PruneBody, who: Who) -> dict[str, Any]:
+    def prune(job_id: JobId, body: PruneBody, who: Who) -> dict[str, Any]:
         """A paused tuning trial ends for good (its study pruned it at its rung)."""
-        return jsonable_encoder(plane.prune(who, job_id, body.reason))  # type: ignore[no-any-return]
+        return jsonable_encoder(plane.prune(who, _in_range(job_id), body.reason))  # type: ignore[no-any-return]
 
     @app.get("/v1/cluster")
     def cluster(who: Who) -> dict[str, Any]:
@@ -230,7 +283,11 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
         }
 
     @app.get("/v1/cost")
-    def cost(who: Who, team: str | None = None, since: float | None = None) -> dict[str, Any]:
+    def cost(
+        who: Who,
+        team: Annotated[TeamName | None, Query()] = None,
+        since: Annotated[float | None, Query(allow_inf_nan=False, description="a Unix time")] = None,
+    ) -> dict[str, Any]:
         if not who.admin:
             if team is not None and team != who.team:
                 raise HTTPException(403, f"your token belongs to team {who.team!r}.")

@@ -124,9 +124,13 @@ class Client:
         return dict(self.json("POST", "/v1/jobs", json=body))
 
     def jobs(
-        self, states: list[str] | None = None, team: str | None = None, limit: int = 200
+        self,
+        states: list[str] | None = None,
+        team: str | None = None,
+        limit: int = 200,
+        newest_first: bool = False,
     ) -> list[dict[str, Any]]:
-        params: dict[str, Any] = {"limit": limit}
+        params: dict[str, Any] = {"limit": limit, "order": "newest" if newest_first else "oldest"}
         if states:
             params["state"] = states
         if team:

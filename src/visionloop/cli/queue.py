@@ -217,12 +217,16 @@ def _absolute_paths(train_doc: dict[str, Any], base: Path) -> None:
 def jobs_list(
     state: list[str] = typer.Option([], "--state", "-s", help="Only jobs in this state (repeatable)."),
     team: str | None = typer.Option(None, "--team", "-t", help="Only this team's jobs (admin)."),
-    limit: int = typer.Option(200, "--limit", "-n", help="At most this many jobs, newest first."),
+    limit: int = typer.Option(
+        200, "--limit", "-n", min=1, max=10_000, help="At most this many jobs, newest first."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Jobs you can see, newest first, with why each queued one waits."""
     with _client() as c:
-        jobs = c.jobs(states=state or None, team=team, limit=limit)
+        # Newest first: before, the API's oldest-first page was shown, so past `--limit` jobs
+        # the newest (the ones a user just submitted) were never listed.
+        jobs = c.jobs(states=state or None, team=team, limit=limit, newest_first=True)
     if as_json:
         typer.echo(json.dumps(jobs, indent=2))
         return
@@ -348,8 +352,15 @@ def jobs_logs(
                 sys.stdout.buffer.write(piece)
                 sys.stdout.buffer.flush()
             return
-        data, _, _ = c.logs(job_id, 0, attempt)
-        sys.stdout.buffer.write(data)
+        # Page by page (the API answers at most 1 MiB at a time), all from the attempt the
+        # first page came from: before, a log past 1 MiB was cut there without a word.
+        offset = 0
+        while True:
+            data, offset, attempt = c.logs(job_id, offset, attempt)
+            if not data:
+                break
+            sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
 
 
 @jobs_app.command("cancel")
