@@ -394,3 +394,25 @@ def test_nvml_discovers_this_machines_gpus() -> None:
     assert gpus, "torch sees a GPU, NVML should too"
     assert [g.id for g in gpus] == [f"{gpus[0].node}/{i}" for i in range(len(gpus))]
     assert all(re.fullmatch(r"[A-Za-z0-9]+-\d+GB", g.type) and g.price_class == "owned" for g in gpus)
+
+
+def test_a_log_replaced_by_a_link_or_a_fifo_is_refused_not_followed(
+    ex: LocalExecutor, launched: Callable[..., Handle], tmp_path: Path
+) -> None:
+    """The job's own process owns its attempt folder: it may swap its log for a link to a file
+    the control plane can read (the admin token) or for a FIFO (opening one blocked the API's
+    thread until a writer came). `read_log` reads only a regular file."""
+    secret = tmp_path / "admin.token"
+    secret.write_text("vl-admin-secret")
+    handle = launched(py("print('hello')"))
+    assert wait_done(ex, handle).exit_code == 0
+    assert "hello" in log_text(ex, handle)
+    log = Path(handle["attempt_dir"]) / shim.LOG
+    log.unlink()
+    log.symlink_to(secret)
+    with pytest.raises(ExecutorError, match="is a symbolic link; it is not read"):
+        log_text(ex, handle)
+    log.unlink()
+    os.mkfifo(log)
+    with pytest.raises(ExecutorError, match="is not a regular file; it is not read"):
+        log_text(ex, handle)  # refused at once: before, this blocked until a writer came

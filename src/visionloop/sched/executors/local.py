@@ -63,12 +63,14 @@ Executor protocol).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -348,11 +350,20 @@ class LocalExecutor:
         """The log from byte `offset` to its current end, in chunks; nothing if there is no log
         yet. A follower remembers offset + bytes received and calls again."""
         path = self._attempt_dir(handle) / shim.LOG
+        # Not a link (the job's process could make its log point at the admin token) and not
+        # a FIFO (opening one blocks the server's thread until a writer comes): a regular file.
         try:
-            f = open(path, "rb")  # noqa: SIM115 - closed by the with below, after the check
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return
-        with f:
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ExecutorError(f"the log {path} is a symbolic link; it is not read.") from e
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ExecutorError(f"the log {path} is not a regular file; it is not read.")
+        with os.fdopen(fd, "rb") as f:
             f.seek(max(offset, 0))
             while chunk := f.read(READ_CHUNK):
                 yield chunk
