@@ -7,10 +7,12 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import select
 import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -234,6 +236,61 @@ def test_server_still_answers_correctly_after_abuse(serve_kit: ServeKit, server:
     text = httpx.get(f"{server.url}/metrics").text
     assert metric(text, "visionloop_serve_errors_total", model=NAME, code="400") >= 5
     assert metric(text, "visionloop_serve_errors_total", code="500") == 0
+
+
+def test_request_heads_without_end_or_trickled_are_cut_off(
+    serve_kit: ServeKit, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Before any key is read: headers without end (before, every byte was kept: 190 MiB sent
+    grew the server by 200 MiB, with no answer) get a 431 once past 64 KiB; a head trickled
+    byte by byte, or never sent (before, held open for ever), a 408 at the deadline. A client
+    that keeps its connection and pauses between requests is not cut off."""
+    tmp = tmp_path_factory.mktemp("heads")
+    with serve_kit.server(serve_kit.source(), tmp, head_timeout_s=1.0) as s:
+        line = b"X-Pad: " + b"a" * 8000 + b"\r\n"
+        sent = 0
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+            sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n")
+            try:
+                while sent < 64 * 2**20 and not select.select([sock], [], [], 0)[0]:
+                    sock.sendall(line)
+                    sent += len(line)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            answer = _read_all(sock)
+        assert sent < 16 * 2**20, f"{sent} bytes of headers were read"  # the rest: socket buffers
+        assert answer == b"" or (answer.startswith(b"HTTP/1.1 431") and b"over 65536 bytes" in answer), answer
+        with (
+            socket.create_connection(("127.0.0.1", s.port), timeout=10) as silent,
+            socket.create_connection(("127.0.0.1", s.port), timeout=10) as trickler,
+        ):
+            head = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 100
+            try:
+                for byte in head:  # 40 s at this pace: the deadline comes first
+                    trickler.sendall(bytes([byte]))
+                    time.sleep(0.05)
+                    if select.select([trickler], [], [], 0)[0]:
+                        break
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            for sock in (silent, trickler):
+                answer = _read_all(sock)
+                assert answer.startswith(b"HTTP/1.1 408"), answer
+                assert b"no complete request head within 1 s" in answer
+        with httpx.Client(base_url=s.url) as c:
+            assert c.get("/v2/health/ready").status_code == 200
+            time.sleep(1.5)
+            assert c.get("/v2/health/ready").status_code == 200
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    answer = b""
+    try:
+        while chunk := sock.recv(4096):
+            answer += chunk
+    except ConnectionResetError:
+        pass
+    return answer
 
 
 def test_schemathesis_finds_no_server_error(server: BackgroundServer, tmp_path: Path) -> None:

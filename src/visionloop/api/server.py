@@ -30,20 +30,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 from visionloop.api.client import ADMIN_TOKEN_FILE, STATE_FILE, server_state
 from visionloop.core.errors import ConfigError, VisionloopError
 from visionloop.core.fsutil import atomic_write_text
+from visionloop.core.httpproto import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, bounded_protocol
 from visionloop.core.settings import Settings
 from visionloop.sched.config import ClusterConfig, load_cluster_config
 from visionloop.sched.executors.base import Executor
 from visionloop.sched.service import ControlPlane
 
 if TYPE_CHECKING:
-    import asyncio
-
     import uvicorn
 
     from visionloop.sched.store import Store
@@ -52,74 +48,20 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8765
 DB_URL_ENV = "VISIONLOOP_DB_URL"
-# A request's line and headers: at most this many bytes, sent within this many seconds.
-# Before, with uvicorn's httptools parser, one unauthenticated connection sending headers
-# without end grew the control plane by as much (200 MiB sent: +200 MiB), and a connection
-# that trickled (or never sent) its headers was held open for ever.
-MAX_HEAD_BYTES = 64 * 1024
-HEAD_TIMEOUT_S = 10.0
-
-
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol (whose buffer holds at most `MAX_HEAD_BYTES` of an unfinished
-    request head: past it, 400) with a deadline on each request head: a connection that has
-    not sent a whole request line and headers `head_timeout_s` after it opened, or after it
-    started the next request, is answered 408 and closed."""
-
-    head_timeout_s = HEAD_TIMEOUT_S
-    _head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._watch_head()
-
-    def data_received(self, data: bytes) -> None:
-        self._watch_head()
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # a whole head came in: the app has it
-            self._stop_watching()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_watching()
-        super().connection_lost(exc)
-
-    def _watch_head(self) -> None:
-        if self._head_timer is None and self.conn.their_state is h11.IDLE:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_overdue)
-
-    def _stop_watching(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_overdue(self) -> None:
-        self._head_timer = None
-        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
-            return
-        body = json.dumps(
-            {"detail": f"no complete request head within {self.head_timeout_s:g} s; send it at once."}
-        ).encode()
-        self.transport.write(
-            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            + b"content-length: %d\r\n\r\n" % len(body)
-            + body
-        )
-        self.transport.close()
 
 
 def uvicorn_config(
     app: Any, host: str, port: int, *, head_timeout_s: float = HEAD_TIMEOUT_S, **options: Any
 ) -> uvicorn.Config:
     """How the control plane's API is served (by `up`, and by the tests' control planes):
-    the h11 parser with bounded request heads sent in time (`BoundedH11Protocol`)."""
+    request heads bounded in size and sent in time (`core.httpproto`)."""
     import uvicorn
 
-    protocol = type("ControlPlaneHTTP", (BoundedH11Protocol,), {"head_timeout_s": head_timeout_s})
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=protocol,
+        http=bounded_protocol(head_timeout_s),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         **{"log_level": "warning", "access_log": False, **options},
     )

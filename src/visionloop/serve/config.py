@@ -108,6 +108,13 @@ class ServeConfig(BaseModel):
     )
     queue_capacity: int = Field(256, ge=1, le=1_000_000, examples=[256], description="per model version")
     request_timeout_ms: float = Field(5000.0, gt=0.0, examples=[5000.0])
+    head_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        le=3600.0,
+        examples=[30.0],
+        description="how long a request's line and headers may take to arrive (then 408 and closed)",
+    )
 
     host: str = Field("127.0.0.1", examples=["0.0.0.0"])
     port: int = Field(8000, ge=0, le=65535, examples=[8000])

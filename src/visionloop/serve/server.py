@@ -23,6 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from visionloop.core.errors import ConfigError, VisionloopError
+from visionloop.core.httpproto import MAX_HEAD_BYTES, bounded_protocol
 from visionloop.core.settings import Settings
 from visionloop.serve.app import create_app
 from visionloop.serve.collect import collected_dir
@@ -90,7 +91,11 @@ def _uvicorn_config(app: object, config: ServeConfig, tls: Tls | None = None) ->
         log_level="warning",
         access_log=False,
         loop="auto",
-        http="auto",
+        # uvicorn's own choice (httptools when installed, else h11) with a bounded request head
+        # that must arrive within `head_timeout_s` (core/httpproto.py): before, one connection
+        # sending headers without end, before any key was read, grew the server by as much.
+        http=bounded_protocol(config.head_timeout_s),
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         # Keep-alive clients (tritonclient pools connections) must not be cut between requests.
         timeout_keep_alive=30,
         # The server reads no client address, so X-Forwarded-* rewriting is a layer for nothing.
