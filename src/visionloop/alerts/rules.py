@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from visionloop.core.errors import ConfigError
+from visionloop.core.fsutil import open_regular
 
 CONFIG_FILE = "alerts.toml"
 WEBHOOK_ENV = "VISIONLOOP_ALERTS_WEBHOOK"  # the webhook URL, kept out of files (it is a secret)
 SERVE_KEY_ENV = "VISIONLOOP_ALERTS_SERVE_KEY"  # an API key for the servers' /metrics
 SEVERITIES = ("critical", "warning", "info")
+MAX_CONFIG_BYTES = 1024 * 1024  # the commented default file is a few KiB
 
 
 def _opt(default: Any, example: str, *, low: float | None = None, high: float | None = None) -> Any:
@@ -218,17 +220,40 @@ def load_config(path: Path | None, home: Path) -> AlertConfig:
     return config
 
 
+def _read_text(path: Path) -> str:
+    """The file's text: a regular file (a FIFO would hang us) of at most MAX_CONFIG_BYTES, UTF-8."""
+    try:
+        with open_regular(path) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read the alert config {path}: {e.strerror or e}.") from e
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; an alert config is a few dozen lines. "
+            "Check that --config names the right file, or write one with `visionloop alerts init`."
+        )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e}); save it as UTF-8.") from e
+
+
 def _read(path: Path) -> AlertConfig:
+    text = _read_text(path)
     try:
         if path.suffix in (".yaml", ".yml"):
-            import yaml
+            from visionloop.core.safeyaml import load_untrusted
 
-            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+            doc = load_untrusted(text)  # no aliases: a few hundred bytes could stand for billions
         else:
-            with open(path, "rb") as f:
-                doc = tomllib.load(f)
+            doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}. Fix it, or remove it for the defaults.") from e
+    except (ValueError, RecursionError) as e:  # TOML: a 5000-digit number, nesting 1000 deep
+        why = str(e).split("; use sys.set_int_max_str_digits")[0]  # advice for programmers only
+        raise ConfigError(
+            f"{path} is not valid TOML: {why or type(e).__name__}. Fix it, or remove it for the defaults."
+        ) from e
     except Exception as e:  # yaml.YAMLError, without importing yaml for every TOML file
         if type(e).__module__.startswith("yaml"):
             raise ConfigError(f"{path} is not valid YAML: {e}. Fix it, or remove it for the defaults.") from e

@@ -94,9 +94,17 @@ def monitor(
         if window_requests is not None
         else WindowSpec(seconds=parse_duration(window or "1h", "--window"))
     )
-    if thin != "auto" and not thin.isdigit():
+    # isascii: str.isdigit() is also true of '²' and other digits int() does not read.
+    if thin != "auto" and not (thin.isascii() and thin.isdigit()):
         raise typer.BadParameter(f"{thin!r}: write auto or a whole number such as 5", param_hint="--thin")
     every = parse_duration(interval, "--interval")
+    if follow and every < 1:  # 0s would re-read every log in a busy loop
+        raise typer.BadParameter(f"{interval!r}: give at least 1s, e.g. 30s", param_hint="--interval")
+    if metrics_port is not None and not 1 <= metrics_port <= 65535:
+        raise typer.BadParameter(
+            f"{metrics_port} is not a TCP port; give one from 1 to 65535, e.g. 9108",
+            param_hint="--metrics-port",
+        )
     options = MonitorOptions(
         window=spec,
         alpha=alpha,

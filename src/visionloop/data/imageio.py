@@ -9,8 +9,8 @@ JPEG or an 8-bit RGB PNG, upright, no resize needed); otherwise a re-encode, PNG
 sources and JPEG at the policy's quality for lossy ones (JPEG, lossy WebP), since storing a
 lossy source losslessly only inflates it.
 
-This module imports only Pillow, numpy and the manifest's policy model, so that a freshly
-spawned worker process starts in a fraction of a second.
+This module imports only Pillow, numpy, the manifest's policy model and `core.fsutil` (the
+standard library), so that a freshly spawned worker process starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import ExifTags, Image, ImageFile, ImageOps, JpegImagePlugin, UnidentifiedImageError
 
+from visionloop.core.fsutil import NotRegularFileError, open_regular
 from visionloop.data.manifest import ImagePolicy
 
 IMAGE_EXTENSIONS = frozenset(
@@ -100,6 +101,10 @@ class UnsupportedModeError(ValueError):
 
 def unreadable(e: OSError) -> Rejection:
     return Rejection(RejectReason.UNREADABLE, f"cannot be read ({e.strerror or e}); check its permissions")
+
+
+def not_a_file(e: NotRegularFileError) -> Rejection:
+    return Rejection(RejectReason.UNREADABLE, e.strerror or "is not a regular file; remove it")
 
 
 def empty_file() -> Rejection:
@@ -375,8 +380,10 @@ def _normalise_open_image(
 def normalise_file(path: str, policy: ImagePolicy) -> Normalised | Rejection:
     """`normalise_bytes` over a file, opened read-only; the source is never touched."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read()
+    except NotRegularFileError as e:
+        return not_a_file(e)
     except FileNotFoundError:
         return Rejection(RejectReason.MISSING_FILE, "does not exist (moved or deleted during ingest?)")
     except OSError as e:

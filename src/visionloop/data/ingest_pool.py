@@ -15,6 +15,7 @@ from multiprocessing.context import BaseContext
 from typing import TypeVar
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import NotRegularFileError, open_regular
 from visionloop.data.imageio import (
     Normalised,
     Rejection,
@@ -22,6 +23,7 @@ from visionloop.data.imageio import (
     empty_file,
     init_worker,
     normalise_files,
+    not_a_file,
     unreadable,
 )
 from visionloop.data.manifest import ImagePolicy
@@ -62,11 +64,13 @@ def hash_file(path: str) -> FileHash | Rejection:
     """sha256 and size of a file, read-only; files that cannot be used are rejected here,
     before they could be paired as "duplicates" (every empty file has the same hash)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO would hang here, /dev/zero never end
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 return empty_file()
             return hashlib.file_digest(f, "sha256").hexdigest(), size
+    except NotRegularFileError as e:
+        return not_a_file(e)
     except FileNotFoundError:
         return Rejection(
             RejectReason.MISSING_FILE, "does not exist; fix its path or remove it from the source"

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import csv
 import difflib
+import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import NotRegularFileError, open_regular
 from visionloop.data.imageio import is_image_name
 from visionloop.data.manifest import SPLITS, SplitName
 from visionloop.data.metadata import Metadata, MetadataCleaner, column_problems
@@ -349,8 +351,9 @@ def _list_csv(path: Path, links: _Links) -> SourceListing:
     skipped = 0
     cleaner: MetadataCleaner | None = None
     try:
-        # utf-8-sig: spreadsheets put a byte-order mark in front of the header.
-        with open(path, encoding="utf-8-sig", newline="") as f:
+        # utf-8-sig: spreadsheets put a byte-order mark in front of the header. A FIFO named
+        # like a CSV is refused, not waited on.
+        with io.TextIOWrapper(open_regular(path), encoding="utf-8-sig", newline="") as f:
             reader = csv.reader(f)
             columns, meta = _read_header(path, next(reader, None))
             width = len(columns) + len(meta)
@@ -400,6 +403,8 @@ def _list_csv(path: Path, links: _Links) -> SourceListing:
                 entries.append((Path(rel).as_posix(), label, split, values))
     except UnicodeDecodeError as e:
         raise _csv_error(path, f"is not UTF-8 text ({e}); save it as UTF-8 CSV.") from e
+    except NotRegularFileError as e:
+        raise _csv_error(path, f"{e.strerror}.") from e
     except csv.Error as e:
         raise _csv_error(path, f"is not valid CSV ({e}).") from e
     if not entries:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import base64
 import json
 import mimetypes
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import open_regular
 
 ID_KEY = "visionloop_id"
 MAX_EXPORT_BYTES = 512 * 1024 * 1024  # a Label Studio export read from a file or a server
@@ -50,7 +52,10 @@ class Exported:
 def image_path(source: Path, image_id: str) -> Path:
     """`source / image_id`, refusing an id that leaves `source` (an export file is user input)."""
     root = source.resolve()
-    path = (root / image_id).resolve()
+    try:
+        path = (root / image_id).resolve()
+    except (ValueError, OSError) as e:  # a NUL byte in it, a name too long to resolve
+        raise DataError(f"image id {image_id[:200]!r} is not a path inside {source} ({e})") from None
     if not path.is_relative_to(root) or path == root:
         raise DataError(f"image id {image_id!r} is not a path inside {source}")
     return path
@@ -211,8 +216,10 @@ def read_tasks(
 def task_prediction(task: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """A task's (last) prediction: in `predictions` as a task list shows it, or, in Label
     Studio's JSON export (which lists prediction ids there), inside its annotations."""
-    found = [p for p in task.get("predictions") or [] if isinstance(p, Mapping)]
-    for a in task.get("annotations") or []:
+    # An export is user input: `predictions` or `annotations` may be anything, not a list.
+    predictions, annotations = task.get("predictions"), task.get("annotations")
+    found = [p for p in predictions if isinstance(p, Mapping)] if isinstance(predictions, list) else []
+    for a in annotations if isinstance(annotations, list) else []:
         nested = a.get("prediction") if isinstance(a, Mapping) else None
         if isinstance(nested, Mapping) and nested.get("result") is not None:
             found.append(nested)
@@ -222,14 +229,20 @@ def task_prediction(task: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def load_export(path: Path) -> list[Any]:
     """A Label Studio JSON export file, read within MAX_EXPORT_BYTES."""
     try:
-        size = path.stat().st_size
+        with open_regular(path) as f:  # not a FIFO, which would hang the read
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_EXPORT_BYTES:
+                raise DataError(
+                    f"{path} is {size / 2**20:.0f} MiB, more than {MAX_EXPORT_BYTES // 2**20} MiB"
+                )
+            data = f.read(MAX_EXPORT_BYTES + 1)
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from e
-    if size > MAX_EXPORT_BYTES:
-        raise DataError(f"{path} is {size / 2**20:.0f} MiB, more than {MAX_EXPORT_BYTES // 2**20} MiB")
+    if len(data) > MAX_EXPORT_BYTES:  # it grew since
+        raise DataError(f"{path} is more than {MAX_EXPORT_BYTES // 2**20} MiB")
     try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
+        doc = json.loads(data)
+    except (RecursionError, ValueError) as e:
         raise DataError(f"{path} is not a JSON file ({e}); use Label Studio's Export → JSON") from e
     if not isinstance(doc, list):
         raise DataError(f"{path} holds a JSON {type(doc).__name__}, not a list of tasks")

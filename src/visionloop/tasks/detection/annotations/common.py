@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import struct
 import warnings
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Literal
 from PIL import ExifTags, Image
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import NotRegularFileError, open_regular
 from visionloop.data.imageio import DECODABLE_FORMATS
 from visionloop.data.manifest import SplitName
 from visionloop.tasks.detection.annotations import orient
@@ -75,8 +77,16 @@ def split_from_name(name: str) -> SplitName | None:
     return None
 
 
+# Containers are shown through reprlib: a few items, a few levels, never the whole of a value
+# an annotation file may make as large as its size limit allows.
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+_REPR.maxstring = _REPR.maxother = MAX_ID_CHARS
+
+
 def short(value: object) -> str:
-    text = repr(value)
+    text = repr(value) if isinstance(value, str | int | float | None) else _REPR.repr(value)
     return text if len(text) <= MAX_ID_CHARS else text[:MAX_ID_CHARS] + "..."
 
 
@@ -91,8 +101,10 @@ class AnnotationFileError(Exception):
 def read_capped(path: Path, cap: int, what: str) -> bytes:
     """The bytes of `path`, refused (AnnotationFileError) past `cap` bytes or when unreadable."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO named like an annotation file must not hang us
             data = f.read(cap + 1)
+    except NotRegularFileError as e:
+        raise AnnotationFileError(f"{path} {e.strerror}") from e
     except FileNotFoundError as e:
         raise AnnotationFileError(f"{path} does not exist") from e
     except IsADirectoryError as e:

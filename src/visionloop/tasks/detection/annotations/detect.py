@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import open_regular
 from visionloop.data.metadata import MetadataCleaner
 from visionloop.tasks.detection.annotations.coco import read_coco
 from visionloop.tasks.detection.annotations.common import Issues, Where, split_from_name
@@ -44,7 +45,7 @@ Detection sources visionloop reads (--format forces one):
 
 def _first_char(path: Path) -> str:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             head = f.read(4096)
     except OSError:
         return ""
@@ -72,7 +73,7 @@ def _coco_images_dir(js: Path, beside: Path) -> Path:
     if not images.is_dir():
         return beside
     try:
-        with open(js, "rb") as f:
+        with open_regular(js) as f:
             head = f.read(65536)
     except OSError:
         return beside

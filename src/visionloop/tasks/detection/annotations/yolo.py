@@ -1,6 +1,6 @@
 """YOLO (Ultralytics layout), read with our own code: a `data.yaml`, `images/`, `labels/`.
 
-`data.yaml` (read with `yaml.safe_load`, at most 1 MiB): `names` as a list or as a dict
+`data.yaml` (read with `yaml.safe_load`, no aliases, at most 1 MiB): `names` as a list or as a dict
 `{id: name}` (ids need not be contiguous); `nc` only checked; `path` honoured only when it names
 a folder inside the one holding data.yaml (an absolute `path` is the machine the set was made
 on: ignored, with a warning); `train`/`val`/`test` each a folder of images, a `.txt` listing
@@ -33,6 +33,7 @@ import yaml
 
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
+from visionloop.core.safeyaml import load_untrusted
 from visionloop.data.manifest import SPLITS, SplitName
 from visionloop.tasks.detection.annotations.common import (
     MAX_TXT_BYTES,
@@ -68,7 +69,7 @@ def _load_yaml(path: Path) -> dict[object, object]:
     except AnnotationFileError as e:
         raise DataError(f"{e}.") from e
     try:
-        doc = yaml.safe_load(text)
+        doc = load_untrusted(text)
     except yaml.YAMLError as e:
         raise DataError(f"{path} is not valid YAML ({e}).\n{EXAMPLE}") from e
     except RecursionError as e:
