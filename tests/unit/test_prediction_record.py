@@ -4,12 +4,20 @@ and a reader skips what is not a record instead of failing the whole log."""
 from __future__ import annotations
 
 import json
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from visionloop.serve.predlog import PredictionLog
-from visionloop.serve.record import SCHEMA_VERSION, PredictionRecord, ReadStats, RecordError, read_records
+from visionloop.serve.record import (
+    MAX_LINE_BYTES,
+    SCHEMA_VERSION,
+    PredictionRecord,
+    ReadStats,
+    RecordError,
+    read_records,
+)
 
 
 def test_round_trip_through_the_log_file(tmp_path: Path) -> None:
@@ -87,3 +95,26 @@ def test_a_reader_skips_and_counts_what_is_not_a_record(tmp_path: Path) -> None:
     assert [r.time for r in got] == [1.0, 2.0]
     assert (stats.read, stats.bad) == (2, 3)
     assert stats.first_error is not None and stats.first_error.startswith(f"{path}:2:")
+
+
+def test_a_line_past_the_limit_is_skipped_without_holding_it_in_memory(tmp_path: Path) -> None:
+    """A crash can leave a log with megabytes of NULs and no newline: the reader counts the
+    line and reads on, a block at a time, instead of reading it whole to measure it."""
+    good = PredictionRecord(1.0, "m", 1, "primary", 1.0, {"top_class": "a"}).to_json()
+    path = tmp_path / "p.jsonl"
+    with path.open("wb") as f:
+        f.write(json.dumps(good).encode() + b"\n")
+        f.write(b"\0" * (24 * 2**20) + b"\n")  # one 24 MiB line
+        f.write(json.dumps({**good, "time": 2.0}).encode() + b"\n")
+        f.write(b"\0" * (8 * 2**20))  # and a torn tail without a newline
+    stats = ReadStats()
+    tracemalloc.start()
+    try:
+        got = list(read_records(path, stats))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r.time for r in got] == [1.0, 2.0]
+    assert (stats.read, stats.bad) == (2, 2)
+    assert stats.first_error == f"{path}:2: line of {24 * 2**20 + 1} bytes (at most {MAX_LINE_BYTES})"
+    assert peak < 4 * 2**20, f"{peak} bytes held"
