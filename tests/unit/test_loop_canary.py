@@ -4,6 +4,7 @@ of a loop spec refused where it could not be watched."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from visionloop.core.errors import SpecError
 from visionloop.loop.canary import Counts, Reading, difference, judge, parse
-from visionloop.loop.spec import RolloutSpec, validate_loop_spec
+from visionloop.loop.spec import RolloutSpec, load_loop_spec, validate_loop_spec
 from visionloop.serve.metrics import ServeMetrics
 
 
@@ -106,3 +107,35 @@ def test_a_rollout_that_could_not_be_watched_is_refused(
     }
     with pytest.raises(SpecError, match=message):
         validate_loop_spec(doc, tmp_path)
+
+
+def test_a_loop_spec_file_with_aliases_a_fifo_or_bad_bytes_gets_one_line(tmp_path: Path) -> None:
+    """LOOP.yaml and the train spec it names are a user's files: read without aliases (a few
+    hundred bytes of them stand for billions of values), never blocking on a FIFO, and only
+    as UTF-8; the same spec written out in full loads."""
+    good = (
+        f"name: l\nmodel: digits\ndataset: {tmp_path}\nlabels: {tmp_path / 'in'}\n"
+        "trigger: {new_labels: 1}\ntrain: train.yaml\n"
+    )
+    (tmp_path / "train.yaml").write_text("model: {arch: small_cnn}\nepochs: 1\n")
+    (tmp_path / "loop.yaml").write_text(good)
+    assert load_loop_spec(tmp_path / "loop.yaml").name == "l"
+    bomb = "a0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9)
+    )
+    (tmp_path / "bomb.yaml").write_text(good + bomb)
+    with pytest.raises(SpecError, match=r"uses the alias \*a0, which this file does not allow"):
+        load_loop_spec(tmp_path / "bomb.yaml")
+    (tmp_path / "train.yaml").write_text("model: &m {arch: small_cnn}\nother: *m\nepochs: 1\n")
+    with pytest.raises(SpecError, match=r"cannot read the train spec .*uses the alias"):
+        load_loop_spec(tmp_path / "loop.yaml")
+    (tmp_path / "train.yaml").unlink()
+    os.mkfifo(tmp_path / "train.yaml")
+    with pytest.raises(SpecError, match=r"cannot read the train spec .*FIFO"):
+        load_loop_spec(tmp_path / "loop.yaml")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    with pytest.raises(SpecError, match=r"cannot read the loop spec .*FIFO"):
+        load_loop_spec(tmp_path / "fifo.yaml")
+    (tmp_path / "latin1.yaml").write_bytes(good.encode() + b"# caf\xe9\n")
+    with pytest.raises(SpecError, match="is not UTF-8 text"):
+        load_loop_spec(tmp_path / "latin1.yaml")

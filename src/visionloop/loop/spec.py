@@ -40,6 +40,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionloop.core.errors import SpecError
+from visionloop.core.fsutil import open_regular
+from visionloop.core.safeyaml import load_untrusted
 from visionloop.specs import JobFields, TrainSpec, resolve_paths, validate_train_spec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -147,14 +149,16 @@ def load_loop_spec(path: Path) -> LoopSpec:
     spec's own, from that spec's folder)."""
     path = Path(path).expanduser()
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # not a FIFO, which would hang the read
             raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise SpecError(f"cannot read the loop spec {path}: {e.strerror or e}") from e
     if len(raw) > MAX_SPEC_BYTES:
         raise SpecError(f"{path} is over {MAX_SPEC_BYTES // 1024} KiB; a loop spec is a few lines")
     try:
-        doc = yaml.safe_load(raw)
+        doc = load_untrusted(raw.decode("utf-8"))  # no aliases: a few bytes can stand for billions
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from e
     except yaml.YAMLError as e:
         raise SpecError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(doc, dict):
@@ -168,8 +172,12 @@ def validate_loop_spec(doc: dict[str, Any], base: Path, where: str = "the loop s
     if isinstance(train, str):
         train_path = (base / train).expanduser()
         try:
-            train_doc = yaml.safe_load(train_path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as e:
+            with open_regular(train_path) as f:
+                raw = f.read(MAX_SPEC_BYTES + 1)
+            if len(raw) > MAX_SPEC_BYTES:
+                raise SpecError(f"{where}: the train spec {train_path} is over {MAX_SPEC_BYTES // 1024} KiB")
+            train_doc = load_untrusted(raw.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise SpecError(f"{where}: cannot read the train spec {train_path}: {e}") from e
         train_base = train_path.parent
     else:
