@@ -10,19 +10,41 @@ import difflib
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionloop.core.errors import SpecError
+from visionloop.core.fsutil import NotRegularFileError, open_regular
+from visionloop.core.safeyaml import load_untrusted
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+
+# A spec is a few lines of YAML: a file past this is not one (or is an attack on the reader).
+MAX_SPEC_BYTES = 1024 * 1024
+# Seeds go to torch, numpy and Python's random, and are combined with step counts: the range
+# every one of them takes.
+MAX_SEED = 2**32 - 1
+# Past these a run never ends, and its step counts overflow the job store's 64-bit integers.
+MAX_EPOCHS = 100_000
+MAX_STEPS = 10**12
+# The train spec's path fields that may be relative to the spec file's folder.
+PATH_FIELDS = (("data", "dataset"), ("model", "pretrained"), ("model", "pretrained_backbone"))
+
+
+def _no_nul(v: Path | None) -> Path | None:
+    # A NUL byte cannot be in a file name: the OS refuses it (Python raises ValueError).
+    if v is not None and "\x00" in str(v):
+        raise ValueError("holds a NUL character, which no file name can; give the file's path")
+    return v
 
 
 class _Spec(BaseModel):
     # Unknown keys are errors: a typo such as `batchsize` must not silently fall back to a default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinity are never a setting (`lr: .inf` trains to NaN, `warmup_epochs: .inf`
+    # cannot be counted): refused as a number "should be a finite number".
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class AugmentSpec(_Spec):
@@ -65,7 +87,7 @@ class HoldoutSpec(_Spec):
 
     folds: int = Field(ge=2, le=20, examples=[5])
     fold: int = Field(ge=0, examples=[0], description="which fold is held out, 0..folds-1")
-    seed: int = Field(0, ge=0, examples=[0], description="seed of the fold assignment")
+    seed: int = Field(0, ge=0, le=MAX_SEED, examples=[0], description="seed of the fold assignment")
 
     @model_validator(mode="after")
     def _fold_in_range(self) -> HoldoutSpec:
@@ -94,6 +116,8 @@ class DataSpec(_Spec):
         description="leave one fold of the train split out of training (out-of-fold predictions)",
     )
 
+    _dataset_path = field_validator("dataset")(_no_nul)
+
 
 class ModelSpec(_Spec):
     arch: str = Field(examples=["resnet18"])
@@ -107,6 +131,8 @@ class ModelSpec(_Spec):
     channels_last: bool = Field(False, examples=[True])
     compile: bool = Field(False, examples=[False], description="torch.compile the model (CUDA)")
 
+    _weights_paths = field_validator("pretrained", "pretrained_backbone")(_no_nul)
+
 
 class OptimizerSpec(_Spec):
     name: Literal["sgd", "adamw", "adam"] = Field("adamw", examples=["sgd"])
@@ -117,10 +143,17 @@ class OptimizerSpec(_Spec):
     betas: tuple[float, float] = Field((0.9, 0.999), examples=[[0.9, 0.999]])
     grad_clip_norm: float | None = Field(None, gt=0.0, examples=[1.0])
 
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("are decay rates: each needs 0 <= beta < 1")
+        return v
+
 
 class ScheduleSpec(_Spec):
     name: Literal["cosine", "linear", "constant", "step"] = Field("cosine", examples=["cosine"])
-    warmup_steps: int = Field(0, ge=0, examples=[100])
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, examples=[100])
     warmup_epochs: float = Field(0.0, ge=0.0, examples=[1.0])
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, examples=[0.01])
     step_epochs: float = Field(
@@ -136,7 +169,7 @@ class ScheduleSpec(_Spec):
 
 
 class CheckpointSpec(_Spec):
-    every_steps: int | None = Field(None, ge=1, examples=[500])
+    every_steps: int | None = Field(None, ge=1, le=MAX_STEPS, examples=[500])
     every_minutes: float | None = Field(10.0, gt=0.0, examples=[10])
     keep_last: int = Field(3, ge=1, examples=[3])
     keep_best: int = Field(1, ge=0, examples=[1])
@@ -212,10 +245,10 @@ class TrainSpec(_Spec):
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()
     loss: LossSpec = LossSpec()
-    epochs: int | None = Field(None, ge=1, examples=[10])
-    steps: int | None = Field(None, ge=1, examples=[2000])
+    epochs: int | None = Field(None, ge=1, le=MAX_EPOCHS, examples=[10])
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS, examples=[2000])
     precision: Precision = Field("auto", examples=["bf16"])
-    seed: int = Field(0, ge=0, examples=[0])
+    seed: int = Field(0, ge=0, le=MAX_SEED, examples=[0])
     deterministic: bool = Field(False, examples=[True])
     device: str = Field("auto", examples=["auto", "cpu", "cuda", "cuda:1"])
     distributed: Literal["ddp", "fsdp"] = Field(
@@ -390,8 +423,9 @@ def example_for(model: type[BaseModel], loc: Sequence[int | str]) -> Any:
         if field is None:
             return None
         example = field.examples[0] if field.examples else None
-        annotation = field.annotation
-        current = annotation if isinstance(annotation, type) else None
+        # `BudgetSpec | None`: the section's own fields have the examples.
+        models = [a for a in (field.annotation, *get_args(field.annotation)) if _is_model(a)]
+        current = models[0] if models else None
     return example
 
 
@@ -424,13 +458,24 @@ def format_validation_error(e: ValidationError, model: type[BaseModel], source: 
             lines.append(f"  - {dotted}: unknown field.{hint}")
             continue
         msg = err["msg"].removeprefix("Value error, ")
-        shown = "missing" if err["type"] == "missing" else f"got {value!r}"
+        shown = "missing" if err["type"] == "missing" else f"got {shown_value(value)}"
         line = f"  - {dotted}: {msg} ({shown})."
-        example = example_for(model, [p for p in loc if isinstance(p, str)])
-        if example is not None and loc:
-            line += f" Example: {loc[-1]}: {yaml_inline(example)}"
+        names = [p for p in loc if isinstance(p, str)]
+        example = example_for(model, names)
+        if example is not None and names:  # `betas.0`: the example is the field's, betas
+            line += f" Example: {names[-1]}: {yaml_inline(example)}"
         lines.append(line)
     return "\n".join(lines)
+
+
+MAX_SHOWN_CHARS = 200
+
+
+def shown_value(value: Any) -> str:
+    """`repr(value)` for an error message, cut short: a 100 kB string or a list of thousands
+    given where a number goes is named, not printed whole."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}... ({len(text):,} characters)"
 
 
 def yaml_inline(value: Any) -> str:
@@ -459,7 +504,7 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         if not sep or not key.strip():
             raise SpecError(f"--set expects key=value, e.g. --set optimizer.lr=0.01; got {item!r}.")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = load_untrusted(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             raise SpecError(f"--set {item!r}: the value is not valid YAML ({e}).") from e
         _set_dotted(doc, key.strip(), value)
@@ -467,8 +512,10 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
+    """The YAML mapping in `text`. Parsed safely (no tags that build objects) and without
+    aliases (`core.safeyaml`: nine aliases of nine stand for 9**9 values)."""
     try:
-        doc = yaml.safe_load(text)
+        doc = load_untrusted(text)
     except yaml.YAMLError as e:
         raise SpecError(f"{source} is not valid YAML: {e}") from e
     if doc is None:
@@ -490,14 +537,29 @@ def validate_train_spec(doc: Mapping[str, Any], source: str = "the spec") -> Tra
 
 def read_spec_text(path: Path, *, what: str = "train spec", example: str | None = None) -> str:
     """The file's text, or a SpecError that says what is wrong with the file; a missing file
-    gets a minimal example of `what` it should hold (a train spec's by default)."""
+    gets a minimal example of `what` it should hold (a train spec's by default). Only a
+    regular file of at most MAX_SPEC_BYTES of UTF-8 is read: a FIFO would block the reader
+    forever, /dev/zero never ends."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open_regular(path) as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
     except FileNotFoundError:
         example = MINIMAL_TRAIN_SPEC if example is None else example
         raise SpecError(f"{what} file {path} does not exist. A minimal {what}:\n{example}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"cannot read {what} file {path}: {e}") from e
+    except NotRegularFileError as e:
+        kind = (e.strerror or "is not a regular file").split(";")[0]
+        raise SpecError(f"{what} file {path} {kind}; give the path of a YAML file.") from None
+    except OSError as e:
+        raise SpecError(f"cannot read {what} file {path}: {e.strerror or e}") from e
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(
+            f"{what} file {path} is larger than {MAX_SPEC_BYTES // 1024} KiB; a {what} is a few lines of "
+            "YAML. Is it the right file?"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{what} file {path} is not UTF-8 text ({e}); save it as UTF-8.") from None
 
 
 def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpec, dict[str, Any]]:
@@ -517,11 +579,13 @@ def resolve_paths(spec: TrainSpec, base: Path) -> TrainSpec:
         p = p.expanduser()
         return p if p.is_absolute() else (base / p).resolve()
 
-    data = spec.data.model_copy(update={"dataset": fix(spec.data.dataset)})
-    model = spec.model
-    if model.pretrained is not None:
-        model = model.model_copy(update={"pretrained": fix(model.pretrained)})
-    return spec.model_copy(update={"data": data, "model": model})
+    sections: dict[str, BaseModel] = {}
+    for section, key in PATH_FIELDS:
+        part = sections.get(section, getattr(spec, section))
+        value = getattr(part, key)
+        if value is not None:
+            sections[section] = part.model_copy(update={key: fix(value)})
+    return spec.model_copy(update=sections)
 
 
 def spec_paths(spec: BaseModel, prefix: str = "") -> list[tuple[str, Path]]:

@@ -202,10 +202,14 @@ def submit(
 
 
 def _absolute_paths(train_doc: dict[str, Any], base: Path) -> None:
-    """The control plane cannot know what a relative path was relative to: resolve here."""
-    for section, key in (("data", "dataset"), ("model", "pretrained")):
+    """The control plane cannot know what a relative path was relative to: resolve here
+    (every path field of the train spec, as `specs.resolve_paths` does for `visionloop train`)."""
+    from visionloop.specs import PATH_FIELDS
+
+    for section, key in PATH_FIELDS:
         part = train_doc.get(section)
-        if isinstance(part, dict) and isinstance(part.get(key), str):
+        # A NUL in the path is left as it is: the control plane's validation names the field.
+        if isinstance(part, dict) and isinstance(part.get(key), str) and "\x00" not in part[key]:
             p = Path(part[key]).expanduser()
             part[key] = str(p if p.is_absolute() else (base / p).resolve())
 

@@ -10,6 +10,10 @@ from importlib import resources
 from pathlib import Path
 
 from visionloop.core.errors import ConfigError
+from visionloop.core.fsutil import NotRegularFileError, open_regular
+
+# A catalog is a few dozen entries: a file past this is not one.
+MAX_CATALOG_BYTES = 4 * 1024 * 1024
 
 
 def read_catalog(path: Path | None, *, asset: str, what: str, example: str, default_hint: str) -> str:
@@ -19,11 +23,22 @@ def read_catalog(path: Path | None, *, asset: str, what: str, example: str, defa
     if path is None:
         return resources.files("visionloop").joinpath(f"assets/{asset}").read_text(encoding="utf-8")
     try:
-        return Path(path).read_text(encoding="utf-8")
+        # Only a regular file: a FIFO would block the read forever, /dev/zero never ends.
+        with open_regular(Path(path)) as f:
+            raw = f.read(MAX_CATALOG_BYTES + 1)
+        if len(raw) > MAX_CATALOG_BYTES:
+            raise ConfigError(
+                f"{what} {path} is larger than {MAX_CATALOG_BYTES // 2**20} MiB, too large to be one; "
+                f"give the path of a TOML file such as\n{example}\nor {default_hint} to use the default one."
+            )
+        return raw.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(
             f"{what} {path} does not exist; give the path of a TOML file such as\n{example}\n"
             f"or {default_hint} to use the default one."
         ) from None
+    except NotRegularFileError as e:
+        kind = (e.strerror or "is not a regular file").split(";")[0]
+        raise ConfigError(f"{what} {path} {kind}; give the path of a TOML file, or {default_hint}.") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read {what} {path}: {e}") from None

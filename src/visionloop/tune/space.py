@@ -99,7 +99,9 @@ def make_sampler(spec: TuneSpec, asked: int = 0) -> optuna.samplers.BaseSampler:
     study already has. A tuner restarted mid-study with the same seed would otherwise draw
     the same random points again (a seeded sampler's stream starts over in each process),
     and its random and TPE start-up trials would repeat the first ones."""
-    seed = None if spec.sampler.seed is None else spec.sampler.seed + 7919 * asked
+    # Modulo numpy's seed range: a seed near its top, moved on by the trials asked, must not
+    # make a restarted study fail.
+    seed = None if spec.sampler.seed is None else (spec.sampler.seed + 7919 * asked) % 2**32
     name = spec.sampler.name
     if name == "tpe":
         # With trials running side by side, the constant liar makes TPE treat the running ones

@@ -45,7 +45,9 @@ from pydantic import (
 )
 
 from visionloop.core.errors import SpecError
+from visionloop.core.safeyaml import load_untrusted
 from visionloop.specs import (
+    MAX_SEED,
     JobFields,
     JobSpec,
     TrainSpec,
@@ -56,6 +58,7 @@ from visionloop.specs import (
     load_train_spec,
     read_spec_text,
     resolve_paths,
+    shown_value,
     validate_train_spec,
     yaml_inline,
 )
@@ -99,8 +102,9 @@ _MODEL_PREFIXES = ("model.kwargs.",)
 
 
 class _TuneModel(BaseModel):
-    # Unknown keys are errors, as in every spec: `sampler: {nme: grid}` must not mean TPE.
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # Unknown keys are errors, as in every spec: `sampler: {nme: grid}` must not mean TPE. NaN
+    # and infinity are never a setting (`budget: {usd: .inf}`, `choice: [.inf]`).
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- distributions
@@ -323,7 +327,10 @@ class ObjectiveSpec(_TuneModel):
 
 class SamplerSpec(_TuneModel):
     name: Literal["tpe", "random", "grid", "cmaes"] = Field("tpe", examples=["tpe"])
-    seed: int | None = Field(0, ge=0, examples=[0], description="null: a different search each time")
+    # Optuna's samplers take numpy's seeds, 0..2**32-1.
+    seed: int | None = Field(
+        0, ge=0, le=MAX_SEED, examples=[0], description="null: a different search each time"
+    )
 
 
 class PrunerSpec(_TuneModel):
@@ -843,7 +850,7 @@ def load_tune_spec(path: Path) -> tuple[TuneSpec, str]:
     path = Path(path)
     text = read_spec_text(path, what="tune spec", example=MINIMAL_TUNE_SPEC)
     try:
-        doc = yaml.safe_load(text)
+        doc = load_untrusted(text)  # no object-building tags, no aliases (core.safeyaml)
     except yaml.YAMLError as e:
         raise SpecError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(doc, dict):
@@ -878,13 +885,14 @@ def format_tune_error(e: ValidationError, source: str) -> str:
             hint = f" Did you mean `{close[0]}`?" if close else f" Known fields here: {', '.join(known)}."
             lines.append(f"  - {dotted}: unknown field.{hint}")
             continue
-        shown = "missing" if err["type"] == "missing" else f"got {err.get('input')!r}"
+        shown = "missing" if err["type"] == "missing" else f"got {shown_value(err.get('input'))}"
         line = f"  - {dotted}: {msg} ({shown})."
         if loc[0] == "space" and len(loc) >= 2:
             line += f" Example: {DISTRIBUTION_EXAMPLES[kind or 'loguniform']}"
         else:
-            example = example_for(TuneSpec, [p for p in loc if isinstance(p, str)])
-            if example is not None:
-                line += f" Example: {loc[-1]}: {yaml_inline(example)}"
+            names = [p for p in loc if isinstance(p, str)]
+            example = example_for(TuneSpec, names)
+            if example is not None and names:
+                line += f" Example: {names[-1]}: {yaml_inline(example)}"
         lines.append(line)
     return "\n".join(lines)
