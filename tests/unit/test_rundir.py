@@ -61,6 +61,32 @@ def test_a_run_from_a_release_without_a_new_field_resumes_when_it_is_at_its_defa
         other.prepare("", {**SPEC, "distributed": "ddp", "optimizer": {"lr": 0.2}})
 
 
+def test_a_folder_that_is_not_a_run_keeps_its_files(tmp_path: Path) -> None:
+    """`train configs/a.yaml --run-dir configs` overwrote the folder's own spec.yaml (and a
+    folder's final.safetensors or model_card.json): a folder without run.json that holds what
+    a run writes is refused, and nothing in it changes."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "spec.yaml").write_text("mine: 1\n")
+    (configs / "model_card.json").write_text("{}")
+    with pytest.raises(TrainingError, match=r"no run\.json\) but holds spec\.yaml, model_card\.json"):
+        RunDir(configs).prepare("epochs: 1\n", SPEC)
+    assert (configs / "spec.yaml").read_text() == "mine: 1\n"
+    assert sorted(p.name for p in configs.iterdir()) == ["model_card.json", "spec.yaml"]
+    # Other files are no run's: a folder holding them may be a run's.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    _, resuming = RunDir(other).prepare("epochs: 1\n", SPEC)
+    assert not resuming and (other / "run.json").is_file()
+    # A crash between spec.yaml and run.json leaves the same spec: the rerun starts.
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "spec.yaml").write_text("epochs: 1\n")
+    _, resuming = RunDir(crashed).prepare("epochs: 1\n", SPEC)
+    assert not resuming and (crashed / "run.json").is_file()
+
+
 def test_a_second_trainer_on_the_same_directory_is_refused(tmp_path: Path) -> None:
     rd = RunDir(tmp_path)
     rd.lock()

@@ -89,6 +89,11 @@ def spec_fingerprint(resolved: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()
 
 
+# What a run writes in its folder after run.json: a folder without run.json holding any of
+# them is not a new run's (`RunDir._refuse_foreign_files`).
+_RUN_OUTPUTS = ("final.safetensors", "model_card.json", "checkpoints", "eval")
+
+
 class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = Path(path).expanduser().resolve()
@@ -170,6 +175,7 @@ class RunDir:
         fingerprint = spec_fingerprint(resolved)
         meta = self.read_meta()
         if meta is None:
+            self._refuse_foreign_files(spec_text)
             meta = {
                 "uid": uuid.uuid4().hex,
                 "created": time.time(),
@@ -192,6 +198,29 @@ class RunDir:
         # Allowed changes (workers, device, ...) are recorded so the run directory tells the truth.
         atomic_write_text(self.path / "spec.resolved.yaml", yaml.safe_dump(dict(resolved), sort_keys=False))
         return meta, True
+
+    def _refuse_foreign_files(self, spec_text: str) -> None:
+        """A folder without run.json is a new run's: it must not hold files a run writes, or
+        the run overwrites them (`train configs/a.yaml --run-dir configs` replaced the folder's
+        own spec.yaml). Only a spec.yaml with this very spec is let through: a crash between
+        writing it and run.json leaves one, and the rerun must start."""
+        clash = [name for name in _RUN_OUTPUTS if (self.path / name).exists()]
+        spec = self.path / "spec.yaml"
+        if os.path.lexists(spec):
+            same = (
+                spec.is_file()
+                and not spec.is_symlink()
+                and spec.stat().st_size <= 2 * len(spec_text.encode()) + 1024
+                and spec.read_bytes() == spec_text.encode()
+            )
+            if not same:
+                clash.insert(0, "spec.yaml")
+        if clash:
+            raise TrainingError(
+                f"{self.path} is not a visionloop run directory (it has no run.json) but holds "
+                f"{', '.join(clash)}, which a run would overwrite. Pass --run-dir a new or empty "
+                "folder, or the folder of the run to resume."
+            )
 
     def _only_new_fields_at_their_defaults(self, resolved: Mapping[str, Any]) -> bool:
         """Whether the spec differs from the one this run started with only in fields the
