@@ -100,4 +100,4 @@ def test_unusable_run_dirs_and_binary_specs_get_clear_errors(tmp_path: Path, dig
     binary = tmp_path / "weights.yaml"
     binary.write_bytes(bytes(range(256)) * 100)
     p = cli("train", str(binary))
-    assert p.returncode == 2 and "cannot read train spec file" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "is not UTF-8 text" in p.stderr and "Traceback" not in p.stderr

@@ -117,8 +117,17 @@ def test_without_a_validation_split_checkpoints_still_land_at_epoch_ends(
 def test_checkpoints_copied_from_another_run_are_refused(tmp_path: Path, digits_dataset: Path) -> None:
     doc = spec_doc(digits_dataset, epochs=None, steps=4, data__workers=0)
     train(validate_train_spec(doc), tmp_path / "a", track=False)
-    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
     other = spec_doc(digits_dataset, epochs=None, steps=4, data__workers=0, optimizer__lr=0.5)
+    # Into a folder that is no run (no run.json): refused before anything is written.
+    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "fresh" / "checkpoints")
+    with pytest.raises(TrainingError, match=r"no run\.json\) but holds checkpoints"):
+        train(validate_train_spec(other), tmp_path / "fresh", track=False)
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == [".lock", "checkpoints"]
+    # Into another (stopped) run's folder, over its own checkpoints: refused when read.
+    stop = StopRequest()
+    train(validate_train_spec(other), tmp_path / "b", reporter=StopAt(2, stop), track=False, stop=stop)
+    shutil.rmtree(tmp_path / "b" / "checkpoints")
+    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
     with pytest.raises(CheckpointError, match="different spec"):
         train(validate_train_spec(other), tmp_path / "b", track=False)
 

@@ -144,8 +144,10 @@ def train(
         return result
     except BaseException as e:
         # Only the process holding the lock may touch run.json: a second trainer refused the
-        # lock must not mark the live run as failed.
-        if rd.locked:
+        # lock must not mark the live run as failed; nor one whose folder or spec `prepare`
+        # refused (a folder that is no run's must not get a run.json, which would let a
+        # second try overwrite what is in it; a run refused another spec is not failed).
+        if rd.locked and meta is not None:
             rd.update_meta(status="failed", error=str(e)[:2000])
         _end_tracking(tracker, "FAILED", {"visionloop.state": "failed", "visionloop.error": str(e)[:500]})
         raise
