@@ -264,23 +264,44 @@ def test_request_heads_without_end_or_trickled_are_cut_off(
             socket.create_connection(("127.0.0.1", s.port), timeout=10) as silent,
             socket.create_connection(("127.0.0.1", s.port), timeout=10) as trickler,
         ):
-            head = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 100
-            try:
-                for byte in head:  # 40 s at this pace: the deadline comes first
-                    trickler.sendall(bytes([byte]))
-                    time.sleep(0.05)
-                    if select.select([trickler], [], [], 0)[0]:
-                        break
-            except (BrokenPipeError, ConnectionResetError):
-                pass
+            _trickle(trickler, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 100)
             for sock in (silent, trickler):
                 answer = _read_all(sock)
                 assert answer.startswith(b"HTTP/1.1 408"), answer
                 assert b"no complete request head within 1 s" in answer
+        # A body promised and never sent, or trickled: 408 once the deadline passes (before,
+        # held for ever, with up to max_body_bytes buffered).
+        route = f"POST /v2/models/{NAME}/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        with (
+            socket.create_connection(("127.0.0.1", s.port), timeout=20) as mute,
+            socket.create_connection(("127.0.0.1", s.port), timeout=20) as slow,
+        ):
+            mute.sendall(route.encode() + b"Content-Length: 1000\r\n\r\n")
+            slow.sendall(route.encode() + b"Content-Length: 100000\r\n\r\n")
+            _trickle(slow, b" " * 400)
+            for sock in (mute, slow):
+                answer = _read_all(sock)
+                assert answer.startswith(b"HTTP/1.1 408"), answer
+                assert b"the body came slower than 64 KiB/s after its first 1 s" in answer
         with httpx.Client(base_url=s.url) as c:
             assert c.get("/v2/health/ready").status_code == 200
             time.sleep(1.5)
             assert c.get("/v2/health/ready").status_code == 200
+            x = serve_kit.batch(2, seed=3)
+            r = c.post(f"/v2/models/{NAME}/infer", json=infer_body(x))
+            assert r.status_code == 200  # a whole body sent at once is served as before
+
+
+def _trickle(sock: socket.socket, data: bytes) -> None:
+    """Send `data` a byte every 50 ms (20 bytes/s) until the server answers or hangs up."""
+    try:
+        for byte in data:
+            sock.sendall(bytes([byte]))
+            time.sleep(0.05)
+            if select.select([sock], [], [], 0)[0]:
+                return
+    except (BrokenPipeError, ConnectionResetError):
+        pass
 
 
 def _read_all(sock: socket.socket) -> bytes:

@@ -42,6 +42,9 @@ T = TypeVar("T")
 # a thread hop's cost at the ~2,700 small requests/s the server answers; a larger body's parse
 # grows with its size (10 ns/byte for orjson alone), so it leaves the loop.
 INLINE_PARSE_BYTES = 64 * 1024
+# The slowest a body may come, on average, once `head_timeout_s` has passed: 32 MiB (the
+# default max_body_bytes) in 8.5 minutes; a link slower than this is not one to serve from.
+MIN_BODY_RATE = 64 * 1024
 
 
 def _workers(configured: int) -> int:
@@ -129,8 +132,23 @@ class Server:
         # a cost per request on the hot path for the same bytes.
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        grace = self.config.head_timeout_s
         while True:
-            message = await request.receive()
+            # A body must keep coming: after `head_timeout_s`, at MIN_BODY_RATE on average.
+            # Before, a client trickling its body (or sending none after its headers) held
+            # a connection and up to max_body_bytes of buffer for as long as it liked.
+            try:
+                async with asyncio.timeout_at(started + grace + size / MIN_BODY_RATE):
+                    message = await request.receive()
+            except TimeoutError:
+                raise ProtocolError(
+                    f"the body came slower than {MIN_BODY_RATE // 1024} KiB/s after its first "
+                    f"{grace:g} s ({size} bytes so far); send it at once",
+                    status=408,
+                    headers={"Connection": "close"},
+                ) from None
             if message["type"] == "http.disconnect":
                 raise ClientDisconnect()
             chunk = message.get("body", b"")
