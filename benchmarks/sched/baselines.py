@@ -204,6 +204,14 @@ def main() -> None:
         "at SIGTERM frees stay the job's it stepped aside for, while that job fits in its team's quota",
     )
     ap.add_argument(
+        "--quota-keeps-lower-classes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="visionloop's quota_keeps_lower_classes (on by default): a job within its team's "
+        "nominal quota that checkpoints at SIGTERM keeps its GPUs against other teams' higher "
+        "classes, but the top class",
+    )
+    ap.add_argument(
         "--slurm-backfill-preemption",
         action="store_true",
         help="Slurm's backfill also requeues lower-QOS jobs for a job that ends before the "
@@ -232,6 +240,7 @@ def main() -> None:
         quota_under_head=args.quota_under_head,
         holds_yield_to_quota=args.holds_yield,
         hold_freed_for_job=args.hold_freed,
+        quota_keeps_lower_classes=args.quota_keeps_lower_classes,
     )
     traces = [int(x) for x in args.traces.split(",")]
     sim_cfg = SimConfig(
@@ -397,6 +406,7 @@ def main() -> None:
                         "quota_under_head",
                         "holds_yield_to_quota",
                         "hold_freed_for_job",
+                        "quota_keeps_lower_classes",
                     )
                 },
                 "sim": {k: v for k, v in vars(sim_cfg).items() if k != "priorities"},

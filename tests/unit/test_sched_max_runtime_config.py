@@ -112,6 +112,15 @@ def test_holds_yield_to_quota_and_hold_freed_for_job_are_on_unless_turned_off() 
         parse_cluster_config({"scheduler": {"hold_freed_for_job": 0}})
 
 
+def test_quota_keeps_lower_classes_is_on_unless_turned_off() -> None:
+    assert parse_cluster_config({}).timings.quota_keeps_lower_classes is True
+    assert PolicyConfig().quota_keeps_lower_classes is True
+    off = parse_cluster_config({"scheduler": {"quota_keeps_lower_classes": False}})
+    assert off.timings.quota_keeps_lower_classes is False
+    with pytest.raises(ConfigError, match=r"scheduler\.quota_keeps_lower_classes must be true or false"):
+        parse_cluster_config({"scheduler": {"quota_keeps_lower_classes": "yes"}})
+
+
 def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
     t = parse_cluster_config({}).timings
     assert (t.easy_backfill, t.reservation_tenants, t.victim_order, t.order, t.top_class_preempts_young) == (

@@ -765,6 +765,35 @@ def test_a_never_spot_reclaim_takes_the_lenders_higher_class_when_only_its_spot_
     assert d.evictions == [] and d.waiting["a-never"].startswith("waiting for 4 GPUs: 3 free")
 
 
+def test_another_teams_quota_is_not_a_higher_classs_when_its_jobs_checkpoint_at_sigterm() -> None:
+    """A spot node down in miniature: 6 GPUs for nominal quotas of 4 and 4. b runs a low job
+    within its quota; a's normal job fits in a's. With SIGTERM checkpoints a reclaim gets
+    borrowed GPUs back at once, so b keeps its quota and a's job waits. The top class still
+    takes it, and so does any higher class from a job that does not checkpoint at SIGTERM,
+    as before; and every one with `quota_keeps_lower_classes` off. Beyond b's nominal, its
+    low job holds borrowed GPUs: reclaimed."""
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
+    gpus = node_gpus("n0", 6)
+    mine = [r(f"a{i}", [f"n0/{i}"], team="a", ckpt_at_stop=True) for i in range(2)]
+    low = r("b-low", ["n0/2", "n0/3", "n0/4", "n0/5"], team="b", prio=LOW, ckpt_at_stop=True)
+
+    def evicted(job: PendingJob, running: list[ActiveJob], cfg: PolicyConfig = CFG) -> list[tuple[str, str]]:
+        d = schedule(view(gpus, [job], running, teams), cfg)
+        if not d.evictions:
+            assert d.waiting[job.id].startswith("waiting for 2 GPUs: 0 free"), d.waiting
+        return [(e.job_id, e.for_job) for e in d.evictions]
+
+    assert evicted(q("a-job", 2), [*mine, low]) == []
+    assert evicted(q("a-top", 2, prio=HIGH), [*mine, low]) == [("b-low", "a-top")]
+    losing = r("b-low", ["n0/2", "n0/3", "n0/4", "n0/5"], team="b", prio=LOW)
+    assert evicted(q("a-job", 2), [*mine, losing]) == [("b-low", "a-job")]
+    off = dataclasses.replace(CFG, quota_keeps_lower_classes=False)
+    assert evicted(q("a-job", 2), [*mine, low], off) == [("b-low", "a-job")]
+    # b over its nominal (a 1-GPU job of its own in a's place): its low job is borrowed.
+    over = [mine[0], r("b-n", ["n0/1"], team="b", ckpt_at_stop=True), low]
+    assert evicted(q("a-job", 2), over) == [("b-low", "a-job")]
+
+
 def test_gpus_freed_for_a_reclaim_stay_with_it_while_a_higher_class_fitting_job_reclaims_its_own() -> None:
     """Trace 2's chain in miniature: a's low job J reclaimed 2 GPUs from b's borrower, which
     is on its way out; c's high job K, which also fits in its team's quota, came meanwhile.

@@ -23,6 +23,7 @@ class SchedulerTimings:
     quota_under_head: bool | None = None  # None: on, but with easy_backfill (PolicyConfig)
     holds_yield_to_quota: bool = True
     hold_freed_for_job: bool = True
+    quota_keeps_lower_classes: bool = True
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
@@ -48,6 +49,7 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         "quota_under_head",
         "holds_yield_to_quota",
         "hold_freed_for_job",
+        "quota_keeps_lower_classes",
         "heartbeat_timeout_s",
         "retry_backoff_s",
         "inventory_sync_s",
@@ -105,6 +107,9 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         quota_under_head=under,
         holds_yield_to_quota=flag(section, "holds_yield_to_quota", d.holds_yield_to_quota, path),
         hold_freed_for_job=flag(section, "hold_freed_for_job", d.hold_freed_for_job, path),
+        quota_keeps_lower_classes=flag(
+            section, "quota_keeps_lower_classes", d.quota_keeps_lower_classes, path
+        ),
         heartbeat_timeout_s=number(section, "heartbeat_timeout_s", d.heartbeat_timeout_s, path, minimum=1),
         retry_backoff_s=number(section, "retry_backoff_s", d.retry_backoff_s, path),
         inventory_sync_s=number(section, "inventory_sync_s", d.inventory_sync_s, path),

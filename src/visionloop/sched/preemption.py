@@ -297,8 +297,9 @@ class Preemption(WithinClass):
     def _may_evict(self, v: ActiveJob, job: PendingJob, reclaim: bool, taken: int = 0) -> bool:
         """May `v` step aside for `job` (`taken`: GPUs of `v`'s team already chosen)?
         - same team: only for a higher class;
-        - `job` stays within its team's nominal quota (`reclaim`): a lower class always, any
-          class while `v`'s team is above its nominal (reclaiming borrowed GPUs);
+        - `job` stays within its team's nominal quota (`reclaim`): any class while `v`'s team
+          is above its nominal (reclaiming borrowed GPUs); a lower class also within `v`'s
+          team's nominal, unless `v` keeps it (`quota_keeps_lower_classes`);
         - `job` would borrow: a lower class, and only if `v`'s team stays at or above its
           nominal without it; else `v` would be entitled to reclaim at once (a livelock)."""
         if job.id in self.under_head:  # its team's quota only: borrowed GPUs of other teams
@@ -309,8 +310,17 @@ class Preemption(WithinClass):
             return lower or (not self._starved(v) and (self._srpt_yields(v, job) or self._las_yields(v, job)))
         vt = self._team(v.team)
         if reclaim:
-            return lower or (vt.over_nominal(taken) and self._borrowing(v, job.spot))
+            if vt.over_nominal(taken) and self._borrowing(v, job.spot):
+                return True
+            return lower and (
+                not self._keeps_quota(v, job) or vt.used - taken - len(v.gpu_ids) >= vt.team.nominal_gpus
+            )
         return lower and vt.used - taken - len(v.gpu_ids) >= vt.team.nominal_gpus
+
+    def _keeps_quota(self, v: ActiveJob, job: PendingJob) -> bool:
+        """Does `v`, of another team, keep the GPUs its team's nominal quota covers against
+        `job`'s higher class (`quota_keeps_lower_classes`)? Not against the top class."""
+        return self.cfg.quota_keeps_lower_classes and v.checkpoints_at_stop and job.priority < self.top_rank
 
     def _borrowing(self, v: ActiveJob, spot: SpotPolicy = "allowed") -> bool:
         """Does `v` hold borrowed GPUs? A team's nominal quota covers its highest classes

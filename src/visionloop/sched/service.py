@@ -99,6 +99,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             quota_under_head=t.quota_under_head,
             holds_yield_to_quota=t.holds_yield_to_quota,
             hold_freed_for_job=t.hold_freed_for_job,
+            quota_keeps_lower_classes=t.quota_keeps_lower_classes,
             order=t.order,
             srpt_preemption=t.srpt_preemption,
             las_preemption=t.las_preemption,
