@@ -433,13 +433,13 @@ def test_a_preempted_trial_resumes_as_the_same_trial_and_reports_each_epoch_once
 ) -> None:
     cp, url = one_gpu_cp
     # Two trials on the only GPU, research's at low priority, the good one first. The good
-    # one is preempted by vision's high-priority job during its first epoch (batches of 8:
-    # ~180 steps to the rung, so the preemption lands well before it; with batches of 16 a
-    # loaded CI machine once let the trial reach its rung first), resumes from that
+    # one is preempted by vision's high-priority job during its first epoch (batches of 4:
+    # ~360 steps to the rung, so the preemption lands well before it; with batches of 16,
+    # then of 8, a loaded CI machine let the trial reach its rung first), resumes from that
     # checkpoint, pauses at the rung, waits for the bad one, and is promoted to the end.
     train = _train(digits_dataset, epochs=2)
-    train["data"]["batch_size"] = 8
-    train["checkpoint"]["every_steps"] = 12  # the preemption waits for the first one (~180 steps a rung)
+    train["data"]["batch_size"] = 4
+    train["checkpoint"]["every_steps"] = 12  # the preemption waits for the first one (~360 steps a rung)
     doc = _tune_doc(
         digits_dataset,
         "preempted-lr",

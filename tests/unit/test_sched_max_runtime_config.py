@@ -119,6 +119,8 @@ def test_quota_keeps_lower_classes_is_on_unless_turned_off() -> None:
     assert off.timings.quota_keeps_lower_classes is False
     with pytest.raises(ConfigError, match=r"scheduler\.quota_keeps_lower_classes must be true or false"):
         parse_cluster_config({"scheduler": {"quota_keeps_lower_classes": "yes"}})
+    assert parse_cluster_config({}).timings.hold_within_s == 60.0 == PolicyConfig().hold_within_s
+    assert parse_cluster_config({"scheduler": {"hold_within_s": 0}}).timings.hold_within_s == 0.0
 
 
 def test_the_reservation_switches_come_from_the_scheduler_section() -> None:

@@ -570,6 +570,32 @@ def test_quota_under_head_goes_first_in_its_class_when_its_teams_jobs_there_went
     assert d.waiting["b-normal"].startswith("waiting for 1 GPU: 0 free")
 
 
+def test_free_gpus_are_held_for_a_blocked_job_only_when_its_victims_come_due_within_a_minute() -> None:
+    """a's normal job (4 GPUs) fits once b's low job (2 GPUs, too young to preempt) leaves:
+    the 2 free GPUs beside it are held for it when b's job may be preempted within
+    `hold_within_s` (60 s), else a's 1-GPU jobs use them meanwhile (they waited up to 10
+    minutes behind the hold). The top class holds whatever the wait; None holds as before."""
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=4)]
+    gpus = node_gpus("n0", 4)
+    queue = [q("a-job", 4, team="a", t=NOW - 100), q("a-1", 1, team="a", t=NOW - 50)]
+    held = "2 free GPUs held for it until lower-priority or borrowed jobs can be preempted"
+    cfg = dataclasses.replace(CFG, top_class_preempts_young=False)
+
+    def low(age: float) -> list[ActiveJob]:
+        return [r("b-low", ["n0/0", "n0/1"], team="b", prio=LOW, started=NOW - age)]
+
+    d = schedule(view(gpus, queue, low(570), teams), cfg)  # due in 30 s
+    assert placed(d) == {} and d.waiting["a-job"].endswith(held)
+    assert "2 more are held for job a-job" in d.waiting["a-1"]
+    d = schedule(view(gpus, queue, low(60), teams), cfg)  # due in 540 s
+    assert placed(d) == {"a-1": ("n0/2",)} and not d.waiting["a-job"].endswith(held)
+    d = schedule(view(gpus, queue, low(60), teams), dataclasses.replace(cfg, hold_within_s=None))
+    assert placed(d) == {} and d.waiting["a-job"].endswith(held)
+    top = [q("a-top", 4, team="a", prio=HIGH, t=NOW - 100), queue[1]]
+    d = schedule(view(gpus, top, low(60), teams), cfg)
+    assert placed(d) == {} and d.waiting["a-top"].endswith(held)
+
+
 def test_holds_yield_to_the_quota_its_heads_own_hold_takes_a_tenant() -> None:
     """Trace 2's 4-minute wait in miniature: a's normal head (6 GPUs) must borrow; it holds
     the 2 free GPUs until b's young low job may be preempted, and its hold counted all 6
@@ -578,7 +604,8 @@ def test_holds_yield_to_the_quota_its_heads_own_hold_takes_a_tenant() -> None:
     teams = [Team("a", 4, borrow_limit=8), Team("b", 2, borrow_limit=8)]
     gpus = node_gpus("n0", 8)
     b_own = r("b-own", ["n0/0", "n0/1"], team="b", prio=NORMAL, started=NOW - 7200)
-    young = r("b-low", [f"n0/{i}" for i in range(2, 6)], team="b", prio=LOW, started=NOW - 60)
+    # b's low job may be preempted in 30 s (`hold_within_s`: a longer wait holds nothing).
+    young = r("b-low", [f"n0/{i}" for i in range(2, 6)], team="b", prio=LOW, started=NOW - 570)
     queue = [q("head", 6, team="a", prio=NORMAL, t=NOW - 900), q("a-low", 2, team="a", prio=LOW, t=NOW - 600)]
     off = PolicyConfig(aging_s=None, holds_yield_to_quota=False)
     d = schedule(view(gpus, queue, [b_own, young], teams), off)
@@ -602,7 +629,7 @@ def test_holds_yield_to_the_quota_another_teams_borrower_holds_none_of_it() -> N
     quota: by default the low job takes them. The starvation guard's hold it leaves alone."""
     teams = [Team("a", 4, borrow_limit=8), Team("b", 2, borrow_limit=8)]
     gpus = node_gpus("n0", 8)
-    young = r("b-low", [f"n0/{i}" for i in range(6)], team="b", prio=LOW, started=NOW - 5000)
+    young = r("b-low", [f"n0/{i}" for i in range(6)], team="b", prio=LOW, started=NOW - 9970)  # due in 30 s
     queue = [
         q("b-high", 4, team="b", prio=HIGH, t=NOW - 4000),  # after b-low started: no tenant
         q("head", 8, team="a", prio=NORMAL, t=NOW - 900),
@@ -668,7 +695,7 @@ def test_holds_yield_to_the_quota_its_teams_other_borrower_holds_none_of_it() ->
     running = [
         r("a-run", ["n0/0"], team="a", prio=NORMAL, started=NOW - 7200),
         r("b-own", ["n0/1", "n0/2"], team="b", prio=NORMAL, started=NOW - 7200),
-        r("b-low", [f"n0/{i}" for i in range(3, 6)], team="b", prio=LOW, started=NOW - 60),
+        r("b-low", [f"n0/{i}" for i in range(3, 6)], team="b", prio=LOW, started=NOW - 570),  # due in 30 s
     ]
     low = PendingJob("a-low", "a", LOW, 1, submitted_at=NOW - 600, checkpoints_at_stop=True)
     queue = [

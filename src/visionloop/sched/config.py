@@ -26,6 +26,7 @@ priority classes.
     holds_yield_to_quota = true  # ...and the free GPUs held idle for it or other teams' borrowers
     hold_freed_for_job = true  # GPUs a victim frees stay the job's it stepped aside for (a reclaim)
     quota_keeps_lower_classes = true  # in its team's quota, a job that checkpoints keeps it from others
+    hold_within_s = 60       # free GPUs idle for a blocked job only if its victims come due this soon
     heartbeat_timeout_s = 60 # a running job silent for this long is declared lost
     retry_backoff_s = 30     # first retry delay after a failure; doubles per restart
     inventory_sync_s = 30    # re-read the executor's GPUs this often (Ray nodes come and go); 0: never

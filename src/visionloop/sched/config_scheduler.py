@@ -24,6 +24,7 @@ class SchedulerTimings:
     holds_yield_to_quota: bool = True
     hold_freed_for_job: bool = True
     quota_keeps_lower_classes: bool = True
+    hold_within_s: float = 60.0
     heartbeat_timeout_s: float = 60.0
     retry_backoff_s: float = 30.0
     inventory_sync_s: float = 30.0
@@ -50,6 +51,7 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         "holds_yield_to_quota",
         "hold_freed_for_job",
         "quota_keeps_lower_classes",
+        "hold_within_s",
         "heartbeat_timeout_s",
         "retry_backoff_s",
         "inventory_sync_s",
@@ -110,6 +112,7 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         quota_keeps_lower_classes=flag(
             section, "quota_keeps_lower_classes", d.quota_keeps_lower_classes, path
         ),
+        hold_within_s=number(section, "hold_within_s", d.hold_within_s, path),
         heartbeat_timeout_s=number(section, "heartbeat_timeout_s", d.heartbeat_timeout_s, path, minimum=1),
         retry_backoff_s=number(section, "retry_backoff_s", d.retry_backoff_s, path),
         inventory_sync_s=number(section, "inventory_sync_s", d.inventory_sync_s, path),

@@ -100,6 +100,7 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             holds_yield_to_quota=t.holds_yield_to_quota,
             hold_freed_for_job=t.hold_freed_for_job,
             quota_keeps_lower_classes=t.quota_keeps_lower_classes,
+            hold_within_s=t.hold_within_s,
             order=t.order,
             srpt_preemption=t.srpt_preemption,
             las_preemption=t.las_preemption,

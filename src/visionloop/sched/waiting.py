@@ -6,12 +6,12 @@ reasons as `Cycle._consider`, without the searches that cannot succeed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from visionloop.sched.cycle_state import TeamState
 from visionloop.sched.reasons import backoff_reason, impossible_reason, n_gpus, plural
 from visionloop.sched.under_head import UnderHead
-from visionloop.sched.view import PendingJob
+from visionloop.sched.view import Gpu, PendingJob
 
 
 class Waiting(UnderHead):
@@ -133,6 +133,8 @@ class Waiting(UnderHead):
         self.decision.waiting[job.id] = head + tail
         self.blocked[prio] = same + 1
         target = self._soon(job, ts) if free > 0 and job.id not in self.behind else None
+        if target is not None and self._hold_too_long(job, target):
+            target = None
         if target is not None and (held := self._hold(job, ts, target)):
             self.decision.waiting[job.id] += (
                 f"; {held} free GPU{plural(held)} held for it until lower-priority or borrowed jobs "
@@ -144,6 +146,20 @@ class Waiting(UnderHead):
             self.decision.waiting[job.id] += f"; waiting for a long time, so {held} free GPUs are held for it"
         if not self.cfg.backfill:
             self.blocker = job
+
+    def _hold_too_long(self, job: PendingJob, target: Sequence[Gpu]) -> bool:
+        """Would free GPUs held for `job` stay idle past `hold_within_s`, until the youngest
+        running job on `target` may be preempted? Then they are not held: other jobs use them
+        meanwhile. Not for the top class, which preempts young jobs."""
+        limit = self.cfg.hold_within_s
+        if limit is None or job.priority >= self.top_rank:
+            return False
+        ids = {g.id for g in target}
+        oldest_start = self.now - self.cfg.min_runtime_s + limit  # younger than this: too long
+        return any(
+            v.preemptible and v.started_at > oldest_start and not ids.isdisjoint(v.gpu_ids)
+            for v in self.view.running
+        )
 
     def _tail(self, higher: int, same: int, young: bool, reserved: int) -> str:
         """The end of a waiting reason: GPUs held for others that would have been enough,
