@@ -40,12 +40,18 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionloop.core.errors import SpecError
-from visionloop.core.fsutil import open_regular
 from visionloop.core.safeyaml import load_untrusted
-from visionloop.specs import JobFields, TrainSpec, resolve_paths, validate_train_spec
+from visionloop.specs import JobFields, TrainSpec, read_spec_text, resolve_paths, validate_train_spec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-MAX_SPEC_BYTES = 1024 * 1024
+# What a missing LOOP.yaml's error shows.
+MINIMAL_LOOP_SPEC = """name: digits-loop
+model: digits                  # the registered model the loop retrains and promotes
+dataset: /data/digits          # its dataset folder
+labels: /data/digits-incoming  # where finished labels arrive
+trigger: {new_labels: 200}
+train: train.yaml              # a train spec, from this file's folder
+"""
 
 
 class _Strict(BaseModel):
@@ -148,17 +154,9 @@ def load_loop_spec(path: Path) -> LoopSpec:
     """Read and check LOOP.yaml; relative paths are taken from the file's folder (the train
     spec's own, from that spec's folder)."""
     path = Path(path).expanduser()
+    text = read_spec_text(path, what="loop spec", example=MINIMAL_LOOP_SPEC)  # bounded, no FIFO
     try:
-        with open_regular(path) as f:  # not a FIFO, which would hang the read
-            raw = f.read(MAX_SPEC_BYTES + 1)
-    except OSError as e:
-        raise SpecError(f"cannot read the loop spec {path}: {e.strerror or e}") from e
-    if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError(f"{path} is over {MAX_SPEC_BYTES // 1024} KiB; a loop spec is a few lines")
-    try:
-        doc = load_untrusted(raw.decode("utf-8"))  # no aliases: a few bytes can stand for billions
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from e
+        doc = load_untrusted(text)  # no aliases: a few bytes can stand for billions
     except yaml.YAMLError as e:
         raise SpecError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(doc, dict):
@@ -172,12 +170,10 @@ def validate_loop_spec(doc: dict[str, Any], base: Path, where: str = "the loop s
     if isinstance(train, str):
         train_path = (base / train).expanduser()
         try:
-            with open_regular(train_path) as f:
-                raw = f.read(MAX_SPEC_BYTES + 1)
-            if len(raw) > MAX_SPEC_BYTES:
-                raise SpecError(f"{where}: the train spec {train_path} is over {MAX_SPEC_BYTES // 1024} KiB")
-            train_doc = load_untrusted(raw.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            train_doc = load_untrusted(read_spec_text(train_path))
+        except SpecError as e:
+            raise SpecError(f"{where}: {e}") from e
+        except yaml.YAMLError as e:
             raise SpecError(f"{where}: cannot read the train spec {train_path}: {e}") from e
         train_base = train_path.parent
     else:
