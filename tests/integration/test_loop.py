@@ -203,7 +203,7 @@ def test_the_cli_as_a_user_runs_it_and_bad_specs_are_named(digits_dataset: Path,
     assert r.returncode == 0 and "when a trigger fires" in r.stdout and "0 labelled images" in r.stdout
 
     cases: list[tuple[str, str]] = [
-        ("missing.yaml", "cannot read the loop spec"),
+        ("missing.yaml", "does not exist. A minimal loop spec"),
         ("bad.yaml", "is not valid YAML"),
         ("list.yaml", "must hold a mapping"),
         ("big.yaml", "a loop spec is a few lines"),
