@@ -72,8 +72,9 @@ def train(
             raise TrainingError(
                 "--nproc-per-node cannot be used inside torchrun; the launcher already set WORLD_SIZE."
             )
+        # The launcher ignores stop signals as soon as the workers' exits decide the status
+        # (as below for one process).
         code = _launch(spec, run_dir, overrides, nproc_per_node, no_track, until_epoch)
-        _ignore_stop_signals()  # as below: the workers' exits decided it
         raise typer.Exit(code)
 
     from visionloop.cli.progress import RichReporter
@@ -192,4 +193,4 @@ def _launch(
     if until_epoch is not None:
         cmd += ["--until-epoch", str(until_epoch)]
     err.print(f"launching {n} DDP processes on this machine", style="dim")
-    return launch(cmd, n)
+    return launch(cmd, n, ignore_stop_after=True)

@@ -111,7 +111,15 @@ def combine_exit_codes(codes: Sequence[int]) -> int:
     return EXIT_PAUSED if EXIT_PAUSED in codes else 0
 
 
-def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) -> int:
+def launch(
+    cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None, *, ignore_stop_after: bool = False
+) -> int:
+    """Run cmd in nproc ranks, forward stop signals to them, and combine their exits.
+
+    ignore_stop_after: when the workers are gone, SIGTERM and SIGUSR1 are ignored instead of
+    given back their previous handlers. A command line that exits with the combined status
+    wants this: the handlers it had are the default action, and a late SIGTERM in the moment
+    between restoring it and exiting turned a saved run's 76 into 143 (seen in CI)."""
     base = dict(env if env is not None else os.environ)
     layout = node_layout(base)
     first = 0
@@ -155,5 +163,7 @@ def launch(cmd: Sequence[str], nproc: int, env: dict[str, str] | None = None) ->
                 p.kill()
                 p.wait()
         for s, h in previous.items():
-            signal.signal(s, h)
+            # Straight from the forwarding handler to SIG_IGN: no instant with the default.
+            keep_out = ignore_stop_after and s in (signal.SIGTERM, signal.SIGUSR1)
+            signal.signal(s, signal.SIG_IGN if keep_out else h)
     return combine_exit_codes([p.returncode for p in procs])
