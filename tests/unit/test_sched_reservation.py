@@ -173,6 +173,24 @@ def test_a_job_ahead_of_the_head_in_its_class_is_no_tenant() -> None:
     assert d.evictions == [] and d.starts == {"head": minute(NOW + 2 * HOUR)}
 
 
+def test_a_job_too_big_to_plan_does_not_keep_a_smaller_one_from_its_reservation() -> None:
+    # Every GPU busy, ends known. The high job is promised 8 of the 10; the normal job's 6
+    # cannot be planned on the 2 left (and, remembered, no later 6-GPU plan is tried this
+    # cycle), but the low job's 2 can: a failure rules out only jobs at least as big.
+    g = gpus(10)
+    busy = [running(f"r{i}", [g[i].id], end=NOW + (i + 1) * HOUR, prio=HIGH) for i in range(10)]
+    high = PendingJob("high", "a", HIGH, 8, submitted_at=0.0)
+    normal = PendingJob("normal", "a", NORMAL, 6, submitted_at=1.0)
+    normal2 = PendingJob("normal2", "a", NORMAL, 6, submitted_at=2.0)
+    low = PendingJob("low", "a", LOW, 2, submitted_at=3.0)
+    d = schedule(view(g, [high, normal, normal2, low], busy), PolicyConfig(same_node=False, preemption=False))
+    assert set(d.reserved) == {"high", "low"}
+    assert d.starts == {"high": minute(NOW + 8 * HOUR), "low": minute(NOW + 10 * HOUR)}
+    assert not set(d.reserved["high"]) & set(d.reserved["low"])
+    assert d.waiting["normal"] == "waiting for 6 GPUs: 0 free; behind 1 higher-priority job"
+    assert d.waiting["normal2"] == d.waiting["normal"]
+
+
 def test_a_job_beyond_its_teams_quota_gets_a_reservation_once_it_has_waited_the_aging_time() -> None:
     """Besides the first blocked job of each class, a job bigger than its team's nominal
     quota gets one after `aging_s` (3,600 s): the jobs that otherwise starve. The GPUs are

@@ -193,6 +193,9 @@ class CycleState:
         self.fail_free: dict[tuple[object, ...], int] = {}
         self.fail_release: dict[tuple[object, ...], int] = {}
         self.fail_evict: dict[tuple[object, ...], int] = {}
+        # (spot, nodes) -> the fewest GPUs a reservation found no plan for (`_plan`): with the
+        # GPUs of a spot node down and the rest promised, thousands of jobs asked again.
+        self.fail_plan: dict[tuple[object, ...], int] = {}
 
     # ----------------------------------------------------------------- bookkeeping
 
@@ -235,6 +238,7 @@ class CycleState:
         self.fail_free.clear()
         self.fail_release.clear()
         self.fail_evict.clear()
+        self.fail_plan.clear()
         self.fail_lend.clear()
         self.saturated = False
 

@@ -75,6 +75,8 @@ class Reservations(Preemption):
         tenants among their holders, the other jobs it waits for), or None when the GPUs it
         could ever use are down or promised."""
         n, spot, gbi, promised = job.gpus, job.spot, self.gpu_by_id, self.promised
+        if n >= self.fail_plan.get((spot, job.nodes), n + 1):
+            return None
         reclaim = ts.used + n <= ts.team.nominal_gpus
         # Free and releasing GPUs not promised yet (a reservation that holds nothing leaves
         # its promised GPUs in the pools, for the jobs it does not hold them against).
@@ -124,6 +126,10 @@ class Reservations(Preemption):
                 ids = {g.id for g in got}
                 held = [v for v in tenants if ids.intersection(v.gpu_ids)]
                 return start, known, got, held, waits_for
+        # Whether it fails depends neither on the team nor on which holders are tenants (every
+        # event is tried), only on the GPUs left to plan with, which only shrink within a cycle.
+        if n % job.nodes == 0:  # else it fails for its split alone (`pick`)
+            self.fail_plan[(spot, job.nodes)] = n
         return None
 
     def _reserve(self, job: PendingJob, ts: TeamState, prio: int) -> bool:

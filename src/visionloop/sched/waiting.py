@@ -26,7 +26,7 @@ class Waiting(UnderHead):
         now, waiting, reasons, impossible = self.now, self.decision.waiting, self.reasons, self.impossible
         young_min, preemption, backfill = self.young_min, self.cfg.preemption, self.cfg.backfill
         teams, behind = self.teams, self.behind
-        resv, under = self.cfg.reservations, self.cfg.quota_under_head
+        resv, under, fail_plan = self.cfg.reservations, self.cfg.quota_under_head, self.fail_plan
         higher = 0
         for p, k in self.blocked.items():
             if p > prio:
@@ -49,7 +49,12 @@ class Waiting(UnderHead):
                     and self.evictions_left > 0
                     and (self._could_preempt(job, ts) or (under and self._evicts_tenants(job)))
                 )
-                or (resv and self._wants_reservation(job, ts, prio))
+                or (
+                    resv
+                    and self._wants_reservation(job, ts, prio)
+                    # One that cannot be planned (`_plan`'s memo) is told what `_blocked` says.
+                    and n < fail_plan.get((job.spot, job.nodes), n + 1)
+                )
             ):
                 self.blocked[prio] = same
                 self._consider(job, prio)
