@@ -40,14 +40,17 @@ class Reservations(Preemption):
         class, and any job bigger than its team's nominal quota that has waited `aging_s`
         (the jobs that otherwise starve: smaller ones keep taking what frees up)."""
         cfg = self.cfg
-        if not cfg.reservations or job.gpus <= 0 or job.id in self.behind:
+        if not cfg.reservations or job.gpus <= 0:
             return False
-        if sum(self.reserved_for.values()) >= cfg.max_reservations or ts.used + job.gpus > ts.limit:
-            return False
-        if prio not in self.reserved_for:
-            return True
-        aging = cfg.aging_s
-        return job.gpus > ts.team.nominal_gpus and aging is not None and self.now - job.submitted_at >= aging
+        if prio in self.reserved_for:  # hot: most of a long queue stops here
+            aging = cfg.aging_s
+            if aging is None or job.gpus <= ts.team.nominal_gpus or self.now - job.submitted_at < aging:
+                return False
+        return (
+            job.id not in self.behind
+            and sum(self.reserved_for.values()) < cfg.max_reservations
+            and ts.used + job.gpus <= ts.limit
+        )
 
     def _end_of(self, j: ActiveJob) -> tuple[float, bool]:
         """When a running job is expected to free its GPUs, and whether that is known (from
