@@ -88,7 +88,10 @@ def test_the_executor_defaults_to_local_and_ray_to_the_local_dashboard() -> None
         ({"executor": {"kind": "ray", "address": "ray://head:10001"}}, "Ray Client"),
         ({"executor": {"kind": "ray", "address": "head:6379"}}, "not the GCS port 6379"),
         ({"executor": {"kind": "ray", "prefix": "Team_A"}}, "executor.prefix must be lower-case"),
-        ({"executor": {"kind": "ray", "request_timeout_s": 0}}, "request_timeout_s must be a number >= 1"),
+        (
+            {"executor": {"kind": "ray", "request_timeout_s": 0}},
+            "request_timeout_s must be a finite number >= 1",
+        ),
         ({"executor": {"kind": "ray"}, "inventory": [{"count": 1}]}, "Remove [[inventory]]"),
         ({"inventory": [{"count": 1, "prices": "p.toml"}]}, "belongs to that table"),
     ],

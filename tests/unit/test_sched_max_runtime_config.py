@@ -176,9 +176,12 @@ def test_the_reservation_switches_come_from_the_scheduler_section() -> None:
         ({"las_preemption": "on"}, "scheduler.las_preemption must be true or false, got 'on'"),
         (
             {"las_threshold_gpu_s": 0},
-            "las_threshold_gpu_s must be a number >= 1, got 0 (e.g. las_threshold_gpu_s = 3250.0)",
+            "las_threshold_gpu_s must be a finite number >= 1, got 0 (e.g. las_threshold_gpu_s = 3250.0)",
         ),
-        ({"las_threshold_gpu_s": "1h"}, "las_threshold_gpu_s must be a number >= 1, got '1h'"),
+        ({"las_threshold_gpu_s": "1h"}, "las_threshold_gpu_s must be a finite number >= 1, got '1h'"),
+        # TOML's nan passes every comparison and inf stalls a cycle: both refused.
+        ({"cycle_s": float("nan")}, "cycle_s must be a finite number >= 0.05, got nan"),
+        ({"grace_s": float("inf")}, "grace_s must be a finite number >= 0, got inf"),
         (
             {"top_class_preempts_young": "sometimes"},
             "scheduler.top_class_preempts_young must be true or false, got 'sometimes'",

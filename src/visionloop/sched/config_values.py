@@ -3,6 +3,7 @@ is wrong, names the key (and the file) and gives an example of a right one."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,11 @@ def number(
     section: Mapping[str, Any], key: str, default: float, path: Path | None, minimum: float = 0
 ) -> float:
     v = section.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
+    # TOML has nan and inf: nan passes every comparison, and an infinite cycle, grace or
+    # timeout would stall the control plane without a word.
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < minimum:
         raise ConfigError(
-            f"{where(path, key)} must be a number >= {minimum}, got {v!r} (e.g. {key} = {default})."
+            f"{where(path, key)} must be a finite number >= {minimum}, got {v!r} (e.g. {key} = {default})."
         )
     return float(v)
 
