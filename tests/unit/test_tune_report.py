@@ -16,7 +16,7 @@ from visionloop.specs import TrainSpec, validate_train_spec
 from visionloop.tune.report import best_trial, study_report, write_plots
 from visionloop.tune.space import apply, suggest
 from visionloop.tune.spec import TuneSpec, validate_tune_spec
-from visionloop.tune.study import create_or_load
+from visionloop.tune.study import create_or_load, load
 from visionloop.tune.tracking import nest
 from visionloop.tune.tuner import END_ATTR, JOB_ATTR
 
@@ -202,3 +202,19 @@ def test_tracking_fields_are_validated(tracking: dict[str, Any], message: str) -
         {**TRAIN, "tracking": {"parent_run_id": PARENT, "tags": {"a/b c": "1"}}}, "t.yaml"
     )
     assert ok.tracking.parent_run_id == PARENT and ok.tracking.tags == {"a/b c": "1"}
+
+
+def test_loading_a_study_from_a_database_that_does_not_exist_creates_nothing(tmp_path: Path) -> None:
+    # `tune show` and `tune best` only read: a mistyped home or --db must not leave an empty
+    # database behind (it did), and the error says where it looked.
+    missing = tmp_path / "home" / "state.db"
+    with pytest.raises(NotFoundError) as e:
+        load("nosuch", f"sqlite:///{missing}")
+    assert f"database {missing} does not exist yet" in str(e.value)
+    assert not missing.exists() and not missing.parent.exists()
+    # An existing database names the studies it has.
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    create_or_load(tune_spec(), url)
+    with pytest.raises(NotFoundError) as e:
+        load("nosuch", url)
+    assert "no study named 'nosuch' in the control plane's database (studies: " in str(e.value)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import uuid
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -163,8 +164,18 @@ def create_or_load(spec: TuneSpec, url: str | None = None) -> optuna.Study:
 
 
 def load(name: str, url: str | None = None) -> optuna.Study:
-    """An existing study, by name (NotFoundError naming the studies there otherwise)."""
-    storage = open_storage(resolve_url(url))
+    """An existing study, by name (NotFoundError naming the studies there otherwise). Reads
+    only: a SQLite database that does not exist is not created (a mistyped home or `--db`
+    left an empty database behind)."""
+    resolved = resolve_url(url)
+    parsed = db.parse_url(resolved)
+    on_file = parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:")
+    if on_file and not Path(str(parsed.database)).is_file():
+        raise NotFoundError(
+            f"no study named {name!r}: the control plane's database {parsed.database} does not "
+            "exist yet; `visionloop tune run TUNE.yaml` starts a study (check VISIONLOOP_HOME or --db)."
+        )
+    storage = open_storage(resolved)
     try:
         return optuna.load_study(study_name=name, storage=storage)
     except KeyError:
