@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from visionloop.core.errors import SpecError
 from visionloop.core.fsutil import NotRegularFileError, open_regular
 from visionloop.core.safeyaml import load_untrusted
+from visionloop.core.strictbools import StrictBools
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
@@ -40,7 +41,7 @@ def _no_nul(v: Path | None) -> Path | None:
     return v
 
 
-class _Spec(BaseModel):
+class _Spec(StrictBools):
     # Unknown keys are errors: a typo such as `batchsize` must not silently fall back to a default.
     # NaN and infinity are never a setting (`lr: .inf` trains to NaN, `warmup_epochs: .inf`
     # cannot be counted): refused as a number "should be a finite number".

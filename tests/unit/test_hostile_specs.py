@@ -80,6 +80,11 @@ def test_an_alias_in_a_set_override_is_refused(tmp_path: Path) -> None:
         ("epochs", 10**27, "epochs: Input should be less than or equal to 100000"),
         ("data__dataset", "a\x00b", "data.dataset: holds a NUL character"),
         ("model__pretrained", "w\x00.safetensors", "model.pretrained: holds a NUL character"),
+        # Lax coercion read `epochs: true` as one epoch and 1 or "yes" as a flag's true.
+        ("epochs", True, "epochs: should be a number, not true (got True). Example: epochs: 10"),
+        ("optimizer__lr", False, "optimizer.lr: should be a number, not false"),
+        ("deterministic", 1, "deterministic: should be true or false (got 1)"),
+        ("model__channels_last", "yes", "model.channels_last: should be true or false (got 'yes')"),
     ],
 )
 def test_values_no_run_can_use_are_refused_naming_the_field(
@@ -155,6 +160,7 @@ def tune_refusal(path: Path) -> str:
         ),
         ({"space": {"seed": {"int": [0, 10**30]}}}, "seed: Input should be less than or equal to 4294967295"),
         ({"sampler": {"name": "tpe", "seed": 10**30}}, "sampler.seed: Input should be less than or equal"),
+        ({"trials": True}, "trials: should be a number, not true"),
     ],
 )
 def test_tune_values_no_study_can_use_are_refused(

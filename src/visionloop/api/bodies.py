@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, ConfigDict, Field
+
+from visionloop.core.strictbools import StrictBools
 
 
 def _no_nul(value: str) -> str:
@@ -30,7 +32,7 @@ Text = Annotated[str, AfterValidator(_no_nul)]
 TeamName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_team_name)]
 
 
-class SubmitBody(BaseModel):
+class SubmitBody(StrictBools):
     model_config = ConfigDict(extra="forbid")
     spec: dict[str, Any] = Field(description="a job spec, or a bare train spec (absolute paths)")
     team: TeamName | None = None
@@ -42,32 +44,32 @@ class SubmitBody(BaseModel):
     idempotency_key: Text | None = Field(None, min_length=1, max_length=200)
 
 
-class ResumeBody(BaseModel):
+class ResumeBody(StrictBools):
     model_config = ConfigDict(extra="forbid")
     until_epoch: int | None = Field(None, ge=1, le=1_000_000, description="the next rung; null: the end")
     reason: Text | None = Field(None, max_length=500)
 
 
-class PruneBody(BaseModel):
+class PruneBody(StrictBools):
     model_config = ConfigDict(extra="forbid")
     reason: Text | None = Field(None, max_length=500)
 
 
-class TeamBody(BaseModel):
+class TeamBody(StrictBools):
     model_config = ConfigDict(extra="forbid")
     nominal_gpus: int = Field(ge=0, le=100_000)
     borrow_limit: int = Field(0, ge=0, le=100_000)
     weight: float = Field(1.0, gt=0, le=1000, allow_inf_nan=False)
 
 
-class TokenBody(BaseModel):
+class TokenBody(StrictBools):
     model_config = ConfigDict(extra="forbid")
     team: TeamName | None = None
     admin: bool = False
     label: Text = Field("", max_length=200)
 
 
-class LabellingBody(BaseModel):
+class LabellingBody(StrictBools):
     model_config = ConfigDict(extra="forbid")
     dataset_version: str = Field(pattern=r"^[0-9a-f]{64}$", description="the version the labels produced")
     dataset_path: Text = Field(min_length=1, max_length=4096)
@@ -77,7 +79,7 @@ class LabellingBody(BaseModel):
     team: TeamName | None = Field(None, description="who paid (admin tokens only)")
 
 
-class SpotBody(BaseModel):
+class SpotBody(StrictBools):
     model_config = ConfigDict(extra="forbid")
     target: Text = Field(min_length=1, max_length=200, description="a GPU id or a node name")
     reason: Text | None = Field(None, max_length=500)

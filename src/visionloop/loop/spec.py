@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionloop.core.errors import SpecError
 from visionloop.core.safeyaml import load_untrusted
+from visionloop.core.strictbools import StrictBools
 from visionloop.specs import JobFields, TrainSpec, read_spec_text, resolve_paths, validate_train_spec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -54,7 +55,7 @@ train: train.yaml              # a train spec, from this file's folder
 """
 
 
-class _Strict(BaseModel):
+class _Strict(StrictBools):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionloop.core.errors import SpecError
+from visionloop.core.strictbools import StrictBools
 from visionloop.specs import format_validation_error, parse_yaml_mapping, read_spec_text
 
 Precision = Literal["fp32", "fp16", "int8"]
@@ -45,7 +46,7 @@ MINIMAL_SERVE_CONFIG = (
 )
 
 
-class CollectConfig(BaseModel):
+class CollectConfig(StrictBools):
     """The `collect:` section: which answered image requests the server keeps for labelling,
     and for how long (see the module docstring; `serve.collect` does the keeping)."""
 
@@ -87,7 +88,7 @@ class CollectConfig(BaseModel):
         return self
 
 
-class ServeConfig(BaseModel):
+class ServeConfig(StrictBools):
     """What to serve and how; see the module docstring for an example file."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())

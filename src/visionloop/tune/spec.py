@@ -46,6 +46,7 @@ from pydantic import (
 
 from visionloop.core.errors import SpecError
 from visionloop.core.safeyaml import load_untrusted
+from visionloop.core.strictbools import StrictBools
 from visionloop.specs import (
     MAX_SEED,
     JobFields,
@@ -101,7 +102,7 @@ _MODEL_PATHS = ("model.arch", "data.image_size")
 _MODEL_PREFIXES = ("model.kwargs.",)
 
 
-class _TuneModel(BaseModel):
+class _TuneModel(StrictBools):
     # Unknown keys are errors, as in every spec: `sampler: {nme: grid}` must not mean TPE. NaN
     # and infinity are never a setting (`budget: {usd: .inf}`, `choice: [.inf]`).
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
