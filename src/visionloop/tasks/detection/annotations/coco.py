@@ -47,6 +47,7 @@ from visionloop.tasks.detection.annotations.common import (
     Where,
     check_classes,
     choose_frame,
+    class_name_problem,
     load_json,
     number,
     read_header,
@@ -101,6 +102,14 @@ def _categories(
         if cid is None or not isinstance(name, str) or not name.strip():
             issues.add(
                 IssueReason.MALFORMED_ANNOTATION, where, f"category {short(cat)} needs an id and a name"
+            )
+            continue
+        problem = class_name_problem(name.strip())
+        if problem is not None:  # its annotations are then unknown_class, each named
+            issues.add(
+                IssueReason.MALFORMED_ANNOTATION,
+                where,
+                f"category {short(cid)}'s name {short(name)} {problem}; rename it",
             )
             continue
         if cid in named:

@@ -27,6 +27,7 @@ import os
 import re
 import reprlib
 import struct
+import unicodedata
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ MAX_XML_BYTES = 8 * 1024 * 1024
 MAX_TXT_BYTES = 16 * 1024 * 1024
 MAX_CLASSES = 100_000
 MAX_ID_CHARS = 200  # ids and names quoted in messages are cut to this
+MAX_CLASS_NAME_CHARS = 256  # a class name (`class_name_problem`)
 
 # Clipping by at most this many pixels is float noise (YOLO's 6 decimals, percent values):
 # the box is clipped without an issue. A side shorter than this is zero.
@@ -164,6 +166,17 @@ def number(value: object) -> float | None:
 # Paths inside the source
 
 
+def _encodable(name: str) -> bool:
+    """Whether `name` can be a file name here. JSON's `\\ud800` is a lone surrogate no file
+    system encoding takes: realpath and stat raise UnicodeEncodeError on it, which would end
+    the whole read for one image's bad path."""
+    try:
+        os.fsencode(name)
+    except UnicodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     reason: IssueReason
@@ -190,7 +203,7 @@ class SourceRoot:
         """The file `given` names, relative to `base` (a folder inside the root; default the
         root), or why it is refused. Does not check that it exists (see `existing`)."""
         name = given.replace("\\", "/").strip()
-        if not name or "\x00" in name:
+        if not name or "\x00" in name or not _encodable(name):
             return Refusal(IssueReason.MALFORMED_ANNOTATION, f"image path {short(given)} is empty or invalid")
         if name.startswith("/") or re.match(r"^[A-Za-z]:/", name) or "://" in name:
             return Refusal(
@@ -215,11 +228,30 @@ class SourceRoot:
                 f"folder {self.root}; not followed",
             )
         if not Path(real).is_file():
+            if os.path.lexists(real):  # a FIFO, folder or device: say so, not "does not exist"
+                return Refusal(
+                    IssueReason.UNREADABLE_IMAGE,
+                    f"image {short(given)} is not a regular file (a folder, FIFO or device); "
+                    "replace it with the image file",
+                )
             return Refusal(
                 IssueReason.MISSING_IMAGE,
                 f"image {short(given)} does not exist under {self.root}; add it or remove its annotations",
             )
         return path
+
+    def linked_outside(self, path: Path, what: str) -> Refusal | None:
+        """A refusal when the annotation file `path` (found in, or named by, the source) is a
+        symbolic link, or under one, to a file outside the root. Such a file is not read: its
+        lines would be quoted into rejected.jsonl (a list linked to /etc/passwd) or its
+        names taken as classes, from a file the source does not hold."""
+        if self.inside(os.path.realpath(path)):
+            return None
+        return Refusal(
+            IssueReason.LINK_OUTSIDE_SOURCE,
+            f"{what} {self.rel(path)} is a symbolic link (or under one) to a file outside the source "
+            f"folder {self.root}; not read, copy the file into the source instead",
+        )
 
     def image(self, given: str, base: Path | None = None) -> Path | Refusal:
         path = self.resolve(given, base)
@@ -402,11 +434,28 @@ class ImageBoxes:
         return DetectionSample(image, rel, width, height, self.boxes, self.labels, self.difficult, split)
 
 
+def class_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a class name (None: it can). A class name goes into the manifest,
+    the model card, every served answer and the CLI's tables: a lone surrogate (JSON's
+    `\\ud800`) cannot be written as UTF-8 and failed ingest only at its very end, control
+    characters (ESC, newline) rewrite the terminal that prints it, and the file's size limit
+    is no limit on one name."""
+    if len(name) > MAX_CLASS_NAME_CHARS:
+        return f"is longer than {MAX_CLASS_NAME_CHARS} characters"
+    if any(unicodedata.category(c) in ("Cc", "Cs") for c in name):
+        return "has control characters or unpaired surrogates"
+    return None
+
+
 def check_classes(classes: list[str], path: Path) -> list[str]:
     if not classes:
         raise DataError(f"{path} names no classes; a detection source needs at least one class.")
     if len(classes) > MAX_CLASSES:
         raise DataError(f"{path} names {len(classes):,} classes, over the limit of {MAX_CLASSES:,}.")
+    for name in classes:  # the readers leave such names out item by item; this is the backstop
+        problem = class_name_problem(name)
+        if problem is not None:
+            raise DataError(f"{path}: the class name {short(name)} {problem}; rename the class.")
     seen: set[str] = set()
     for name in classes:
         if name in seen:

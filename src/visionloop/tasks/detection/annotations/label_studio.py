@@ -35,6 +35,7 @@ from urllib.parse import quote, unquote, urlsplit
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
 from visionloop.tasks.detection.annotations.common import (
+    MAX_ID_CHARS,
     Header,
     ImageBoxes,
     Images,
@@ -43,6 +44,7 @@ from visionloop.tasks.detection.annotations.common import (
     Where,
     check_classes,
     choose_frame,
+    class_name_problem,
     load_json,
     number,
     short,
@@ -58,6 +60,7 @@ Expected Label Studio's JSON export (Export → JSON), a list of tasks:
       "rotation": 0, "rectanglelabels": ["dog"]}}]}]}]"""
 
 _UPLOAD_PREFIX = re.compile(r"^[0-9a-f]{8}-(.+)$")
+MAX_KINDS_SHOWN = 10  # result types named in the warning about ignored results
 
 
 @dataclass(slots=True)
@@ -75,6 +78,14 @@ class _Task:
     header: Header
     where: Where
     rects: list[_Rect] = field(default_factory=list)
+
+
+def _shown(value: object) -> str:
+    """A value of the file (an id, a type) for a message: as written when it is a short
+    printable string, else `short`'s repr (quoted, escaped, cut)."""
+    if isinstance(value, str) and value.isprintable() and len(value) <= MAX_ID_CHARS:
+        return value
+    return short(value)
 
 
 def _image_ref(data: object) -> str | None:
@@ -115,7 +126,17 @@ class _Reader:
         return self._by_name
 
     def _find(self, ref: str, where: Where, dropped: int) -> tuple[Path, str, Header] | None:
-        parts = urlsplit(ref)
+        try:
+            parts = urlsplit(ref)
+        except ValueError as e:  # `http://[x/a.jpg` (IPv6 brackets), NFKC-unsafe host: one task, not the file
+            lost = f"; its {dropped} box(es) are left out" if dropped else ""
+            self.issues.add(
+                IssueReason.MALFORMED_ANNOTATION,
+                where,
+                f"image {short(ref)} is not a URL or path that can be read ({e}){lost}; "
+                "fix it in Label Studio",
+            )
+            return None
         query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
         if "d" in query:
             found = self.root.image(unquote(query["d"]))
@@ -188,7 +209,14 @@ class _Reader:
                 self.issues.add(IssueReason.MALFORMED_ANNOTATION, where, "annotation has no `result` list")
                 continue
             rects = [r for r in result if isinstance(r, dict) and r.get("type") == "rectanglelabels"]
-            skipped.update(str(r.get("type")) for r in result if isinstance(r, dict) and r not in rects)
+            # Counted by type, not by `r not in rects`: that list search compares whole dicts, a
+            # million boxes on one image took hours, and deep values there hit the recursion limit.
+            # The type is shortened: it is the file's text and goes into a warning.
+            skipped.update(
+                _shown(r.get("type"))
+                for r in result
+                if isinstance(r, dict) and r.get("type") != "rectanglelabels"
+            )
             opened = self._find(ref, where, len(rects))
             if opened is None:
                 continue
@@ -203,16 +231,22 @@ class _Reader:
             seen[rel] = where.annotation or ""
             parsed = _Task(image, rel, header, where)
             for i, r in enumerate(rects):
-                self._rect(
-                    parsed, r, Where(self.file, rel, annotation=f"{where.annotation} result {r.get('id', i)}")
-                )
+                # The result's id is the file's text: shortened, or one huge id is copied into
+                # the message of every issue of that result.
+                rid = _shown(r["id"]) if "id" in r else str(i)
+                self._rect(parsed, r, Where(self.file, rel, annotation=f"{where.annotation} result {rid}"))
             tasks.append(parsed)
         if extra:
             self.warnings.append(f"{extra} other annotation(s) of tasks with several were passed over")
         if unlabelled:
             self.warnings.append(f"{unlabelled} task(s) without a (non-cancelled) annotation were not read")
         if skipped:
-            kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(skipped.items()))
+            # At most MAX_KINDS_SHOWN kinds: a file can give every result a type of its own.
+            common = sorted(skipped.most_common(MAX_KINDS_SHOWN), key=lambda kc: kc[0])
+            kinds = ", ".join(f"{count} {kind}" for kind, count in common)
+            if len(skipped) > MAX_KINDS_SHOWN:
+                others = sum(skipped.values()) - sum(count for _, count in common)
+                kinds += f" and {others} result(s) of {len(skipped) - MAX_KINDS_SHOWN} other type(s)"
             self.warnings.append(f"result(s) other than rectanglelabels ignored: {kinds}")
         return self._build(tasks)
 
@@ -256,6 +290,10 @@ class _Reader:
                 self.issues.add(
                     IssueReason.MALFORMED_ANNOTATION, where, f"label {short(label)} is not a name"
                 )
+                continue
+            problem = class_name_problem(label.strip())
+            if problem is not None:  # one box's bad label must not refuse the whole export
+                self.issues.add(IssueReason.MALFORMED_ANNOTATION, where, f"label {short(label)} {problem}")
                 continue
             task.rects.append(_Rect(label.strip(), (x, y, bw, bh), declared, where))
 

@@ -58,6 +58,7 @@ from visionloop.tasks.detection.annotations.common import (
     Where,
     check_classes,
     choose_frame,
+    class_name_problem,
     decode_text,
     number,
     read_capped,
@@ -132,6 +133,10 @@ class _Reader:
             if not txt.is_file():
                 continue
             file = self.root.rel(txt)
+            outside = self.root.linked_outside(txt, "split list")  # read only inside the source
+            if outside is not None:
+                self.issues.add(outside.reason, Where(file), outside.message)
+                continue
             try:
                 text = decode_text(read_capped(txt, MAX_TXT_BYTES, "an ImageSets list"), txt)
             except AnnotationFileError as e:
@@ -154,6 +159,11 @@ class _Reader:
     def _parse(self, xml: Path) -> _Parsed | None:
         file = self.root.rel(xml)
         where = Where(file)
+        # An XML (or Annotations/ itself) linked to a file outside the source is not read.
+        outside = self.root.linked_outside(xml, "VOC annotation")
+        if outside is not None:
+            self.issues.add(outside.reason, where, f"{outside.message}; its image is left out")
+            return None
         try:
             data = read_capped(xml, MAX_XML_BYTES, "a VOC annotation")
             root = parse_xml(data)
@@ -208,6 +218,10 @@ class _Reader:
                     at,
                     "needs a <name> and a <bndbox> with numeric xmin, ymin, xmax, ymax",
                 )
+                continue
+            problem = class_name_problem(label)
+            if problem is not None:  # one object's bad name must not refuse the whole folder
+                self.issues.add(IssueReason.MALFORMED_ANNOTATION, at, f"<name> {short(label)} {problem}")
                 continue
             x1, y1, x2, y2 = (float(c) for c in coords if c is not None)
             parsed.objects.append(

@@ -200,6 +200,11 @@ class _Reader:
 
     def _from_list(self, txt: Path) -> list[Path]:
         file = self.root.rel(txt)
+        # `resolve` kept the name inside the root; a link must not lead out of it either.
+        outside = self.root.linked_outside(txt, "image list")
+        if outside is not None:
+            self.issues.add(outside.reason, Where(file), outside.message)
+            return []
         try:
             text = decode_text(read_capped(txt, MAX_TXT_BYTES, "an image list"), txt)
         except AnnotationFileError as e:
