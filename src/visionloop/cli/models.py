@@ -50,7 +50,10 @@ def _accuracy(info: ModelVersionInfo) -> str:
     except Exception:  # a version without a readable card still lists
         metric = "accuracy"
     value = info.tags.get(f"visionloop.metric.{metric}")
-    return f"{metric} {float(value):.2%}" if value else "-"
+    try:
+        return f"{metric} {float(value):.2%}" if value else "-"
+    except ValueError:  # a tag edited by hand (the MLflow UI) into something not a number
+        return "-"
 
 
 @app.command("register")
@@ -203,7 +206,8 @@ def show_cmd(
         for ev in evals:
             ece = _num(ev["ece"], ".4f")
             if ev["ece_after"] is not None:
-                ece += f" → {ev['ece_after']:.4f}"
+                # _num: an eval report edited by hand can hold a string here, which `:.4f` raised on.
+                ece += f" → {_num(ev['ece_after'], '.4f')}"
             table.add_row(
                 str(ev["created_at"]),
                 escape(f"{ev['dataset']} [{ev['split']}]"),
@@ -252,11 +256,16 @@ def _eval_summary(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pct(value: Any) -> str:
-    return f"{value:.2%}" if isinstance(value, int | float) else "-"
+    return _num(value, ".2%")
 
 
 def _num(value: Any, fmt: str) -> str:
-    return format(value, fmt) if isinstance(value, int | float) else "-"
+    if not isinstance(value, int | float):
+        return "-"
+    try:
+        return format(value, fmt)
+    except OverflowError:  # a 400-digit integer in a hand-edited report has no float format
+        return "-"
 
 
 def _size(value: Any) -> str:

@@ -98,7 +98,9 @@ def export_model(
     split, reader = ds.eval_split()
     positions = list(range(len(reader) if max_samples is None else min(max_samples, len(reader))))
     task = ds.task
-    model = task.export_module(task.load_model(card, info.weights)).eval()
+    # verified_weights: the file must be the one registered, or the export would carry this
+    # version's name and weights_sha256 metadata for other weights.
+    model = task.export_module(task.load_model(card, info.verified_weights())).eval()
     # The task's parity limits for this precision (DEFAULT_PARITY holds a classifier's).
     default_diff, default_agree = task.parity_limits.get(
         precision, (DEFAULT_PARITY[precision].max_abs_diff, DEFAULT_PARITY[precision].min_top1_agreement)

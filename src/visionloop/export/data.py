@@ -75,6 +75,9 @@ def open_model_dataset(info: ModelVersionInfo, dataset: Path | None = None) -> M
     """The dataset `info` was trained on (or `dataset`, which must be the same version)."""
     card = info.card()
     recorded = info.lineage().get("dataset_path")
+    # Only a string is a path: a hand-edited lineage.json holding a number or a list here made
+    # Path() raise TypeError past the CLI.
+    recorded = recorded if isinstance(recorded, str) else None
     path = Path(dataset) if dataset is not None else Path(recorded) if recorded else None
     if path is None:
         raise DataError(

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from visionloop import __version__
 from visionloop.core.errors import NotFoundError, VisionloopError
-from visionloop.core.fsutil import atomic_write_text
+from visionloop.core.fsutil import atomic_write_text, open_regular
 from visionloop.data.manifest import DatasetManifest
 from visionloop.models import registry
 from visionloop.models.registry import Interpolation, ModelDefaults, model_defaults
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 MODEL_CARD_NAME = "model_card.json"
 CARD_FORMAT_VERSION = 1
+# A card is a few kB (class names are most of it); a dataset manifest, which also lists the
+# classes, is capped at the same size.
+MAX_CARD_BYTES = 4 * 2**20
 
 
 class ModelCardError(VisionloopError):
@@ -257,6 +260,10 @@ class ModelCard(BaseModel):
             raise ValueError(
                 f"mean and std need {c} values (one per input channel), got {self.mean} and {self.std}"
             )
+        # NaN passes `s <= 0` (every comparison with NaN is false) and JSON readers accept NaN
+        # and Infinity: a hand-edited card would normalise every image to NaN.
+        if not all(math.isfinite(x) for x in (*self.mean, *self.std)):
+            raise ValueError(f"mean and std must be finite numbers, got {self.mean} and {self.std}")
         if any(s <= 0 for s in self.std):
             raise ValueError(f"std values must be > 0, got {self.std}")
         return self
@@ -329,16 +336,30 @@ class ModelCard(BaseModel):
     def load(cls, path: Path) -> ModelCard:
         """Read and validate a card (a file, or a directory holding `model_card.json`)."""
         path = _card_path(path)
-        if not path.is_file():
+        if not path.exists():  # a FIFO or folder exists, and open_regular names it below
             raise NotFoundError(
                 f"no model card at {path}. A model folder holds {MODEL_CARD_NAME} beside its weights; "
                 "point at the folder of a trained model (train writes one with every model)."
             )
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            # open_regular: a FIFO in the card's place must not hang the reader; the size cap
+            # and the errors below cover what a hand-edited card can do to json.loads.
+            with open_regular(path) as f:
+                data = f.read(MAX_CARD_BYTES + 1)
+            if len(data) > MAX_CARD_BYTES:
+                raise ModelCardError(
+                    f"{path} is over {MAX_CARD_BYTES // 2**20} MiB, far more than a model card holds; "
+                    "restore it from the run's artifacts."
+                )
+            raw = json.loads(data.decode("utf-8"))
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON, a 5000-digit number
+            why = str(e).split("; use sys.set_int_max_str_digits")[0]  # advice for programmers only
             raise ModelCardError(
-                f"{path} cannot be read as JSON ({e}); restore it from the run's artifacts."
+                f"{path} cannot be read as JSON ({why}); restore it from the run's artifacts."
+            ) from e
+        except RecursionError as e:
+            raise ModelCardError(
+                f"{path} cannot be read as JSON (it nests too deeply); restore it from the run's artifacts."
             ) from e
         version = raw.get("format_version") if isinstance(raw, dict) else None
         if isinstance(version, int) and version > CARD_FORMAT_VERSION:

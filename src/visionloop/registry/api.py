@@ -9,7 +9,6 @@ renderings of these functions.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +33,7 @@ from visionloop.registry.layout import (
     ModelRef,
     check_alias,
     check_name,
+    check_version,
     export_dir,
     model_dir,
     parse_ref,
@@ -76,11 +76,35 @@ class ModelVersionInfo:
     def weights(self) -> Path:
         return self.dir / WEIGHTS_FILE
 
-    def lineage(self) -> dict[str, Any]:
-        path = self.dir / LINEAGE_FILE
+    def verified_weights(self) -> Path:
+        """The weights file, checked against the sha256 recorded at registration: a file
+        replaced by hand (another run's weights, a link, a folder) would otherwise be
+        exported under this version's name and lineage."""
+        path = self.weights
+        again = (
+            f"Restore it, or register the run again (`visionloop models register RUN --name {self.name}`)."
+        )
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
+            sha = files.sha256_file(path)
+        except FileNotFoundError as e:
+            raise RegistryError(f"{path} is missing: {self.ref} has no weights. {again}") from e
+        except OSError as e:
+            raise RegistryError(f"{self.ref}'s weights cannot be read: {e}. {again}") from e
+        registered = self.tags.get(rstore.WEIGHTS_SHA_TAG)
+        if registered and sha != registered:
+            raise RegistryError(
+                f"{path} is not the file registered as {self.ref} (sha256 {sha[:16]}..., registered "
+                f"{registered[:16]}...): it was changed or replaced after registration. {again}"
+            )
+        return path
+
+    def lineage(self) -> dict[str, Any]:
+        """lineage.json; {} when it is missing or unusable (readers show '-' for its fields).
+        files.read_json: a FIFO, a huge, non-UTF-8 or too deeply nested file reads as {}
+        instead of hanging or raising past the CLI."""
+        try:
+            raw = files.read_json(self.dir / LINEAGE_FILE)
+        except (OSError, files.UnreadableFileError):
             return {}
         return raw if isinstance(raw, dict) else {}
 
@@ -172,6 +196,8 @@ def register(
     """Register the finished run `run` (a run directory, a run name under <home>/runs, or an
     MLflow run) as a new version of `name` (default: the run directory's name)."""
     settings = settings or load_settings()
+    if name is not None:
+        check_name(name)  # a bad --name is named before the run is looked for
     src = runsource.load_run(run, settings)
     name = check_name(name or src.run_dir.name)
     root = model_dir(settings.home, name)
@@ -298,6 +324,10 @@ def get_version(ref: str | ModelRef, settings: Settings | None = None) -> ModelV
     """The version `ref` names: NAME (the champion, else the newest), NAME@ALIAS or NAME/VERSION."""
     settings = settings or load_settings()
     ref = parse_ref(ref) if isinstance(ref, str) else ref
+    if ref.version is not None:
+        # A ModelRef built in code (set_alias, the CLI's VERSION argument) skips parse_ref's
+        # check; 10**30 would otherwise reach SQLite and read as a tracking-store failure.
+        check_version(ref.version)
     c = rstore.client(settings)
     try:
         alias_map = _alias_map(c, ref.name, settings)
@@ -433,6 +463,10 @@ def set_alias(
     target = get_version(ModelRef(check_name(name), version=version), settings)
     root = model_dir(settings.home, name)
     with files.model_lock(root):
+        # Read the history before the alias moves: an unreadable one used to fail only after
+        # MLflow had moved the alias, so the command reported an error for a change it had made,
+        # and the change was missing from the history that rollback goes by.
+        history.read_history(root / ALIAS_HISTORY_FILE)
         c = rstore.client(settings)
         try:
             previous = _alias_map(c, name, settings).get(alias)
@@ -474,6 +508,7 @@ def unset_alias(
         )
     root = model_dir(settings.home, check_name(name))
     with files.model_lock(root):
+        history.read_history(root / ALIAS_HISTORY_FILE)  # unreadable: refuse before anything moves
         c = rstore.client(settings)
         try:
             current = _alias_map(c, name, settings).get(alias)

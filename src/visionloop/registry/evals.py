@@ -5,12 +5,12 @@ layout, so that the server and `models show` read it without importing the evalu
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import DataError
+from visionloop.registry.files import UnreadableFileError, read_json
 
 EVALS_DIR = "evals"
 REPORT_FILE = "eval.json"
@@ -21,10 +21,12 @@ def read_temperature(version_dir: Path) -> float | None:
     """The temperature stored with a model version by `visionloop eval`, or None."""
     path = version_dir / CALIBRATION_FILE
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        # read_json: a FIFO here would hang the inference server's start; deep nesting would
+        # raise RecursionError past this message.
+        doc = read_json(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, UnreadableFileError) as e:
         raise DataError(f"{path} is unreadable ({e}); delete it and run `visionloop eval` again.") from e
     t = doc.get("temperature") if isinstance(doc, dict) else None
     if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
@@ -38,8 +40,8 @@ def list_evals(version_dir: Path) -> list[dict[str, Any]]:
     out = []
     for path in sorted(root.glob(f"*/{REPORT_FILE}")) if root.is_dir() else []:
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            doc = read_json(path)  # a FIFO used to hang `models show`
+        except (OSError, UnreadableFileError):
             continue
         if isinstance(doc, dict):
             doc["path"] = str(path)

@@ -13,6 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from visionloop.core.fsutil import open_regular
+
+# A report is about 1 kB.
+MAX_REPORT_BYTES = 1 * 2**20
 Precision = Literal["fp32", "fp16", "int8"]
 Format = Literal["onnx"]
 
@@ -76,7 +80,13 @@ class ExportReport(BaseModel):
 def read_export_report(path: Path) -> ExportReport | None:
     """The record at `path`; None when it is missing, unreadable or not a valid record."""
     try:
-        return ExportReport.model_validate_json(path.read_bytes())
+        # open_regular and a cap: a FIFO as export.json used to hang `models show`, the server
+        # and bench, all of which ask whether an export passed.
+        with open_regular(path) as f:
+            data = f.read(MAX_REPORT_BYTES + 1)
+        if len(data) > MAX_REPORT_BYTES:
+            return None
+        return ExportReport.model_validate_json(data)
     except (OSError, ValidationError):
         return None
 

@@ -6,20 +6,59 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from visionloop.core.fsutil import UMASK, fsync_dir
+from visionloop.core.fsutil import UMASK, NotRegularFileError, fsync_dir, open_regular
 
 _CHUNK = 1 << 20
+# Ceilings for the small JSON files beside a version (lineage, alias history, export and eval
+# reports, run.json): far above what visionloop writes, far below what would exhaust memory.
+MAX_JSON_BYTES = 16 * 2**20
+
+
+class UnreadableFileError(Exception):
+    """A small JSON file that cannot be used; str() names the file and what is wrong with it.
+    Callers turn it into their own error, or into "absent" where a file is optional."""
+
+
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON document in `path`, read with a limit on everything that could run away.
+
+    FileNotFoundError passes through (the caller decides what a missing file means); anything
+    else wrong raises UnreadableFileError: a FIFO or device (open_regular: never waits on a
+    writer), a file over `max_bytes`, bytes that are not UTF-8 JSON, a number past Python's
+    4300-digit limit, nesting too deep to parse (RecursionError).
+    """
+    try:
+        with open_regular(path) as f:
+            data = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise
+    except NotRegularFileError as e:
+        raise UnreadableFileError(str(e)) from e  # "<path> is a FIFO (named pipe), not a ..."
+    except OSError as e:
+        raise UnreadableFileError(f"{path}: {e.strerror or e}") from e
+    if len(data) > max_bytes:
+        raise UnreadableFileError(f"{path} is over {max_bytes // 2**20} MiB, far more than it should hold")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, a 5000-digit number
+        why = str(e).split("; use sys.set_int_max_str_digits")[0]  # advice for programmers only
+        raise UnreadableFileError(f"{path} cannot be read as UTF-8 JSON ({why})") from e
+    except RecursionError as e:
+        raise UnreadableFileError(f"{path} nests too deeply to be read") from e
 
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    # open_regular: a weights file swapped for a FIFO must not hang the registration.
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()

@@ -8,7 +8,6 @@ the model lock, so concurrent changes are never lost.
 from __future__ import annotations
 
 import getpass
-import json
 import os
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from visionloop.core.errors import VisionloopError
 from visionloop.core.fsutil import atomic_write_text
+from visionloop.registry.files import UnreadableFileError, read_json
 
 
 class AliasEvent(BaseModel):
@@ -55,13 +55,20 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+# Thousands of alias changes with their gate decisions fit with room to spare.
+MAX_HISTORY_BYTES = 64 * 2**20
+
+
 def read_history(path: Path) -> list[AliasEvent]:
-    if not path.is_file():
-        return []
+    # files.read_json: a FIFO (it used to read as "no history", then be replaced), a folder,
+    # bytes that are not UTF-8, a 5000-digit number or deep nesting used to escape as a
+    # traceback or hang; each is now this one error.
     try:
-        raw: Any = json.loads(path.read_text(encoding="utf-8"))
+        raw: Any = read_json(path, MAX_HISTORY_BYTES)
         return _EVENTS.validate_python(raw)
-    except (OSError, json.JSONDecodeError, ValidationError) as e:
+    except FileNotFoundError:
+        return []
+    except (UnreadableFileError, ValidationError) as e:
         raise VisionloopError(
             f"{path} (the alias history) is unreadable: {e}. Move it aside to start a new history; "
             "the aliases themselves are safe in the MLflow registry."

@@ -42,6 +42,11 @@ ALIAS_HISTORY_FILE = "alias_history.json"
 # MLflow allows more, but a name is also a folder name and a URL path segment.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+# ASCII digits only: str.isdigit() also takes '²' (int() then raises) and '٣' (read as 3).
+_VERSION = re.compile(r"[0-9]{1,20}")  # past MAX_VERSION: check_version says so
+# MLflow stores a version in an SQL INTEGER; a larger number is refused here, by name, rather
+# than by SQLite as an overflow the store error would blame on the tracking store.
+MAX_VERSION = 2**31 - 1
 
 
 class ModelRefError(VisionloopError):
@@ -64,19 +69,26 @@ class ModelRef:
         return self.name
 
 
+def _shown(text: str) -> str:
+    """`text` quoted for an error message, cut short: a 100 kB argument is not echoed whole."""
+    return repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text)} characters)"
+
+
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    # fullmatch: `$` also matches before a final newline, which let "digits\n" through as a
+    # model (and folder) name of its own.
+    if not _NAME.fullmatch(name):
         raise ModelRefError(
-            f"model name {name!r} is not usable: use 1-128 letters, digits, '_', '.', '-', "
+            f"model name {_shown(name)} is not usable: use 1-128 letters, digits, '_', '.', '-', "
             "starting with a letter or digit (e.g. digits-cnn)."
         )
     return name
 
 
 def check_alias(alias: str) -> str:
-    if not _ALIAS.match(alias) or (alias.lower().startswith("v") and alias[1:].isdigit()):
+    if not _ALIAS.fullmatch(alias) or (alias.lower().startswith("v") and alias[1:].isdigit()):
         raise ModelRefError(
-            f"alias {alias!r} is not usable: use 1-64 letters, digits, '_', '-', starting with a "
+            f"alias {_shown(alias)} is not usable: use 1-64 letters, digits, '_', '-', starting with a "
             "letter, and not of the form v<number> (e.g. champion, challenger)."
         )
     return alias
@@ -90,12 +102,24 @@ def parse_ref(text: str) -> ModelRef:
         return ModelRef(check_name(name), alias=check_alias(alias))
     if "/" in text:
         name, _, version = text.partition("/")
-        if not version.isdigit() or int(version) < 1:
+        check_name(name)
+        if not _VERSION.fullmatch(version) or int(version) < 1:
             raise ModelRefError(
-                f"{text!r}: the version after '/' must be a positive whole number, e.g. {name}/3."
+                f"{_shown(text)}: the version after '/' must be a positive whole number, e.g. {name}/3."
             )
-        return ModelRef(check_name(name), version=int(version))
+        return ModelRef(name, version=check_version(int(version)))
     return ModelRef(check_name(text))
+
+
+def check_version(version: int) -> int:
+    if not 1 <= version <= MAX_VERSION:
+        raise ModelRefError(
+            # (a huge int is not printed: str() of one past 4300 digits raises)
+            f"version {version if abs(version) < 10**12 else '(a number that large)'} "
+            f"does not exist: a version is a whole number from 1 to {MAX_VERSION}; "
+            "`visionloop models show NAME` lists the versions."
+        )
+    return version
 
 
 def models_root(home: Path) -> Path:
