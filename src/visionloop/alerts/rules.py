@@ -206,12 +206,15 @@ def load_config(path: Path | None, home: Path) -> AlertConfig:
     """The config at `path` (an error if it is missing), else `<home>/alerts.toml` if it
     exists, else the defaults. The webhook URL from VISIONLOOP_ALERTS_WEBHOOK wins over the
     file's."""
-    if path is not None and not Path(path).is_file():
+    # exists(), not is_file(): a FIFO, device or folder there is refused by _read_text ("is a
+    # FIFO"), not taken for a missing file (which for the home's meant every rule silently
+    # back at its defaults, and for --config advice to `init` over it).
+    if path is not None and not Path(path).exists():
         raise ConfigError(
             f"no alert config at {path}. Write one with `visionloop alerts init --config {path}`."
         )
     chosen = Path(path) if path is not None else default_path(home)
-    config = _read(chosen) if chosen.is_file() else AlertConfig()
+    config = _read(chosen) if chosen.exists() else AlertConfig()
     env_url = os.environ.get(WEBHOOK_ENV, "").strip()
     if env_url:
         config = dataclasses.replace(
@@ -251,6 +254,8 @@ def _read(path: Path) -> AlertConfig:
         raise ConfigError(f"{path} is not valid TOML: {e}. Fix it, or remove it for the defaults.") from e
     except (ValueError, RecursionError) as e:  # TOML: a 5000-digit number, nesting 1000 deep
         why = str(e).split("; use sys.set_int_max_str_digits")[0]  # advice for programmers only
+        if isinstance(e, RecursionError):
+            why = "it nests too deeply"  # not Python's "maximum recursion depth exceeded"
         raise ConfigError(
             f"{path} is not valid TOML: {why or type(e).__name__}. Fix it, or remove it for the defaults."
         ) from e
@@ -283,8 +288,9 @@ def parse_config(doc: Any, where: str = "alert config") -> AlertConfig:
     rules_doc = _table(doc.get("rules", {}), "rules", where)
     for name in rules_doc:
         if name not in RULE_NAMES:
+            # str(): YAML keys can be numbers or null, and difflib would raise TypeError on them.
             raise ConfigError(
-                f"{where}: there is no rule [rules.{name}]{_did_you_mean(name, RULE_NAMES)}. "
+                f"{where}: there is no rule [rules.{str(name)[:64]}]{_did_you_mean(str(name), RULE_NAMES)}. "
                 f"The rules are: {', '.join(RULE_NAMES)}."
             )
     built: dict[str, Any] = {
@@ -333,7 +339,7 @@ def _value(value: Any, f: dataclasses.Field[Any], key: str, where: str) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
 
     def bad(what: str, got: Any = value, at: str = key) -> ConfigError:
-        return ConfigError(f"{where}: {at} must be {what}, got {got!r}. Write e.g. {example}")
+        return ConfigError(f"{where}: {at} must be {what}, got {_cut(got)}. Write e.g. {example}")
 
     if kind == "bool":
         if not isinstance(value, bool):
@@ -354,13 +360,19 @@ def _value(value: Any, f: dataclasses.Field[Any], key: str, where: str) -> Any:
             # Named to the model, with its own value: "rules.accuracy.models.digits ... got 1.5".
             floors[str(k)] = _number(v, False, meta, partial(bad, got=v, at=f"{key}.{k}"))
         return floors
+    # Printable: a NUL in cluster_config made every later check of it answer "no such file"
+    # (pathlib's exists() is False for it), so alerts priced GPU time from the default config.
     if kind.startswith("tuple"):
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        if not isinstance(value, list) or not all(
+            isinstance(v, str) and v and v.isprintable() for v in value
+        ):
             raise bad("a list of strings")
         return tuple(value)
     if kind.startswith("str |"):  # an optional string: a path or a secret URL
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: {key} must be a non-empty string. Write e.g. {example}")
+        if not isinstance(value, str) or not value or not value.isprintable():
+            raise ConfigError(
+                f"{where}: {key} must be a non-empty string of printable characters. Write e.g. {example}"
+            )
         return value
     raise AssertionError(f"unhandled config type {kind} of {key}")  # a bug, not a user error
 
@@ -373,16 +385,29 @@ def _number(value: Any, integer: bool, meta: Mapping[str, Any], bad: Callable[[s
         bounds = f" >= {low:g}" if low is not None else ""
     what = ("an integer" if integer else "a number") + bounds
     ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok_type or not math.isfinite(value):
+    if isinstance(value, bool) or not ok_type or not _finite(value):
         raise bad(what)
     if (low is not None and value < low) or (high is not None and value > high):
         raise bad(what)
     return int(value) if integer else float(value)
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float: math.isfinite(10**400) raises
+        return False
+
+
+def _cut(value: Any, limit: int = 80) -> str:
+    """`repr(value)` cut short: `rules = [0, 1, ..., 99999]` must not come back as a 600 KB message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _table(raw: Any, table: str, where: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: {table} must be a table, e.g. [{table}], got {raw!r}.")
+        raise ConfigError(f"{where}: {table} must be a table, e.g. [{table}], got {_cut(raw)}.")
     return raw
 
 
@@ -390,7 +415,7 @@ def _known(raw: Mapping[str, Any], known: tuple[str, ...], where: str, table: st
     for key in raw:
         if key not in known:
             raise ConfigError(
-                f"{where}: {table} has no key {key!r}{_did_you_mean(str(key), known)}. "
+                f"{where}: {table} has no key {_cut(key)}{_did_you_mean(str(key), known)}. "
                 f"Its keys are: {', '.join(known)}."
             )
 

@@ -120,6 +120,19 @@ def up(
     if (warning := open_home_warning(settings.home)) is not None:
         err.print(warning, soft_wrap=True)
     config_path = (config or settings.home / "cluster.toml").expanduser().resolve()
+    if (
+        config is not None
+        and not config_path.exists()
+        and config_path != (settings.home / "cluster.toml").resolve()
+    ):
+        # A mistyped --config would otherwise start the one-machine default (every GPU to one
+        # team) without a word. The home's cluster.toml may be missing: that is the default.
+        from visionloop.core.errors import ConfigError
+
+        raise ConfigError(
+            f"no cluster config at {config_path}; check the path given to --config, or leave it out "
+            "for <home>/cluster.toml (the one-machine default when that is missing)."
+        )
     db_url = server.resolve_db_url(db, db_url_file)
     if detach:
         url = server.detach(settings, config_path, db_url, host, port)

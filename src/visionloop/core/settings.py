@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import ConfigError
-from visionloop.core.fsutil import ensure_private_dir
+from visionloop.core.fsutil import NotRegularFileError, ensure_private_dir, open_regular
 
 DEFAULT_HOME = Path("~/.visionloop")
 _KNOWN_KEYS = {"home", "tracking_uri", "experiment"}
@@ -24,6 +24,8 @@ _KNOWN_KEYS = {"home", "tracking_uri", "experiment"}
 # (`data add` bills a new version's labelled images at it unless --cost-per-image says otherwise).
 _PRICES_KEY = "labelling_cost_per_image"
 MAX_PRICE_PER_IMAGE = 1000.0
+# A visionloop.toml is a few lines: one past this is not one, and is not read into memory.
+MAX_SETTINGS_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,31 @@ def open_home_warning(home: Path) -> str | None:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    fix = "Fix the file or remove it."
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        # A regular file only (a FIFO would hang every command, /dev/zero never ends), read
+        # to a limit: this runs at the start of nearly every command.
+        with open_regular(path) as f:
+            raw = f.read(MAX_SETTINGS_BYTES + 1)
+    except NotRegularFileError as e:
+        raise ConfigError(f"{path} {(e.strerror or '').split(';')[0]}. {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}. {fix}") from None
+    if len(raw) > MAX_SETTINGS_BYTES:
+        raise ConfigError(
+            f"{path} is larger than {MAX_SETTINGS_BYTES // 1024} KiB, too large for settings. {fix}"
+        )
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e}); save it as UTF-8.") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}. Fix the file or remove it.") from e
+        raise ConfigError(f"{path} is not valid TOML: {e}. {fix}") from e
+    except RecursionError:  # tomllib recurses per level of `[[[[...]]]]`
+        raise ConfigError(f"{path} is not valid TOML: it nests too deeply. {fix}") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        why = str(e).split("; use sys.set_int_max_str_digits")[0]
+        raise ConfigError(f"{path} is not valid TOML: {why}. {fix}") from None
     section = data.get("visionloop", data)
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: expected a [visionloop] table, e.g.\n[visionloop]\nhome = '/data/vl'")
@@ -98,9 +120,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
             f"{path}: unknown setting(s) {sorted(unknown)}; known settings are "
             f"{sorted(_KNOWN_KEYS | {_PRICES_KEY})}."
         )
-    not_text = sorted(k for k, v in section.items() if not isinstance(v, str) or not v)
+    # Printable: a NUL in `home` crashed every command with "embedded null byte", and a newline
+    # or escape in a URI ends up in logs and terminals.
+    not_text = sorted(
+        k for k, v in section.items() if not isinstance(v, str) or not v.strip() or not v.isprintable()
+    )
     if not_text:
-        raise ConfigError(f'{path}: {", ".join(not_text)} must be non-empty strings, e.g. home = "/data/vl".')
+        raise ConfigError(
+            f"{path}: {', '.join(not_text)} must be non-empty strings of printable characters, "
+            'e.g. home = "/data/vl".'
+        )
     if prices is not None:
         section[_PRICES_KEY] = _prices(path, prices)
     return section
@@ -123,16 +152,47 @@ def _prices(path: Path, table: Any) -> dict[str, float]:
     return {str(k): float(v) for k, v in table.items()}
 
 
+def _home(path: Path, source: str) -> Path:
+    """The home, resolved; a ConfigError naming where it came from (`source`) when it cannot be
+    one: a file, FIFO or device where the folder should be (every command would otherwise
+    fail later with "Not a directory: .../runs", or read nothing and start from scratch), a
+    symbolic-link loop, a path too long or with characters the system refuses."""
+    example = (
+        "e.g. VISIONLOOP_HOME=~/.visionloop"
+        if source.startswith("VISIONLOOP_HOME")
+        else 'e.g. home = "/data/vl"'
+    ) + " (it is created if missing)"
+    try:
+        home = path.expanduser().resolve()
+        if home.exists() and not home.is_dir():
+            raise ConfigError(
+                f"{source}: {home} is not a folder; the visionloop home must be one. Point it at a "
+                f"folder, {example}."
+            )
+    except (OSError, RuntimeError, ValueError) as e:  # RuntimeError: a symlink loop (3.11)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:200]  # not a 4 KiB path again
+        raise ConfigError(f"{source}: cannot use it as the visionloop home ({why}); {example}.") from None
+    return home
+
+
 def load_settings(cwd: Path | None = None) -> Settings:
     """Resolve settings from the environment and visionloop.toml files."""
     cwd = cwd or Path.cwd()
     env_home = os.environ.get("VISIONLOOP_HOME")
     local = cwd / "visionloop.toml"
-    local_values = _read_toml(local) if local.is_file() else {}
-    home = Path(env_home or local_values.get("home") or DEFAULT_HOME).expanduser().resolve()
+    # exists(), not is_file(): a FIFO or device named visionloop.toml is refused (by
+    # _read_toml), not silently taken for "no settings here".
+    local_values = _read_toml(local) if local.exists() else {}
+    if env_home:
+        home_from = f"VISIONLOOP_HOME={env_home if len(env_home) <= 200 else env_home[:197] + '...'}"
+    elif "home" in local_values:
+        home_from = f"home in {local}"
+    else:
+        home_from = "the default home"
+    home = _home(Path(env_home or local_values.get("home") or DEFAULT_HOME), home_from)
     # The home's own file has the lowest precedence: the working directory's file wins.
     home_file = home / "visionloop.toml"
-    file_values = _read_toml(home_file) if home_file.is_file() and home_file != local.resolve() else {}
+    file_values = _read_toml(home_file) if home_file.exists() and home_file != local.resolve() else {}
     file_values.update(local_values)
     tracking_uri = (
         os.environ.get("VISIONLOOP_TRACKING_URI")

@@ -94,14 +94,16 @@ from __future__ import annotations
 import re
 import tomllib
 import urllib.parse
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from visionloop.core.errors import ConfigError
+from visionloop.core.fsutil import NotRegularFileError, open_regular
 from visionloop.sched.config_scheduler import SchedulerTimings, parse_scheduler
-from visionloop.sched.config_values import number, where, whole_number
+from visionloop.sched.config_values import MAX_GPUS, number, shown, where, whole_number
 from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
 
 DEFAULT_TEAM = "default"
@@ -109,6 +111,16 @@ DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"  # Ray's dashboard on a head node 
 EXECUTOR_KINDS = ("local", "ray")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RAY_PREFIX = re.compile(r"[a-z0-9][a-z0-9-]*")  # as RayExecutor checks it
+# ASCII only: str.isalnum() also takes "²", "٣" and look-alikes such as a Cyrillic "е", which
+# make two teams (or nodes) that print the same, and a name typed decomposed (e + U+0301)
+# would be refused where the composed one passed.
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# A cluster.toml is a page or two; a file past this is not one (and is not read into memory).
+MAX_CONFIG_BYTES = 1024 * 1024
+# Ranks go to the job store's 32-bit INTEGER column with every job; beyond this is a typo.
+MAX_RANK = 1_000_000
+# Fair-share weights are ratios: past this, sums of them stop being meaningful floats.
+MAX_WEIGHT = 1_000_000.0
 
 
 @dataclass(frozen=True)
@@ -179,12 +191,19 @@ def _executor(section: Any, path: Path | None) -> ExecutorConfig:
     d = ExecutorConfig()
     address = section.get("address", d.address)
     url = urllib.parse.urlsplit(address) if isinstance(address, str) else None
-    if url is None or url.scheme not in ("http", "https") or not url.hostname:
+    if (
+        url is None
+        or url.scheme not in ("http", "https")
+        or not url.hostname
+        # urlsplit keeps NUL, spaces and control characters in the host; HTTP cannot send them.
+        or any(c.isspace() or not c.isprintable() for c in address)
+        or not _port_ok(url)
+    ):
         hint = ""
         if url is not None and url.scheme == "ray":
             hint = " (ray:// is the Ray Client's address; visionloop uses the job submission API)"
         raise ConfigError(
-            f"{where(path, 'executor.address')} must be the Ray dashboard's URL, got {address!r}{hint}; "
+            f"{where(path, 'executor.address')} must be the Ray dashboard's URL, got {shown(address)}{hint}; "
             'e.g. address = "http://HEAD:8265" (8265 is the dashboard port, not the GCS port 6379).'
         )
     prefix = section.get("prefix", d.prefix)
@@ -201,6 +220,15 @@ def _executor(section: Any, path: Path | None) -> ExecutorConfig:
     )
 
 
+def _port_ok(url: urllib.parse.SplitResult) -> bool:
+    """Whether the URL's port (if any) is a port: `url.port` raises ValueError for 99999."""
+    try:
+        url.port  # noqa: B018 - read for its check
+    except ValueError:
+        return False
+    return True
+
+
 def _known(entry: Mapping[str, Any], what: str, keys: tuple[str, ...], path: Path | None) -> None:
     unknown = set(entry) - set(keys)
     if unknown:
@@ -211,19 +239,22 @@ def _known(entry: Mapping[str, Any], what: str, keys: tuple[str, ...], path: Pat
         )
 
 
-def _name(v: Any, what: str, path: Path | None) -> str:
-    if not isinstance(v, str) or not v or not all(c.isalnum() or c in "-_." for c in v) or len(v) > 64:
+def _name(v: Any, what: str, path: Path | None, example: str = 'name = "detection"') -> str:
+    if not isinstance(v, str) or not _NAME.fullmatch(v):
         raise ConfigError(
-            f"{where(path, what)} must be a name of letters, digits, '-', '_' or '.', got {v!r}."
+            f"{where(path, what)} must be a name of 1 to 64 ASCII letters, digits, '-', '_' or '.', "
+            f"got {shown(v)} (e.g. {example})."
         )
     return v
 
 
 def _roots(v: Any, what: str, path: Path | None) -> tuple[Path, ...]:
     example = 'allowed_roots = ["/data/detection"]'
-    if not isinstance(v, list) or not v or not all(isinstance(r, str) and r for r in v):
+    # No NUL: Path() takes it, and the first check of a job's paths would then fail with
+    # "embedded null byte" inside the API instead of here.
+    if not isinstance(v, list) or not v or not all(isinstance(r, str) and r and "\0" not in r for r in v):
         raise ConfigError(
-            f"{where(path, what)} must be a non-empty list of folders, got {v!r} (e.g. {example})."
+            f"{where(path, what)} must be a non-empty list of folders, got {shown(v)} (e.g. {example})."
         )
     roots = tuple(Path(r).expanduser() for r in v)
     relative = [str(r) for r in roots if not r.is_absolute()]
@@ -245,7 +276,7 @@ def _jobs(section: Any, path: Path | None) -> tuple[tuple[Path, ...] | None, tup
     if not isinstance(names, list) or not all(isinstance(n, str) and _ENV_NAME.fullmatch(n) for n in names):
         raise ConfigError(
             f"{where(path, 'jobs.env_allow')} must be a list of environment variable names, got "
-            f'{names!r} (e.g. env_allow = ["HF_HOME", "WANDB_MODE"]).'
+            f'{shown(names)} (e.g. env_allow = ["HF_HOME", "WANDB_MODE"]).'
         )
     return roots, tuple(dict.fromkeys(names))
 
@@ -273,18 +304,21 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
             raise ConfigError(
                 f"{where(path, '[priorities]')} must map class names to ranks, e.g. high = 100."
             )
-        priorities = {_name(k, "priorities", path): whole_number(raw, k, None, path, 50) for k in raw}
+        priorities = {
+            _name(k, "priorities", path, "batch = 30"): whole_number(raw, k, None, path, 50, maximum=MAX_RANK)
+            for k in raw
+        }
     allowed_roots, env_allow = _jobs(doc.get("jobs", {}), path)
     teams: list[Team] = []
     team_roots: dict[str, tuple[Path, ...]] = {}
-    for entry in doc.get("teams", []):
+    for entry in _tables(doc, "teams", 'name = "detection"', path):
         if not isinstance(entry, dict):
             raise ConfigError(f"{where(path, '[[teams]]')} entries must be tables with a name.")
         _known(entry, "[[teams]]", ("name", "nominal_gpus", "borrow_limit", "weight", "allowed_roots"), path)
-        weight = number(entry, "weight", 1.0, path, minimum=0.001)
+        weight = number(entry, "weight", 1.0, path, minimum=0.001, maximum=MAX_WEIGHT)
         teams.append(
             Team(
-                name=_name(entry.get("name"), "teams.name", path),
+                name=_name(entry.get("name"), "teams.name", path, 'name = "detection"'),
                 nominal_gpus=whole_number(entry, "nominal_gpus", 0, path, 2),
                 borrow_limit=whole_number(entry, "borrow_limit", 0, path, 2),
                 weight=weight,
@@ -292,32 +326,53 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
         )
         if "allowed_roots" in entry:
             team_roots[teams[-1].name] = _roots(entry["allowed_roots"], "teams.allowed_roots", path)
-    if len({t.name for t in teams}) != len(teams):
-        raise ConfigError(f"{where(path, '[[teams]]')}: a team is listed twice.")
+    twice = sorted(name for name, n in Counter(t.name for t in teams).items() if n > 1)
+    if twice:
+        # Named: with dozens of teams, "a team is listed twice" leaves the admin to search.
+        raise ConfigError(
+            f"{where(path, '[[teams]]')}: {shown(twice)} listed more than once; merge each into one "
+            "[[teams]] table."
+        )
     inventory: list[Gpu] | None = None
     if "inventory" in doc:
         inventory = []
-        for entry in doc["inventory"]:
+        on_node: Counter[str] = Counter()  # GPUs listed so far per node: the next one's index
+        for entry in _tables(doc, "inventory", "count = 2", path):
             if not isinstance(entry, dict):
                 raise ConfigError(f"{where(path, '[[inventory]]')} entries must be tables, e.g. count = 2.")
             _known(entry, "[[inventory]]", ("node", "type", "count", "price_class"), path)
-            node = _name(entry.get("node", "local"), "inventory.node", path)
-            gpu_type = _name(entry.get("type", "fake"), "inventory.type", path)
+            node = _name(entry.get("node", "local"), "inventory.node", path, 'node = "gpu-1"')
+            gpu_type = _name(entry.get("type", "fake"), "inventory.type", path, 'type = "A100-80GB"')
             price_class = entry.get("price_class", "owned")
             if price_class not in get_args(PriceClass):
                 raise ConfigError(
                     f"{where(path, 'inventory.price_class')} must be one of {list(get_args(PriceClass))}, "
                     f"got {price_class!r}."
                 )
-            start = sum(1 for g in inventory if g.node == node)
-            for i in range(whole_number(entry, "count", 1, path, 4)):
+            # Counted as we go, not summed over the inventory per entry: 45,000 one-GPU entries
+            # (630 KB) took 19 s that way.
+            start = on_node[node]
+            count = whole_number(entry, "count", 1, path, 4)
+            # Checked before a Gpu is built: `count = 1000000000` would otherwise fill memory
+            # (and every cycle would walk them) before anything said a word.
+            if len(inventory) + count > MAX_GPUS:
+                raise ConfigError(
+                    f"{where(path, '[[inventory]]')} lists more than {MAX_GPUS} GPUs (the limit of one "
+                    "inventory); check each entry's count, e.g. count = 4."
+                )
+            for i in range(count):
                 inventory.append(
                     Gpu(id=f"{node}/{start + i}", node=node, type=gpu_type, price_class=price_class)
                 )
+            on_node[node] += count
     prices = None
     if "prices" in doc:
-        if not isinstance(doc["prices"], str):
-            raise ConfigError(f'{where(path, "prices")} must be a path, e.g. prices = "prices.toml".')
+        # Not empty: "" is the config's own folder, which then fails as "a folder" far from here.
+        if not isinstance(doc["prices"], str) or not doc["prices"].strip() or "\0" in doc["prices"]:
+            raise ConfigError(
+                f"{where(path, 'prices')} must be the path of a TOML file, got {shown(doc['prices'])} "
+                '(e.g. prices = "prices.toml"); remove the key for the shipped catalog.'
+            )
         prices = Path(doc["prices"]).expanduser()
         if path is not None and not prices.is_absolute():
             prices = path.parent / prices
@@ -335,13 +390,46 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
     )
 
 
+def _tables(doc: Mapping[str, Any], key: str, example: str, path: Path | None) -> list[Any]:
+    """`[[key]]`'s entries. A `[key]` table (one bracket) or `key = "..."` would otherwise be
+    iterated for its keys or characters, and the error would blame entries that do not exist."""
+    v = doc.get(key, [])
+    if not isinstance(v, list):
+        raise ConfigError(
+            f"{where(path, key)} must be a list of [[{key}]] tables (two brackets), got {shown(v)}; "
+            f"e.g.\n[[{key}]]\n{example}"
+        )
+    return v
+
+
 def load_cluster_config(path: Path) -> ClusterConfig:
     """Read `path`; a missing file gives the one-machine default."""
-    if not path.is_file():
+    # exists(), not is_file(): a FIFO, device or folder named cluster.toml is refused below
+    # (open_regular), not silently read as "no config" (all GPUs to one default team).
+    if not path.exists():
         return ClusterConfig()
+    hint = "Fix it, or remove it for the defaults."
     try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
+        with open_regular(path) as f:  # a FIFO would block, /dev/zero never ends
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except NotRegularFileError as e:
+        raise ConfigError(f"cluster config {path} {(e.strerror or '').split(';')[0]}. {hint}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the cluster config {path}: {e.strerror or e}.") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"cluster config {path} is larger than {MAX_CONFIG_BYTES // 1024} KiB, too large to be one; "
+            f"check that --config names the right file. {hint}"
+        )
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cluster config {path} is not UTF-8 text ({e}); save it as UTF-8.") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}. Fix it, or remove it for the defaults.") from e
+        raise ConfigError(f"{path} is not valid TOML: {e}. {hint}") from e
+    except RecursionError:  # tomllib recurses per level: `x = [[[[...]]]]` 1000 deep
+        raise ConfigError(f"{path} is not valid TOML: it nests too deeply. {hint}") from None
+    except ValueError as e:  # a number of more than 4300 digits
+        why = str(e).split("; use sys.set_int_max_str_digits")[0]  # advice for programmers only
+        raise ConfigError(f"{path} is not valid TOML: {why}. {hint}") from None
     return parse_cluster_config(doc, path)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from visionloop.core.errors import ConfigError
-from visionloop.sched.config_values import number, where
+from visionloop.sched.config_values import number, shown, where
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,12 @@ class SchedulerTimings:
 
 def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerTimings:
     d = SchedulerTimings()
+    if not isinstance(section, dict):
+        # A string would be read as its characters ("unknown keys ['c', 'y']"), "" or [] crash.
+        raise ConfigError(
+            f"{where(path, '[scheduler]')} must be a table, got {shown(section)}; "
+            "e.g.\n[scheduler]\ncycle_s = 2.0"
+        )
     unknown = set(section) - {
         "cycle_s",
         "grace_s",
@@ -64,18 +70,20 @@ def parse_scheduler(section: Mapping[str, Any], path: Path | None) -> SchedulerT
         "reservation_tenants",
     }
     if unknown:
-        raise ConfigError(f"{where(path, '[scheduler]')} has unknown keys {sorted(unknown)}.")
+        raise ConfigError(
+            f"{where(path, '[scheduler]')} has unknown keys {shown(sorted(map(str, unknown)), 200)}."
+        )
     order = section.get("order", d.order)
     if order not in ("las", "fifo", "srpt"):
         raise ConfigError(
-            f'{where(path, "scheduler.order")} must be "las", "srpt" or "fifo", got {order!r} '
+            f'{where(path, "scheduler.order")} must be "las", "srpt" or "fifo", got {shown(order)} '
             '(e.g. order = "srpt").'
         )
     victims = section.get("victim_order", d.victim_order)
     if victims not in ("least_lost", "smallest"):
         raise ConfigError(
-            f'{where(path, "scheduler.victim_order")} must be "least_lost" or "smallest", got {victims!r} '
-            '(e.g. victim_order = "smallest").'
+            f'{where(path, "scheduler.victim_order")} must be "least_lost" or "smallest", '
+            f'got {shown(victims)} (e.g. victim_order = "smallest").'
         )
     easy = flag(section, "easy_backfill", d.easy_backfill, path)
     tenants = flag(section, "reservation_tenants", d.reservation_tenants, path)

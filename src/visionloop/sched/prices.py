@@ -9,7 +9,6 @@ producing a silently wrong bill later.
 
 from __future__ import annotations
 
-import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,12 +16,16 @@ from pathlib import Path
 
 from visionloop.core.catalogs import read_catalog
 from visionloop.core.errors import ConfigError
+from visionloop.sched.config_values import is_finite, shown
 from visionloop.sched.view import PriceClass
 
 PRICE_CLASSES: tuple[PriceClass, ...] = ("owned", "on_demand", "spot")
 DEFAULT_CATALOG = "visionloop/assets/prices.toml (shipped with visionloop)"
 
 _EXAMPLE = '[gpus."A100-80GB"]\nowned = 0.95\non_demand = 3.43\nspot = 1.65'
+# The dearest GPU-hour on any cloud is tens of dollars; past this a value is a typo (3430 for
+# 3.43) or hostile, and 1e300 x a job's GPU-seconds overflows the bill to inf.
+MAX_PER_GPU_HOUR = 10_000.0
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,26 @@ def load_catalog(path: Path | None = None) -> PriceCatalog:
     return parse_catalog(text, DEFAULT_CATALOG if path is None else str(path))
 
 
+def _price(value: object) -> bool:
+    # is_finite, not math.isfinite: that raises OverflowError on a 400-digit TOML integer.
+    return is_finite(value) and 0 <= value <= MAX_PER_GPU_HOUR
+
+
 def parse_catalog(text: str, source: str) -> PriceCatalog:
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(
             f"price catalog {source} is not valid TOML ({e}); a valid entry:\n{_EXAMPLE}"
+        ) from None
+    except RecursionError:  # tomllib recurses per level: `x = [[[[...]]]]` 1000 deep
+        raise ConfigError(
+            f"price catalog {source} is not valid TOML (it nests too deeply); a valid entry:\n{_EXAMPLE}"
+        ) from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        why = str(e).split("; use sys.set_int_max_str_digits")[0]
+        raise ConfigError(
+            f"price catalog {source} is not valid TOML ({why}); a valid entry:\n{_EXAMPLE}"
         ) from None
     gpus = doc.get("gpus")
     unknown = sorted(set(doc) - {"gpus"})
@@ -96,15 +113,10 @@ def parse_catalog(text: str, source: str) -> PriceCatalog:
             if cls not in table:
                 raise ConfigError(f"{where}: missing key {cls!r} (USD per GPU-hour), e.g.\n{example}")
             value = table[cls]
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value < 0
-            ):
+            if not _price(value):
                 raise ConfigError(
-                    f"{where}: {cls} = {value!r} is not a price; give USD per GPU-hour as a number "
-                    f">= 0, e.g.\n{example}"
+                    f"{where}: {cls} = {shown(value)} is not a price; give USD per GPU-hour as a number "
+                    f"from 0 to {MAX_PER_GPU_HOUR:g}, e.g.\n{example}"
                 )
             row[cls] = float(value)
         prices[gpu_type] = row

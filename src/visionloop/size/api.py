@@ -37,7 +37,9 @@ def device_catalog(path: Path | None, settings: Settings) -> DeviceCatalog:
     """`path`, else `$VISIONLOOP_HOME/devices.toml` when it exists, else the shipped catalog."""
     if path is None:
         home_file = settings.home / HOME_CATALOG
-        path = home_file if home_file.is_file() else None
+        # exists(), not is_file(): a FIFO, device or folder named devices.toml is refused by
+        # load_devices, not silently swapped for the shipped catalog (another set of figures).
+        path = home_file if home_file.exists() else None
     return load_devices(path)
 
 

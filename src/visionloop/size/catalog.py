@@ -14,16 +14,20 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from visionloop.core.catalogs import read_catalog
 from visionloop.core.errors import ConfigError
+from visionloop.sched.config_values import shown  # a 400-digit number is not echoed whole
 
 DEFAULT_CATALOG = "visionloop/assets/devices.toml (shipped with visionloop)"
 # Where `visionloop size` looks for a user's catalog when --catalog is not given.
 HOME_CATALOG = "devices.toml"
 # A starting assumption (see devices.toml): convnet training sustains about 20% of peak.
 DEFAULT_SUSTAINED_FRACTION = 0.2
+# No device comes near a billion TFLOPS, GiB or GB/s; past this a figure is a typo, and 1e300
+# x 1e12 (TFLOPS to FLOPS) is inf, which then ranks the device first at zero seconds.
+MAX_FIGURE = 1e9
 
 ComputePrecision = Literal["fp32", "tf32", "bf16", "fp16", "int8"]
 _PEAK_KEYS: dict[ComputePrecision, str] = {
@@ -104,8 +108,13 @@ def load_devices(path: Path | None = None) -> DeviceCatalog:
     return parse_devices(text, DEFAULT_CATALOG if path is None else str(path))
 
 
-def _number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+def _number(value: object) -> TypeGuard[int | float]:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # a TOML integer too large for a float: math.isfinite(10**400) raises
+        return False
 
 
 def parse_devices(text: str, source: str) -> DeviceCatalog:
@@ -114,6 +123,15 @@ def parse_devices(text: str, source: str) -> DeviceCatalog:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(
             f"device catalog {source} is not valid TOML ({e}); a valid entry:\n{_EXAMPLE}"
+        ) from None
+    except RecursionError:  # tomllib recurses per level: `x = [[[[...]]]]` 1000 deep
+        raise ConfigError(
+            f"device catalog {source} is not valid TOML (it nests too deeply); a valid entry:\n{_EXAMPLE}"
+        ) from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        why = str(e).split("; use sys.set_int_max_str_digits")[0]
+        raise ConfigError(
+            f"device catalog {source} is not valid TOML ({why}); a valid entry:\n{_EXAMPLE}"
         ) from None
     unknown = sorted(set(doc) - {"devices", "sustained_fraction"})
     if unknown:
@@ -124,7 +142,7 @@ def parse_devices(text: str, source: str) -> DeviceCatalog:
     default_fraction = doc.get("sustained_fraction", DEFAULT_SUSTAINED_FRACTION)
     if not _number(default_fraction) or not 0 < default_fraction <= 1:
         raise ConfigError(
-            f"device catalog {source}: sustained_fraction = {default_fraction!r} must be a number in "
+            f"device catalog {source}: sustained_fraction = {shown(default_fraction)} must be a number in "
             "(0, 1], the share of peak a training run sustains, e.g. sustained_fraction = 0.2"
         )
     tables = doc.get("devices")
@@ -169,16 +187,17 @@ def _parse_device(name: str, table: object, source: str, default_fraction: float
         if key not in table:
             continue
         value = table[key]
-        if not _number(value) or value <= 0:
+        if not _number(value) or not 0 < value <= MAX_FIGURE:
             raise ConfigError(
-                f"{where}: {key} = {value!r} is not a figure; give a number > 0 (leave an optional "
+                f"{where}: {key} = {shown(value)} is not a figure; give a number > 0 and at most "
+                f"{MAX_FIGURE:g} (leave an optional "
                 f"precision out when the device has no units for it), e.g.\n{example}"
             )
         figures[key] = float(value)
     fraction = table.get("sustained_fraction", default_fraction)
     if not _number(fraction) or not 0 < fraction <= 1:
         raise ConfigError(
-            f"{where}: sustained_fraction = {fraction!r} must be a number in (0, 1], "
+            f"{where}: sustained_fraction = {shown(fraction)} must be a number in (0, 1], "
             + "e.g. sustained_fraction = 0.2"
         )
     names = table.get("nvml_names", [])
