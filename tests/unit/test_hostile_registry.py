@@ -236,6 +236,17 @@ def test_a_card_with_non_finite_normalisation_is_refused(tmp_path: Path, field: 
         ModelCard.load(path)
 
 
+@pytest.mark.parametrize("size", [[3, 1_000_000, 1_000_000], [100, 32, 32]])
+def test_a_card_asking_for_an_absurd_input_is_refused(tmp_path: Path, size: list[int]) -> None:
+    # export, bench and serve allocate batches of input_size: a hand edit must not ask for terabytes.
+    path = _card().save(tmp_path / "model_card.json")
+    doc = json.loads(path.read_text())
+    doc["input_size"] = size
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ModelCardError, match=r"input_size must be at most \(16, 4096, 4096\)"):
+        ModelCard.load(path)
+
+
 # --------------------------------------------------------------------------- versions and aliases
 
 

@@ -195,6 +195,12 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+# The largest input a card may declare (`input_size`): the train spec's image_size limit, and
+# more channels than any camera gives.
+MAX_INPUT_SIDE = 4096
+MAX_INPUT_CHANNELS = 16
+
+
 class ModelCard(BaseModel):
     # protected_namespaces=(): `model_kwargs` is our field, not pydantic's `model_` API.
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -256,6 +262,13 @@ class ModelCard(BaseModel):
         c = self.input_size[0]
         if min(self.input_size) < 1:
             raise ValueError(f"input_size must be positive (C, H, W), got {self.input_size}")
+        # The export, bench and server allocate batches of this size: a hand-edited card with
+        # a million pixels a side asked for terabytes. A train spec's image_size is at most 4096.
+        if c > MAX_INPUT_CHANNELS or max(self.input_size[1:]) > MAX_INPUT_SIDE:
+            raise ValueError(
+                f"input_size must be at most ({MAX_INPUT_CHANNELS}, {MAX_INPUT_SIDE}, {MAX_INPUT_SIDE}) "
+                f"(C, H, W), got {self.input_size}"
+            )
         if len(self.mean) != c or len(self.std) != c:
             raise ValueError(
                 f"mean and std need {c} values (one per input channel), got {self.mean} and {self.std}"
