@@ -12,7 +12,9 @@ import pytest
 from visionloop.core.errors import SpecError
 from visionloop.specs import TrialFields
 from visionloop.tasks import get_task
-from visionloop.tune.spec import Choice, LogUniform, load_tune_spec, validate_tune_spec, with_params
+from visionloop.tune.dimensions import Choice, LogUniform
+from visionloop.tune.space_checks import with_params
+from visionloop.tune.spec import load_tune_spec, validate_tune_spec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tune" / "detection.yaml"
 

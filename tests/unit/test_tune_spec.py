@@ -10,15 +10,9 @@ import pytest
 
 from visionloop.core.errors import SpecError
 from visionloop.specs import JobSpec, TrainSpec
-from visionloop.tune.spec import (
-    Choice,
-    FloatRange,
-    IntRange,
-    LogUniform,
-    load_tune_spec,
-    rung_epochs,
-    validate_tune_spec,
-)
+from visionloop.tune.dimensions import Choice, FloatRange, IntRange, LogUniform
+from visionloop.tune.space_checks import rung_epochs
+from visionloop.tune.spec import load_tune_spec, validate_tune_spec
 
 TRAIN: dict[str, Any] = {
     "data": {"dataset": "ds", "batch_size": 32, "image_size": 32},

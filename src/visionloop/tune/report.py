@@ -28,7 +28,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.core.settings import Settings
-from visionloop.tune.spec import rung_epochs as spec_rung_epochs
+from visionloop.tune.space_checks import rung_epochs as spec_rung_epochs
 from visionloop.tune.study import METRIC_ATTR, TUNE_ATTR
 from visionloop.tune.tracking import PARENT_RUN_ATTR, STUDY_TAG, TRIAL_TAG
 from visionloop.tune.tuner import END_ATTR, JOB_ATTR

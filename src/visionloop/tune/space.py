@@ -20,17 +20,10 @@ from pydantic import ValidationError
 
 from visionloop.core.errors import SpecError
 from visionloop.specs import TrainSpec, format_validation_error
+from visionloop.tune.dimensions import AnyDimension, Choice, FloatRange, IntRange, LogUniform, Uniform
 from visionloop.tune.rung_tpe import RungTPESampler
-from visionloop.tune.spec import (
-    AnyDimension,
-    Choice,
-    FloatRange,
-    IntRange,
-    LogUniform,
-    TuneSpec,
-    Uniform,
-    with_params,
-)
+from visionloop.tune.space_checks import with_params
+from visionloop.tune.spec import TuneSpec
 
 
 def suggest(trial: optuna.trial.BaseTrial, space: Mapping[str, AnyDimension]) -> dict[str, Any]:

@@ -21,32 +21,21 @@ This module imports neither Optuna nor torch (torch only for a space that touche
 
 from __future__ import annotations
 
-import copy
 import difflib
-import itertools
 import logging
-import math
-from collections.abc import Iterator, Mapping
-from decimal import Decimal
+from collections.abc import Mapping
 from pathlib import Path
-from types import NoneType, UnionType
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
 from visionloop.core.errors import SpecError
 from visionloop.core.safeyaml import load_untrusted
-from visionloop.core.strictbools import StrictBools
 from visionloop.specs import (
     MAX_SEED,
     JobFields,
@@ -64,269 +53,35 @@ from visionloop.specs import (
     yaml_inline,
 )
 from visionloop.tasks.registry import get_task
+from visionloop.tune.dimensions import (
+    DISTRIBUTION_EXAMPLES,
+    KIND_CLASSES,
+    Dimension,
+    TuneModel,
+)
+from visionloop.tune.space_checks import (
+    pruner_problems,
+    rung_epochs,
+    sampler_problems,
+    space_problems,
+)
 
 if TYPE_CHECKING:
-    from visionloop.tasks.base import Task
+    pass
 
 log = logging.getLogger(__name__)
-
-DISTRIBUTIONS = ("loguniform", "uniform", "int", "float", "choice")
-# A space entry of each distribution, for error messages.
-DISTRIBUTION_EXAMPLES = {
-    "loguniform": "optimizer.lr: {loguniform: [1.0e-4, 0.1]}",
-    "uniform": "optimizer.weight_decay: {uniform: [0.0, 0.1]}",
-    "int": "data.batch_size: {int: [16, 128], step: 16}",
-    "float": "optimizer.momentum: {float: [0.8, 0.95], step: 0.05}",
-    "choice": "model.arch: {choice: [small_cnn, resnet18]}",
-}
-# The shapes, for saying which distributions a field takes.
-DISTRIBUTION_FORMS = {
-    "loguniform": "{loguniform: [lo, hi]}",
-    "uniform": "{uniform: [lo, hi]}",
-    "int": "{int: [lo, hi], step: k}",
-    "float": "{float: [lo, hi], step: x}",
-    "choice": "{choice: [...]}",
-}
-# A grid larger than this is a mistake (a float range with a tiny step): GridSampler lists it.
-MAX_GRID_POINTS = 100_000
-# Up to this many corner combinations are validated together (catching fields that constrain
-# each other, such as warmup_steps and warmup_epochs); a larger space, one dimension at a time.
-MAX_CORNER_COMBINATIONS = 256
-MAX_MODEL_BUILDS = 32
-# Paths that decide what the objective and the model build are: never searched.
-_FIXED_PATHS = {"task": "the objective and the model depend on the task"}
-# The pruner's resource is the epoch, read at every evaluation: a space must not move them.
-_PRUNER_PATHS = ("epochs", "steps", "eval.every_epochs")
-# Paths whose values the task's build_model sees: a space over them is built on the meta device.
-_MODEL_PATHS = ("model.arch", "data.image_size")
-_MODEL_PREFIXES = ("model.kwargs.",)
-
-
-class _TuneModel(StrictBools):
-    # Unknown keys are errors, as in every spec: `sampler: {nme: grid}` must not mean TPE. NaN
-    # and infinity are never a setting (`budget: {usd: .inf}`, `choice: [.inf]`).
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
-
-
-# --------------------------------------------------------------------------- distributions
-
-
-def _check_range(lo: float, hi: float, *, log_scale: bool) -> tuple[float, float]:
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise ValueError("needs finite bounds")
-    if not lo < hi:
-        raise ValueError("needs low < high (a single value belongs in the train spec)")
-    if log_scale and lo <= 0:
-        raise ValueError("is on a log scale, so it needs 0 < low < high")
-    return lo, hi
-
-
-def _steps_between(lo: float, hi: float, step: float) -> int | None:
-    """How many steps from lo to hi, or None when hi is not lo plus a whole number of steps.
-    Decimal on the shortest repr: 0.3 - 0.1 is 2 steps of 0.1, not 1.9999999999999998."""
-    n = (Decimal(repr(hi)) - Decimal(repr(lo))) / Decimal(repr(step))
-    return int(n) if n == n.to_integral_value() else None
-
-
-class LogUniform(_TuneModel):
-    """A float between the bounds, sampled uniformly in log space."""
-
-    bounds: tuple[float, float] = Field(alias="loguniform", examples=[[1e-4, 1e-1]])
-
-    @field_validator("bounds")
-    @classmethod
-    def _bounds(cls, v: tuple[float, float]) -> tuple[float, float]:
-        return _check_range(*v, log_scale=True)
-
-    def corners(self) -> list[Any]:
-        return list(self.bounds)
-
-    def grid(self) -> list[Any] | None:
-        return None
-
-
-class Uniform(_TuneModel):
-    """A float between the bounds, sampled uniformly."""
-
-    bounds: tuple[float, float] = Field(alias="uniform", examples=[[0.0, 0.3]])
-
-    @field_validator("bounds")
-    @classmethod
-    def _bounds(cls, v: tuple[float, float]) -> tuple[float, float]:
-        return _check_range(*v, log_scale=False)
-
-    def corners(self) -> list[Any]:
-        return list(self.bounds)
-
-    def grid(self) -> list[Any] | None:
-        return None
-
-
-class IntRange(_TuneModel):
-    """An integer from low to high inclusive, every `step`; on a log scale with `log: true`."""
-
-    bounds: tuple[int, int] = Field(alias="int", examples=[[16, 128]])
-    step: int = Field(1, ge=1, examples=[16])
-    log: bool = Field(False, examples=[False])
-
-    @model_validator(mode="after")
-    def _check(self) -> IntRange:
-        lo, hi = _check_range(*self.bounds, log_scale=self.log)
-        if self.log and self.step != 1:
-            raise ValueError("takes log: true or a step, not both (Optuna samples log ranges with step 1)")
-        if (hi - lo) % self.step:
-            last = lo + (hi - lo) // self.step * self.step
-            raise ValueError(
-                f"[{lo}, {hi}] with step {self.step} would never reach {hi}; make high {last} "
-                f"or {last + self.step}"
-            )
-        return self
-
-    def corners(self) -> list[Any]:
-        return list(self.bounds)
-
-    def grid(self) -> list[Any] | None:
-        lo, hi = self.bounds
-        return list(range(lo, hi + 1, self.step))
-
-    def grid_size(self) -> int:
-        lo, hi = self.bounds
-        return (hi - lo) // self.step + 1
-
-
-class FloatRange(_TuneModel):
-    """A float from low to high, every `step` when given (then the grid sampler can take it);
-    on a log scale with `log: true`."""
-
-    bounds: tuple[float, float] = Field(alias="float", examples=[[0.0, 0.5]])
-    step: float | None = Field(None, gt=0.0, examples=[0.1])
-    log: bool = Field(False, examples=[False])
-
-    @model_validator(mode="after")
-    def _check(self) -> FloatRange:
-        lo, hi = _check_range(*self.bounds, log_scale=self.log)
-        if self.step is not None:
-            if self.log:
-                raise ValueError("takes log: true or a step, not both (Optuna allows only one)")
-            if _steps_between(lo, hi, self.step) is None:
-                raise ValueError(
-                    f"[{lo}, {hi}] with step {self.step} would never reach {hi}; make high low plus "
-                    "a whole number of steps"
-                )
-        return self
-
-    def corners(self) -> list[Any]:
-        return list(self.bounds)
-
-    def grid(self) -> list[Any] | None:
-        if self.step is None:
-            return None
-        lo, hi = self.bounds
-        n = _steps_between(lo, hi, self.step)
-        assert n is not None  # checked at validation
-        start, step = Decimal(repr(lo)), Decimal(repr(self.step))
-        return [float(start + k * step) for k in range(n + 1)]
-
-    def grid_size(self) -> int | None:
-        if self.step is None:
-            return None
-        n = _steps_between(*self.bounds, self.step)
-        return None if n is None else n + 1
-
-
-class Choice(_TuneModel):
-    """One of the listed values (null, true/false, numbers or strings)."""
-
-    values: list[Any] = Field(alias="choice", min_length=1, examples=[["small_cnn", "resnet18"]])
-
-    @field_validator("values")
-    @classmethod
-    def _scalars(cls, v: list[Any]) -> list[Any]:
-        for i, value in enumerate(v):
-            if value is not None and not isinstance(value, bool | int | float | str):
-                raise ValueError(
-                    f"value {i} is a {type(value).__name__}: Optuna stores a choice as it is, so the "
-                    "values must be null, true/false, numbers or strings"
-                )
-        seen: list[Any] = []
-        for value in v:
-            # 1 == 1.0 == True in Python: compare with the type, so [1, true] is two choices.
-            if any(type(value) is type(s) and value == s for s in seen):
-                raise ValueError(f"lists {value!r} twice; give each value once")
-            seen.append(value)
-        return v
-
-    def corners(self) -> list[Any]:
-        return list(self.values)
-
-    def grid(self) -> list[Any] | None:
-        return list(self.values)
-
-    def grid_size(self) -> int:
-        return len(self.values)
-
-
-def _distribution_of(value: Any) -> str | None:
-    if isinstance(value, Mapping):
-        kinds = [k for k in DISTRIBUTIONS if k in value]
-        return kinds[0] if len(kinds) == 1 else None
-    if isinstance(value, BaseModel):
-        for kind, cls in _KIND_CLASSES.items():
-            if isinstance(value, cls):
-                return kind
-    return None
-
-
-_KIND_CLASSES: dict[str, type[_TuneModel]] = {
-    "loguniform": LogUniform,
-    "uniform": Uniform,
-    "int": IntRange,
-    "float": FloatRange,
-    "choice": Choice,
-}
-
-Dimension = Annotated[
-    Annotated[LogUniform, Tag("loguniform")]
-    | Annotated[Uniform, Tag("uniform")]
-    | Annotated[IntRange, Tag("int")]
-    | Annotated[FloatRange, Tag("float")]
-    | Annotated[Choice, Tag("choice")],
-    Discriminator(
-        _distribution_of,
-        custom_error_type="distribution",
-        custom_error_message=(
-            "needs exactly one distribution: {loguniform: [lo, hi]}, {uniform: [lo, hi]}, "
-            "{int: [lo, hi], step: k, log: false}, {float: [lo, hi], step: x} or {choice: [...]}"
-        ),
-    ),
-]
-AnyDimension: TypeAlias = LogUniform | Uniform | IntRange | FloatRange | Choice
-
-
-def kind_of(dim: AnyDimension) -> str:
-    """The distribution's name as a spec writes it (`loguniform`, `int`, `choice`, ...)."""
-    kind = _distribution_of(dim)
-    assert kind is not None
-    return kind
-
-
-def grid_size(dim: AnyDimension) -> int | None:
-    """How many grid points the dimension has, or None for a continuous range."""
-    if isinstance(dim, LogUniform | Uniform):
-        return None
-    return dim.grid_size()
 
 
 # --------------------------------------------------------------------------- the other sections
 
 
-class ObjectiveSpec(_TuneModel):
+class ObjectiveSpec(TuneModel):
     # Defaults (filled in by TuneSpec): the task's primary metric and its direction.
     metric: str = Field(pattern=r"^val/[A-Za-z0-9_.\-/]{1,128}$", examples=["val/accuracy"])
     direction: Literal["max", "min"] = Field(examples=["max"])
 
 
-class SamplerSpec(_TuneModel):
+class SamplerSpec(TuneModel):
     name: Literal["tpe", "random", "grid", "cmaes"] = Field("tpe", examples=["tpe"])
     # Optuna's samplers take numpy's seeds, 0..2**32-1.
     seed: int | None = Field(
@@ -334,7 +89,7 @@ class SamplerSpec(_TuneModel):
     )
 
 
-class PrunerSpec(_TuneModel):
+class PrunerSpec(TuneModel):
     """When to stop a trial early. Rungs are in epochs: asynchronous successive halving (asha)
     and Hyperband judge a trial at min_epochs × reduction_factor^k epochs; median from
     min_epochs on, at every evaluation. A trial pauses at each rung through a checkpoint
@@ -370,7 +125,7 @@ class PrunerSpec(_TuneModel):
         return self.name == "asha" and self.promotion
 
 
-class BudgetSpec(_TuneModel):
+class BudgetSpec(TuneModel):
     """No new trial starts once the study has spent either."""
 
     gpu_hours: float | None = Field(None, gt=0.0, examples=[10])
@@ -386,7 +141,7 @@ class BudgetSpec(_TuneModel):
 # --------------------------------------------------------------------------- the tune spec
 
 
-class TuneSpec(_TuneModel):
+class TuneSpec(TuneModel):
     name: str = Field(
         pattern=r"^[A-Za-z][A-Za-z0-9_.\-]{0,99}$",
         examples=["digits-lr"],
@@ -436,9 +191,9 @@ class TuneSpec(_TuneModel):
     @model_validator(mode="after")
     def _consistent(self) -> TuneSpec:
         problems = [
-            *_space_problems(self),
-            *_sampler_problems(self),
-            *_pruner_problems(self),
+            *space_problems(self),
+            *sampler_problems(self),
+            *pruner_problems(self),
         ]
         if self.concurrency > self.trials:
             problems.append(
@@ -497,310 +252,6 @@ def _task_name(train: Any) -> str | None:
         name = train.get("task", TrainSpec.model_fields["task"].default)
         return name if isinstance(name, str) else None
     return None
-
-
-# --------------------------------------------------------------------------- space checks
-
-
-class _Leaf:
-    """What a space path names in the train spec: a typed field, or a key of a free mapping."""
-
-    def __init__(self, annotation: Any, *, free: bool) -> None:
-        self.annotation = annotation
-        self.free = free
-
-    def allowed(self) -> tuple[str, ...]:
-        """The distributions that can only produce values of this field's type."""
-        if self.free or self.annotation is float:
-            return DISTRIBUTIONS
-        if self.annotation is int:
-            return ("int", "choice")
-        return ("choice",)
-
-    def describe(self) -> str:
-        if self.annotation is int:
-            return "an integer field"
-        if self.annotation is bool:
-            return "a true/false field"
-        if get_origin(self.annotation) is Literal:
-            return "one of " + ", ".join(str(a) for a in get_args(self.annotation))
-        if get_origin(self.annotation) is tuple:
-            return "a pair of values"
-        return f"a {getattr(self.annotation, '__name__', 'non-numeric')} field"
-
-
-def _strip_optional(annotation: Any) -> Any:
-    if get_origin(annotation) in (Union, UnionType):
-        args = [a for a in get_args(annotation) if a is not NoneType]
-        if len(args) == 1:
-            return args[0]
-    return annotation
-
-
-def _is_model(obj: Any) -> bool:
-    return isinstance(obj, type) and issubclass(obj, BaseModel)
-
-
-def resolve_path(path: str) -> _Leaf:
-    """The train-spec field at the dotted `path`, or a SpecError saying what is there instead."""
-    parts = path.split(".")
-    if any(not p for p in parts):
-        raise SpecError(f"is not a dotted field path (e.g. optimizer.lr); got {path!r}")
-    model: type[BaseModel] = TrainSpec
-    for i, part in enumerate(parts):
-        where = ".".join(parts[:i]) or "the train spec"
-        field = model.model_fields.get(part)
-        if field is None:
-            known = list(model.model_fields)
-            close = difflib.get_close_matches(part, known, n=1)
-            hint = f" Did you mean `{close[0]}`?" if close else f" Its fields: {', '.join(known)}."
-            raise SpecError(f"{where} has no field `{part}`.{hint}")
-        annotation = _strip_optional(field.annotation)
-        rest = parts[i + 1 :]
-        here = ".".join(parts[: i + 1])
-        if _is_model(annotation):
-            if not rest:
-                example = next(iter(annotation.model_fields))
-                raise SpecError(f"`{here}` is a section; name a field in it (e.g. {here}.{example}).")
-            model = annotation
-            continue
-        if get_origin(annotation) is dict:
-            if not rest:
-                raise SpecError(f"`{here}` is a mapping; name a key in it (e.g. {here}.width).")
-            return _Leaf(Any, free=True)
-        if rest:
-            raise SpecError(f"`{here}` is a value, not a section, so it has no field `{rest[0]}`.")
-        return _Leaf(annotation, free=False)
-    raise AssertionError("unreachable: the loop returns or raises")
-
-
-def _space_problems(spec: TuneSpec) -> list[str]:
-    problems: list[str] = []
-    fine: dict[str, AnyDimension] = {}
-    pruning = spec.pruner.name != "none"
-    for path, dim in spec.space.items():
-        kind = kind_of(dim)
-        example = _path_example(path)
-        if path in _FIXED_PATHS:
-            why = _FIXED_PATHS[path]
-            problems.append(f"space.{path}: cannot be searched ({why}); fix it in the train spec.")
-            continue
-        if pruning and path in _PRUNER_PATHS:
-            problems.append(
-                f"space.{path}: cannot be searched while the {spec.pruner.name} pruner stops trials by "
-                f"epochs; fix it in the train spec, or set pruner: {{name: none}}."
-            )
-            continue
-        try:
-            leaf = resolve_path(path)
-        except SpecError as e:
-            problems.append(f"space.{path}: {e}{example}")
-            continue
-        if kind not in leaf.allowed():
-            ok = " or ".join(DISTRIBUTION_FORMS[k] for k in leaf.allowed() if k != "loguniform")
-            problems.append(
-                f"space.{path}: is {leaf.describe()}, so {kind} cannot sample it; use {ok}.{example}"
-            )
-            continue
-        fine[path] = dim
-    if not problems:
-        problems.extend(_corner_problems(spec.train, fine))
-    if not problems:
-        problems.extend(_model_problems(spec.train, fine))
-    return problems
-
-
-def _path_example(path: str) -> str:
-    """' Example: lr: 0.1', the train spec's own example of the field, when it has one."""
-    value = example_for(TrainSpec, path.split("."))
-    return f" Example value: {path}: {yaml_inline(value)}" if value is not None else ""
-
-
-def _set_path(doc: dict[str, Any], path: str, value: Any) -> None:
-    keys = path.split(".")
-    node = doc
-    for key in keys[:-1]:
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            raise SpecError(f"{path}: `{key}` is a value in the train spec, not a section.")
-        node = child
-    node[keys[-1]] = value
-
-
-def with_params(train_doc: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of `train_doc` with each dotted path in `params` set to its value."""
-    doc = copy.deepcopy(dict(train_doc))
-    for path, value in params.items():
-        _set_path(doc, path, value)
-    return doc
-
-
-def _combinations(space: Mapping[str, AnyDimension], cap: int) -> Iterator[dict[str, Any]]:
-    """Every combination of the dimensions' corners when there are at most `cap`; otherwise
-    each dimension's corners alone (the others at the base spec's values)."""
-    corners = {path: dim.corners() for path, dim in space.items()}
-    if math.prod(len(v) for v in corners.values()) <= cap:
-        for combination in itertools.product(*corners.values()):
-            yield dict(zip(corners, combination, strict=True))
-        return
-    for path, values in corners.items():
-        for value in values:
-            yield {path: value}
-
-
-def _assignments(params: Mapping[str, Any]) -> str:
-    return ", ".join(f"{path} = {yaml_inline(value)}" for path, value in params.items())
-
-
-def _corner_problems(train: TrainSpec, space: Mapping[str, AnyDimension]) -> list[str]:
-    base = train.model_dump(mode="json")
-    problems: list[str] = []
-    for params in _combinations(space, MAX_CORNER_COMBINATIONS):
-        try:
-            TrainSpec.model_validate(with_params(base, params))
-        except ValidationError as e:
-            details = format_validation_error(e, TrainSpec, "").splitlines()[1:]
-            blamed = sorted({str(err["loc"][0]) for err in e.errors() if err["loc"]} & _roots(params))
-            where = f"space.{next(iter(params))}" if len(params) == 1 else "space"
-            problems.append(
-                f"{where}: with {_assignments(params)} the train spec is invalid"
-                + (f" (in {', '.join(blamed)})" if blamed else "")
-                + ":\n"
-                + "\n".join(f"    {d.strip()}" for d in details)
-            )
-            if len(problems) >= 3:
-                break
-    return problems
-
-
-def _roots(params: Mapping[str, Any]) -> set[str]:
-    return {path.split(".", 1)[0] for path in params}
-
-
-def _model_problems(train: TrainSpec, space: Mapping[str, AnyDimension]) -> list[str]:
-    """Build the model at the corners of the dimensions it depends on, on the meta device (no
-    memory, no weights, milliseconds): the task's build_model refuses an unknown architecture
-    (naming the known ones), a kwarg the architecture does not take, or an image size it cannot
-    use, exactly as the trainer would at the start of a trial."""
-    touched = {
-        path: dim for path, dim in space.items() if path in _MODEL_PATHS or path.startswith(_MODEL_PREFIXES)
-    }
-    if not touched:
-        return []
-    import torch
-
-    task = get_task(train.task)
-    base = train.model_dump(mode="json")
-    problems: dict[str, str] = {}
-    for params in _combinations(touched, MAX_MODEL_BUILDS):
-        spec = TrainSpec.model_validate(with_params(base, params))
-        error = _build_error(task, spec, torch.device("meta"))
-        if error is not None and error not in problems:
-            where = f"space.{next(iter(params))}" if len(params) == 1 else "space"
-            problems[error] = f"{where}: with {_assignments(params)} the model cannot be built: {error}"
-            if len(problems) >= 3:
-                break
-    return list(problems.values())
-
-
-def _build_error(task: Task, spec: TrainSpec, device: Any) -> str | None:
-    try:
-        with device:
-            task.build_model(
-                spec.model.arch,
-                ["a", "b"],  # the dataset's classes are not read here; any two classes do
-                kwargs=spec.model.kwargs,
-                image_size=spec.data.image_size,
-            )
-    except SpecError as e:
-        return str(e)
-    except Exception as e:
-        # Not the user's spec: a module that cannot be built on the meta device (it reads a
-        # tensor's values while it initialises). The trial's own build will judge it.
-        log.debug("could not check %s on the meta device: %s", spec.model.arch, e)
-    return None
-
-
-def _sampler_problems(spec: TuneSpec) -> list[str]:
-    name = spec.sampler.name
-    if name == "grid":
-        continuous = [p for p, d in spec.space.items() if grid_size(d) is None]
-        if continuous:
-            return [
-                f"sampler: the grid sampler needs every dimension to be a choice or a stepped range; "
-                f"{', '.join(continuous)} {'is' if len(continuous) == 1 else 'are'} continuous. Give each "
-                f"a step (e.g. {DISTRIBUTION_EXAMPLES['float']}) or a choice, or use sampler: {{name: tpe}}."
-            ]
-        points = math.prod(grid_size(d) or 1 for d in spec.space.values())
-        if points > MAX_GRID_POINTS:
-            return [
-                f"sampler: the grid has {points} points (more than {MAX_GRID_POINTS}); use larger steps, "
-                "fewer choices, or sampler: {name: tpe}."
-            ]
-        if spec.trials > points:
-            return [
-                f"trials: {spec.trials}, but the grid has only {points} points and the grid sampler "
-                f"tries each once; set trials: {points}."
-            ]
-    if name == "cmaes":
-        categorical = [p for p, d in spec.space.items() if isinstance(d, Choice)]
-        if categorical:
-            # Optuna's CmaEsSampler would sample them at random, independently of everything
-            # else (with a warning per trial): not the search the spec asks for.
-            return [
-                f"sampler: CMA-ES searches numeric ranges only; {', '.join(categorical)} "
-                f"{'is a choice' if len(categorical) == 1 else 'are choices'} (Optuna would sample "
-                "them at random). Use sampler: {name: tpe}, or make them ranges."
-            ]
-    return []
-
-
-def _pruner_problems(spec: TuneSpec) -> list[str]:
-    pruner = spec.pruner
-    if pruner.name == "none":
-        return []
-    if spec.train.epochs is None:
-        return [
-            f"pruner: the {pruner.name} pruner judges trials by epochs, but the train spec runs "
-            f"{spec.train.steps} steps; give the train spec `epochs` instead, or set pruner: {{name: none}}."
-        ]
-    max_epochs = spec.max_epochs()
-    assert max_epochs is not None
-    if max_epochs > spec.train.epochs:
-        return [
-            f"pruner.max_epochs: {max_epochs} is more than the {spec.train.epochs} epochs a trial runs; "
-            f"leave it out or set at most pruner.max_epochs: {spec.train.epochs}."
-        ]
-    if pruner.min_epochs >= max_epochs:
-        return [
-            f"pruner.min_epochs: {pruner.min_epochs}, but trials run {max_epochs} epochs, so none would "
-            f"ever be stopped early; set min_epochs below {max_epochs} (e.g. min_epochs: "
-            f"{max(1, max_epochs // pruner.reduction_factor)})."
-        ]
-    every = spec.train.eval.every_epochs
-    for epoch in rung_epochs(pruner.min_epochs, pruner.reduction_factor, max_epochs, pruner.name):
-        if epoch % every:
-            return [
-                f"pruner: a trial is judged after {epoch} epochs, but the train spec evaluates every "
-                f"{every} epochs, so it has no metric then; set train.eval.every_epochs to a divisor "
-                f"of the rungs (e.g. 1), or pruner.min_epochs to a multiple of {every}."
-            ]
-    return []
-
-
-def rung_epochs(min_epochs: int, reduction_factor: int, max_epochs: int, name: str = "asha") -> list[int]:
-    """The epochs at which the pruner judges a trial (before its last): min_epochs ×
-    reduction_factor^k for successive halving and Hyperband (every bracket's rungs are among
-    them); every epoch from min_epochs on for the median pruner."""
-    if name == "median":
-        return list(range(min_epochs, max_epochs))
-    rungs, epoch = [], min_epochs
-    while epoch < max_epochs:
-        rungs.append(epoch)
-        epoch *= reduction_factor
-    return rungs
 
 
 # --------------------------------------------------------------------------- loading
@@ -872,13 +323,13 @@ def format_tune_error(e: ValidationError, source: str) -> str:
             lines.extend(line if line.startswith("    ") else f"  - {line}" for line in msg.splitlines())
             continue
         kind: str | None = None
-        if loc[0] == "space" and len(loc) >= 3 and loc[2] in _KIND_CLASSES:
+        if loc[0] == "space" and len(loc) >= 3 and loc[2] in KIND_CLASSES:
             kind = str(loc[2])
             loc = [*loc[:2], *loc[3:]]
         dotted = ".".join(str(p) for p in loc)
         if err["type"] == "extra_forbidden":
             if kind is not None:
-                fields = _KIND_CLASSES[kind].model_fields.items()
+                fields = KIND_CLASSES[kind].model_fields.items()
                 known = [field.alias or name for name, field in fields]
             else:
                 known = fields_at(TuneSpec, loc[:-1])
