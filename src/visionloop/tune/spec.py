@@ -15,8 +15,10 @@ fails on a spec the tuner made; a space that touches the model (`model.arch`, `m
 `build_model`, which names the known architectures when one is not. Errors name the field,
 the value and a valid example, as for every spec (`visionloop.specs`).
 
-This module imports neither Optuna nor torch (torch only for a space that touches the model);
-`visionloop.tune.space` turns a spec into Optuna's samplers, pruners and suggestions.
+The space's distributions are in `visionloop.tune.dimensions`, those checks in
+`visionloop.tune.space_checks`. None of the three imports Optuna, nor torch but for a space
+that touches the model; `visionloop.tune.space` turns a spec into Optuna's samplers, pruners
+and suggestions.
 """
 
 from __future__ import annotations
