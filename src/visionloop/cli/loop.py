@@ -24,8 +24,17 @@ app = typer.Typer(
 )
 
 
-def _when(ts: float | None) -> str:
-    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+def _when(ts: object) -> str:
+    # A time from a hand-edited state or event log may be a string, or past year 9999: shown as
+    # "?" rather than a traceback that hides the rest of the status.
+    if ts is None or ts == 0:
+        return "-"
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        return "?"
+    try:
+        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):
+        return "?"
 
 
 @app.command("run")
@@ -81,7 +90,8 @@ def status_command(
         return
     waiting = waiting_folders(spec, state)
     out.print(f"[bold]loop {escape(spec.name)}[/] for {escape(spec.model)}")
-    out.print(f"  dataset     {escape(state.dataset)} (version {state.dataset_version[:12]})", soft_wrap=True)
+    version = escape(state.dataset_version[:12])
+    out.print(f"  dataset     {escape(state.dataset)} (version {version})", soft_wrap=True)
     out.print(
         f"  waiting     {count_images(waiting):,} labelled images in {len(waiting)} folder(s) of "
         f"{escape(str(spec.labels))}"
@@ -92,7 +102,7 @@ def status_command(
     for rnd in state.rounds[-rounds:]:
         head = rnd.outcome or "open"
         t = Table(
-            title=f"round {rnd.number}: {head} — opened {_when(rnd.opened_at)}: {rnd.trigger}",
+            title=f"round {rnd.number}: {head} — opened {_when(rnd.opened_at)}: {escape(rnd.trigger)}",
             title_justify="left",
         )
         for col in ("step", "status", "ended", "what"):
@@ -107,7 +117,8 @@ def status_command(
     if events:
         out.print("latest events:")
         for e in events:
-            where = f"round {e['round']} " if e.get("round") else ""
+            # escape: a hand-edited line's "[/]" would stop the status with a markup error.
+            where = f"round {escape(str(e['round']))} " if e.get("round") else ""
             out.print(
                 f"  {_when(e.get('at'))}  {where}{escape(str(e.get('event')))}  "
                 f"{escape(str(e.get('reason', '')))[:200]}",

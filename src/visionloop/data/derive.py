@@ -48,6 +48,7 @@ from visionloop.data.ingest_stats import SPLIT_NAMES
 from visionloop.data.manifest import (
     DUPLICATES_NAME,
     FORMAT_VERSION,
+    MAX_LINEAGE,
     METADATA_DIR,
     REJECTED_NAME,
     SHARDS_DIR,
@@ -297,6 +298,16 @@ def add_images(
             f"--out {out} overlaps the parent dataset {parent}; a new version goes to a new folder "
             "beside it (the parent is only ever read), e.g. --out DATASETS/NAME-v2."
         )
+    src = Path(source).expanduser().resolve()
+    for what, other in (("--out", out), ("the parent dataset", parent)):
+        # A source that is (or holds, or lies in) the new version would be replaced by it with
+        # --overwrite, or read while being written; one that is (or holds) the parent would add
+        # the dataset's own files to itself.
+        if src == other or src.is_relative_to(other) or other.is_relative_to(src):
+            raise DataError(
+                f"the source {src} overlaps {what} {other}; give the folder of newly labelled images "
+                "(what `visionloop label import` wrote), kept apart from the datasets."
+            )
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise DataError(
             f"--out {out} exists and is not empty; pass --overwrite to replace it, or choose a new folder."
@@ -311,6 +322,13 @@ def add_images(
             f"--selection {selection} is not a file; give the file `visionloop label select --out` wrote."
         )
     pm = check_dataset(parent)
+    if len(pm.lineage or ()) >= MAX_LINEAGE:
+        # The new version's lineage would be one step past what read_manifest accepts: it
+        # would be written, then refused by every reader. Refused here, before any work.
+        raise DataError(
+            f"{parent} already records {MAX_LINEAGE} lineage steps, the most a version may hold; "
+            "ingest it afresh (`visionloop data ingest`) to start a new history, then add to that."
+        )
     task = get_task(pm.task)
     from visionloop.data.ingest import ingest
 

@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from visionloop.core.errors import DataError
-from visionloop.core.fsutil import atomic_write_text
+from visionloop.core.fsutil import atomic_write_text, open_regular
 
 MANIFEST_NAME = "dataset.json"
 REJECTED_NAME = "rejected.jsonl"
@@ -263,10 +263,16 @@ def write_manifest(dataset_dir: Path, manifest: DatasetManifest) -> None:
     atomic_write_text(manifest_path(dataset_dir), manifest.model_dump_json(indent=2) + "\n")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a manifest may hold")
+
+
 def read_manifest(dataset_dir: Path) -> DatasetManifest:
     """Load and validate `DIR/dataset.json`, with errors that say how to get a good one."""
     path = manifest_path(dataset_dir)
-    if not path.is_file():
+    # exists(), not is_file(): a dataset.json that is a FIFO or a folder is named as such below
+    # (open_regular) instead of being reported missing.
+    if not path.exists():
         hint = (
             f"{dataset_dir} does not exist"
             if not Path(dataset_dir).exists()
@@ -276,20 +282,39 @@ def read_manifest(dataset_dir: Path) -> DatasetManifest:
             f"{hint}: it is not a visionloop dataset. Build one with "
             f"`visionloop data ingest SOURCE --out {dataset_dir}`."
         )
+    if not path.resolve().is_relative_to(Path(dataset_dir).resolve()):
+        # As shard_dir_of: a manifest linked from elsewhere would describe another dataset (or
+        # quote a file its owner may not read) under this folder's name.
+        raise DataError(
+            f"{path} is a link leading outside the dataset folder {dataset_dir}; a dataset's manifest "
+            "must lie inside it. Re-run `visionloop data ingest` to rebuild the dataset."
+        )
     try:
-        with open(path, "rb") as f:
+        # open_regular: a FIFO or device under the manifest's name must not hang the reader.
+        with open_regular(path) as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)
         if len(data) > MAX_MANIFEST_BYTES:
             raise DataError(
                 f"{path} is over {MAX_MANIFEST_BYTES // 2**20} MiB, far more than a dataset manifest "
                 "holds; it is not one. Re-run `visionloop data ingest`."
             )
-        raw = json.loads(data.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path} cannot be read as JSON ({e}); re-run `visionloop data ingest`.") from e
-    if isinstance(raw, dict) and raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+        # NaN and Infinity are not JSON (ingest never writes them): a NaN channel mean would
+        # pass validation and normalise every image to NaN.
+        raw = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (OSError, ValueError) as e:  # also UnicodeDecodeError, JSONDecodeError, 5000 digits
+        why = str(e).split("; use sys.set_int_max_str_digits")[0]
+        raise DataError(f"{path} cannot be read as JSON ({why}); re-run `visionloop data ingest`.") from e
+    except RecursionError as e:
+        raise DataError(f"{path} nests too deeply to be a manifest; re-run `visionloop data ingest`.") from e
+    version = raw.get("format_version", FORMAT_VERSION) if isinstance(raw, dict) else FORMAT_VERSION
+    if not isinstance(version, int) or isinstance(version, bool):
+        # compared with > below: a string would raise TypeError (a traceback), not this error.
         raise DataError(
-            f"{path} has format_version {raw['format_version']}, newer than this visionloop understands "
+            f"{path} has format_version {str(version)[:40]!r}, not a number; re-run `visionloop data ingest`."
+        )
+    if version > FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format_version {version}, newer than this visionloop understands "
             f"({FORMAT_VERSION}); upgrade visionloop."
         )
     try:

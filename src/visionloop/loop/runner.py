@@ -35,7 +35,16 @@ from visionloop.core.errors import DataError, VisionloopError
 from visionloop.core.fsutil import link_or_copy
 from visionloop.core.settings import Settings
 from visionloop.loop.spec import LoopSpec
-from visionloop.loop.state import STEPS, LoopState, Round, StepRecord, load_state, record_event, save_state
+from visionloop.loop.state import (
+    STEPS,
+    LoopState,
+    Round,
+    StepRecord,
+    load_state,
+    loop_lock,
+    record_event,
+    save_state,
+)
 
 if TYPE_CHECKING:
     from visionloop.eval.gate import GateMargins
@@ -117,6 +126,13 @@ def advance(
     spec: LoopSpec, settings: Settings, client_factory: ClientFactory, now: float | None = None
 ) -> Pass:
     """One pass: open a round if a trigger fires, then take its steps as far as they go."""
+    # Under the loop's lock: a second `loop run` of the same loop is refused, rather than both
+    # saving their own copy of the state over the other's.
+    with loop_lock(settings.home, spec.name):
+        return _advance(spec, settings, client_factory, now)
+
+
+def _advance(spec: LoopSpec, settings: Settings, client_factory: ClientFactory, now: float | None) -> Pass:
     now = time.time() if now is None else now
     home = settings.home
     state = load_state(home, spec.name)

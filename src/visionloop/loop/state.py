@@ -10,7 +10,14 @@ making it again (the queue job by its idempotency key, the registered version by
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +25,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from visionloop.core.errors import SpecError
-from visionloop.core.fsutil import atomic_write_bytes
+from visionloop.core.fsutil import NotRegularFileError, atomic_write_bytes, open_regular
+
+log = logging.getLogger("visionloop.loop")
 
 STEPS = ("dataset", "train", "register", "evaluate", "gate", "export", "canary", "promote")
 StepName = Literal["dataset", "train", "register", "evaluate", "gate", "export", "canary", "promote"]
@@ -26,6 +35,8 @@ StepStatus = Literal["pending", "running", "waiting", "done", "skipped", "failed
 Outcome = Literal["promoted", "rejected", "failed"]
 MAX_STATE_BYTES = 16 * 2**20
 MAX_ROUNDS_KEPT = 1000
+# `loop status` shows the last few events: only the file's tail is read, however long it grew.
+MAX_EVENTS_TAIL_BYTES = 1 * 2**20
 
 
 class _Model(BaseModel):
@@ -83,22 +94,85 @@ def loop_dir(home: Path, name: str) -> Path:
     return home / "loops" / name
 
 
+def _own_file(path: Path, what: str) -> None:
+    """Refuse a symbolic link at `path`: the loop's files live in its own folder, and a link
+    (to another loop's state, to ~/.bashrc) would have the loop read or append elsewhere."""
+    if path.is_symlink():
+        raise SpecError(
+            f"{path} is a symbolic link, not the loop's own {what}; remove the link (the loop keeps its "
+            "files in its own folder) and run the loop again."
+        )
+
+
 def load_state(home: Path, name: str) -> LoopState | None:
     path = loop_dir(home, name) / "state.json"
     try:
-        with open(path, "rb") as f:
+        _own_file(path, "state")
+        # open_regular: a state.json swapped for a FIFO or a device must not hang the loop.
+        with open_regular(path) as f:
             raw = f.read(MAX_STATE_BYTES + 1)
     except FileNotFoundError:
         return None
+    except NotRegularFileError as e:
+        raise SpecError(f"{e}; move it aside to start the loop afresh.") from e
+    except OSError as e:  # permissions, an I/O error: named, without a traceback
+        raise SpecError(
+            f"{path} cannot be read ({e.strerror or e}); fix its permissions or move it aside."
+        ) from e
     if len(raw) > MAX_STATE_BYTES:
         raise SpecError(f"{path} is over {MAX_STATE_BYTES // 2**20} MiB; it is not a loop's state")
     try:
-        return LoopState.model_validate(orjson.loads(raw))
+        state = LoopState.model_validate(orjson.loads(raw))
     except (orjson.JSONDecodeError, ValidationError) as e:
         raise SpecError(
             f"{path} is not a loop state this visionloop can read ({str(e)[:300]}); move it aside to "
             "start the loop afresh (its rounds' datasets, jobs and versions stay where they are)."
         ) from e
+    if state.name != name:
+        # save_state writes to loops/<state.name>/: a state edited to name another loop (or
+        # "../../x") would have this loop overwrite that one's state, or write outside loops/.
+        raise SpecError(
+            f"{path} is the state of loop {state.name[:80]!r}, not of {name!r}; move it aside to start "
+            "the loop afresh, or put it back under its own loop's folder."
+        )
+    return state
+
+
+@contextlib.contextmanager
+def loop_lock(home: Path, name: str) -> Iterator[None]:
+    """Hold the loop's lock for one pass, refusing a second `loop run` of the same loop.
+
+    Two runners would each load the state, act, and save over each other's rounds (a round
+    opened twice, a job recorded by one and lost by the other). The lock is an flock, released
+    by the kernel when its holder dies, so a crash never leaves the loop locked.
+    """
+    folder = loop_dir(home, name)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ".lock"
+    try:
+        # O_NOFOLLOW and O_NONBLOCK: a lock file replaced by a link or a FIFO is refused, never
+        # followed or waited on.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise SpecError(
+            f"{path} cannot be opened as the loop's lock ({e.strerror or e}); remove it and run the "
+            "loop again."
+        ) from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SpecError(f"{path} is not a regular file; remove it and run the loop again.")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise SpecError(
+                f"loop {name!r} is being run by another process (it holds {path}); let that one drive "
+                "it, or stop it first."
+            ) from e
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def save_state(home: Path, state: LoopState) -> None:
@@ -110,27 +184,61 @@ def save_state(home: Path, state: LoopState) -> None:
     )
 
 
+def _open_events(path: Path, flags: int) -> int:
+    # O_NOFOLLOW: an events.jsonl linked to another file (~/.bashrc) must not be appended to;
+    # O_NONBLOCK: one replaced by a FIFO must not block the loop (opening it for writing waits
+    # for a reader); anything but a regular file is refused.
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(errno.EINVAL, "is not a regular file; remove it", os.fspath(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def record_event(home: Path, name: str, round_number: int | None, what: str, reason: str = "") -> None:
     """Append one line to the loop's event log (kept whole lines: one write each)."""
     folder = loop_dir(home, name)
     folder.mkdir(parents=True, exist_ok=True)
     line = orjson.dumps({"at": time.time(), "round": round_number, "event": what, "reason": reason[:2000]})
-    with open(folder / "events.jsonl", "ab") as f:
-        f.write(line + b"\n")
+    path = folder / "events.jsonl"
+    try:
+        fd = _open_events(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError as e:
+        raise SpecError(
+            f"{path} cannot be appended to ({e.strerror or e}); it must be the loop's own regular "
+            "file: remove it (a link, a FIFO) and run the loop again."
+        ) from e
+    try:
+        os.write(fd, line + b"\n")
+    finally:
+        os.close(fd)
 
 
 def read_events(home: Path, name: str, limit: int = 50) -> list[dict[str, Any]]:
+    """The last `limit` events, from the last MiB of the log at most (the log only grows).
+    An unreadable log (a link, a FIFO) reads as no events: it is for people, not the loop."""
     path = loop_dir(home, name) / "events.jsonl"
     try:
-        lines = path.read_bytes().splitlines()[-limit:]
+        fd = _open_events(path, os.O_RDONLY)
     except FileNotFoundError:
         return []
+    except OSError as e:
+        log.warning("not reading %s: %s", path, e.strerror or e)
+        return []
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - MAX_EVENTS_TAIL_BYTES))
+        lines = f.read(MAX_EVENTS_TAIL_BYTES).splitlines()[-limit:]
     events = []
     for line in lines:
         try:
             doc = orjson.loads(line)
         except orjson.JSONDecodeError:
-            continue  # a line cut by a crash mid-write
+            continue  # a line cut by a crash mid-write (or by reading from the middle)
         if isinstance(doc, dict):
             events.append(doc)
     return events
