@@ -35,6 +35,24 @@ class EvalSet:
     task: str = "classification"
 
 
+# A saved train spec is a few kB; a file far larger is not one.
+MAX_SPEC_BYTES = 1 * 2**20
+
+
+def read_saved_spec(path: Path) -> Any:
+    """The YAML document of a train spec saved beside a model, read as untrusted: never waits
+    on a FIFO (open_regular), at most MAX_SPEC_BYTES, no aliases (a billion-laughs file), and
+    bytes that are not UTF-8 are an error. Raises OSError, ValueError or yaml.YAMLError."""
+    from visionloop.core.fsutil import open_regular
+    from visionloop.core.safeyaml import load_untrusted
+
+    with open_regular(path) as f:
+        data = f.read(MAX_SPEC_BYTES + 1)
+    if len(data) > MAX_SPEC_BYTES:
+        raise ValueError(f"{path} is over {MAX_SPEC_BYTES // 2**20} MiB")
+    return load_untrusted(data.decode("utf-8"))
+
+
 def dataset_from_spec(model_dir: Path) -> Path | None:
     """The dataset folder named by the train spec saved beside the model, if any."""
     for name in _SPEC_FILES:
@@ -42,9 +60,11 @@ def dataset_from_spec(model_dir: Path) -> Path | None:
         if not path.is_file():
             continue
         try:
-            doc: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
+            # read_saved_spec: is_file() above can be raced by a FIFO, and a huge or
+            # alias-bomb YAML must not take the memory (yaml.safe_load of read_text did).
+            doc: Any = read_saved_spec(path)
             raw = doc["data"]["dataset"]
-        except (OSError, yaml.YAMLError, KeyError, TypeError):
+        except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
             continue
         dataset = Path(str(raw)).expanduser()
         if not dataset.is_absolute():

@@ -7,7 +7,6 @@ what was *not* measured and why instead of silently leaving it out.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +18,8 @@ from visionloop.bench.stats import LatencyStats
 from visionloop.core.errors import VisionloopError
 
 RESULT_FORMAT_VERSION = 1
+# A sweep's bench.json is tens of kB; far more is not one.
+MAX_RESULT_BYTES = 16 * 2**20
 
 Format = Literal["pytorch", "onnx"]
 Precision = Literal["fp32", "fp16", "int8"]
@@ -59,6 +60,23 @@ class SweepSettings(BaseModel):
     threads: int | None = None
 
 
+# Upper bounds on what a sweep may be asked for. Without them --batch-sizes 99999999 tried to
+# allocate a 99999999-image batch (tens of TB) and --warmup 10**9 ran for days.
+MAX_BATCH_SIZE = 4096
+MAX_WARMUP = 10_000
+MAX_ITERATIONS = 100_000  # = sweep.MAX_CALLS: more would be silently cut there
+MAX_DURATION_S = 3600.0
+MAX_THREADS = 1024
+
+
+def _cut(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _shown(raw: str) -> str:
+    return repr(_cut(raw))  # a pasted file is not echoed back whole
+
+
 def _split(values: Sequence[str] | str) -> list[str]:
     if isinstance(values, str):
         values = [values]
@@ -72,7 +90,7 @@ def _choices(option: str, values: Sequence[str] | str, allowed: tuple[str, ...])
     bad = [v for v in picked if v not in allowed]
     if bad:
         raise BenchError(
-            f"{option}: unknown value(s) {', '.join(map(repr, bad))}; choose from {', '.join(allowed)} "
+            f"{option}: unknown value(s) {', '.join(map(_shown, bad[:5]))}; choose from {', '.join(allowed)} "
             f"(e.g. {option} {','.join(allowed[:2])})."
         )
     return tuple(dict.fromkeys(picked))  # keep the user's order, drop repeats
@@ -98,25 +116,37 @@ def sweep_settings(
             size = int(raw)
         except ValueError:
             raise BenchError(
-                f"--batch-sizes: {raw!r} is not a whole number; e.g. --batch-sizes 1,8,32."
+                f"--batch-sizes: {_shown(raw)} is not a whole number; e.g. --batch-sizes 1,8,32."
             ) from None
-        if size < 1:
+        if not 1 <= size <= MAX_BATCH_SIZE:
             raise BenchError(
-                f"--batch-sizes: {size} is not a batch size; use whole numbers >= 1, e.g. 1,8,32."
+                f"--batch-sizes: {_cut(str(size))} is not a batch size; use whole numbers from 1 to "
+                f"{MAX_BATCH_SIZE}, e.g. 1,8,32."
             )
         sizes.append(size)
     if not sizes:
         raise BenchError("--batch-sizes needs at least one value, e.g. --batch-sizes 1,8,32.")
-    if iterations is not None and iterations < 1:
-        raise BenchError(f"--iterations must be >= 1 (got {iterations}); e.g. --iterations 20.")
-    if not duration_s > 0:
-        raise BenchError(f"--duration must be > 0 seconds (got {duration_s}); e.g. --duration 2.")
-    if warmup < 0:
-        raise BenchError(f"--warmup must be >= 0 calls (got {warmup}); e.g. --warmup 3.")
+    if iterations is not None and not 1 <= iterations <= MAX_ITERATIONS:
+        raise BenchError(
+            f"--iterations must be >= 1 and at most {MAX_ITERATIONS} (got {iterations}); "
+            "e.g. --iterations 20."
+        )
+    # `0 < d <= max` is False for nan as well as inf: neither is a duration.
+    if not 0 < duration_s <= MAX_DURATION_S:
+        raise BenchError(
+            f"--duration must be > 0 and at most {MAX_DURATION_S:g} seconds (got {duration_s}); "
+            "e.g. --duration 2."
+        )
+    if not 0 <= warmup <= MAX_WARMUP:
+        raise BenchError(
+            f"--warmup must be >= 0 and at most {MAX_WARMUP} calls (got {warmup}); e.g. --warmup 3."
+        )
     if max_eval_images is not None and max_eval_images < 1:
         raise BenchError(f"--eval-images must be >= 1 (got {max_eval_images}); e.g. --eval-images 1000.")
-    if threads is not None and threads < 1:
-        raise BenchError(f"--threads must be >= 1 (got {threads}); e.g. --threads 2.")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise BenchError(
+            f"--threads must be >= 1 and at most {MAX_THREADS} (got {threads}); e.g. --threads 2."
+        )
     return SweepSettings(
         formats=_choices("--formats", formats, FORMATS),
         precisions=_choices("--precisions", precisions, PRECISIONS),
@@ -204,7 +234,21 @@ class BenchResult(BaseModel):
 
     @classmethod
     def load(cls, path: Path) -> BenchResult:
+        # read_json: bounded, never waits on a FIFO, and turns non-UTF-8 bytes and deep nesting
+        # into an error (read_text + json.loads hung on a FIFO and raised UnicodeDecodeError and
+        # RecursionError as tracebacks); a ValidationError is cut to its first problem, one line.
+        from visionloop.registry.files import UnreadableFileError, read_json
+
+        hint = "rerun `visionloop bench`."
         try:
-            return cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
-        except (OSError, json.JSONDecodeError, ValidationError) as e:
-            raise BenchError(f"{path} is not a benchmark result ({e}); rerun `visionloop bench`.") from e
+            doc = read_json(Path(path), MAX_RESULT_BYTES)
+        except FileNotFoundError:
+            raise BenchError(f"{path} does not exist; {hint}") from None
+        except UnreadableFileError as e:
+            raise BenchError(f"{e}; {hint}") from e
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "the top level"
+            raise BenchError(f"{path} is not a benchmark result ({where}: {first['msg']}); {hint}") from e

@@ -88,7 +88,9 @@ def evaluate(
             sev = tuple(int(s) for s in _csv(severities) or ())
         except ValueError:
             raise typer.BadParameter(
-                f"{severities!r} is not a list of severities; write e.g. 1,3,5", param_hint="--severities"
+                # cut short: a pasted file is not echoed back whole
+                f"{severities[:40]!r} is not a list of severities; write e.g. 1,3,5",
+                param_hint="--severities",
             ) from None
     options = EvalOptions(
         dataset=dataset,

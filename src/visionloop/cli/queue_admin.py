@@ -111,9 +111,10 @@ def _since(value: str | None) -> float | None:
         return None
     try:
         return datetime.fromisoformat(value).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError):
+        shown = repr(value) if len(value) <= 40 else repr(value[:40]) + "..."  # not a pasted file whole
         raise typer.BadParameter(
-            f"--since takes a date like 2026-11-01 or 2026-11-01T08:00, not {value!r}."
+            f"--since takes a date like 2026-11-01 or 2026-11-01T08:00, not {shown}."
         ) from None
 
 
@@ -146,7 +147,8 @@ def cost_report(
             t.add_column(col)
         for key, line in sorted(rows.items()):
             t.add_row(
-                str(key),
+                # A team or job name is text, not Rich markup: "[/]" in one crashed the report.
+                escape(str(key)),
                 f"{line['gpu_hours']:.3f}",
                 _money(line["cost"], cur),
                 f"{line['lost_gpu_hours_preemption']:.3f}",
@@ -168,7 +170,7 @@ def cost_report(
             t.add_row(
                 e["dataset_version"][:12],
                 (e["parent_version"] or "-")[:12],
-                e["team"],
+                escape(e["team"]),
                 f"{e['images']:,}",
                 _money(e["cost"], cur),
                 _when(e["recorded_at"]),

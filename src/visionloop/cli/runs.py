@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from visionloop.cli.console import out, print_wide
@@ -49,6 +50,12 @@ def _status(status: str) -> str:
 
 def _num(value: float) -> str:
     return f"{value:.6g}"
+
+
+def _e(value: str | None) -> str:
+    # Names, tags, params and paths are whatever a run was given: "[/]" in one is text to
+    # show, not Rich markup (unescaped, it crashed the whole listing with a MarkupError).
+    return escape(value) if value else "-"
 
 
 def _echo_json(obj: Any) -> None:
@@ -99,15 +106,15 @@ def list_cmd(
     for r in runs:
         table.add_row(
             r.run_id[:8],
-            r.name or "-",
-            r.experiment,
+            _e(r.name),
+            _e(r.experiment),
             _status(r.status),
             _when(r.start_time),
             _duration(r.duration_s),
             str(r.last_step) if r.last_step is not None else "-",
-            f"{r.primary_metric} {r.primary_value:.4f}" if r.primary_value is not None else "-",
-            r.dataset_version or "-",
-            r.run_dir or "-",
+            f"{_e(r.primary_metric)} {r.primary_value:.4f}" if r.primary_value is not None else "-",
+            _e(r.dataset_version),
+            _e(r.run_dir),
         )
     print_wide(table)
 
@@ -131,21 +138,21 @@ def show_cmd(
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column(overflow="fold")
-    head.add_row("run", f"{s.name or '-'}  ({s.run_id})")
-    head.add_row("experiment", f"{s.experiment} (id {d.experiment_id})")
+    head.add_row("run", f"{_e(s.name)}  ({_e(s.run_id)})")
+    head.add_row("experiment", f"{_e(s.experiment)} (id {_e(d.experiment_id)})")
     head.add_row("status", _status(s.status))
     head.add_row("started", _when(s.start_time))
     head.add_row("ended", _when(s.end_time) if s.status != "RUNNING" else "-")
     head.add_row("duration", _duration(s.duration_s))
     head.add_row("last step", str(s.last_step) if s.last_step is not None else "-")
-    head.add_row("dataset", s.dataset_version or "-")
+    head.add_row("dataset", _e(s.dataset_version))
     dirty = d.tags.get("visionloop.git.dirty") == "true"
-    head.add_row("git commit", (d.git_commit or "-") + (" (uncommitted changes)" if dirty else ""))
-    head.add_row("run dir", s.run_dir or "-")
+    head.add_row("git commit", _e(d.git_commit) + (" (uncommitted changes)" if dirty else ""))
+    head.add_row("run dir", _e(s.run_dir))
     head.add_row("attempts", str(d.attempts) if d.attempts is not None else "-")
     if d.metrics_dropped:
         head.add_row("dropped", f"[red]{d.metrics_dropped} metric values were not stored[/]")
-    head.add_row("artifacts", d.artifact_uri)
+    head.add_row("artifacts", _e(d.artifact_uri))
     print_wide(head)
 
     other_tags = {k: v for k, v in d.tags.items() if k not in _HEADER_TAGS and not k.startswith("mlflow.")}
@@ -155,7 +162,7 @@ def show_cmd(
             t.add_column("key", overflow="fold")
             t.add_column("value", overflow="fold")
             for k, v in rows.items():
-                t.add_row(k, v)
+                t.add_row(escape(k), escape(v))
             print_wide(t)
 
     if d.metrics:
@@ -164,7 +171,7 @@ def show_cmd(
         t.add_column("value", justify="right")
         t.add_column("step", justify="right")
         for m in d.metrics:
-            t.add_row(m.key, _num(m.value), str(m.step))
+            t.add_row(escape(m.key), _num(m.value), str(m.step))
         print_wide(t)
     else:
         out.print("No metrics logged.")
@@ -175,8 +182,8 @@ def show_cmd(
         t.add_column("path", overflow="fold")
         t.add_column("size", justify="right")
         for a in d.artifacts:
-            t.add_row(a.path, f"{a.size:,} B" if a.size is not None else "-")
+            t.add_row(escape(a.path), f"{a.size:,} B" if a.size is not None else "-")
         print_wide(t)
     else:
         out.print("No artifacts.")
-    out.print(f"\nOpen the MLflow UI on this store:\n  {d.ui_command}", soft_wrap=True)
+    out.print(f"\nOpen the MLflow UI on this store:\n  {escape(d.ui_command)}", soft_wrap=True)

@@ -260,16 +260,19 @@ def _device(name: str) -> torch.device:
 def _loss_fn(task: Task, info: ModelVersionInfo) -> LossFn:
     """The loss the model was trained with (label smoothing and all, from its saved spec), so
     the reported loss matches training's; plain cross-entropy-like defaults if it is gone."""
-    import yaml
-
+    from visionloop.bench.evalset import read_saved_spec
     from visionloop.specs import TrainSpec
 
     path = info.dir / SPEC_RESOLVED_FILE
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        # Not yaml.safe_load(path.read_text()): a FIFO in the spec's place hung `eval` for ever,
+        # and a huge or alias-bomb file was read and expanded without a limit.
+        doc = read_saved_spec(path)
         spec = TrainSpec.model_validate(doc)
     except Exception:  # an old or missing spec costs only the loss's details
-        spec = TrainSpec.model_validate({"data": {"dataset": "."}, "model": {"arch": info.card().arch}})
+        # `epochs` too: without it this fallback itself failed validation (a traceback).
+        fallback = {"data": {"dataset": "."}, "model": {"arch": info.card().arch}, "epochs": 1}
+        spec = TrainSpec.model_validate(fallback)
     return task.loss_fn(spec)
 
 

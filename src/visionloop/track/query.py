@@ -24,6 +24,17 @@ MIN_PREFIX = 6
 MAX_ARTIFACTS = 500  # a run with a huge artifact tree is summarised, not printed in full
 _HEX = re.compile(r"^[0-9a-f]+$")
 _HOW_TO_LIST = "List runs with `visionloop runs list`."
+# MLflow refuses max_results above 50000 with an error that reads like a broken store.
+MAX_LIMIT = 50_000
+# A run id is 32 characters, a name or a run directory a few hundred at most; anything far
+# longer is a mistake (a pasted file), and must not be echoed back whole in an error.
+MAX_REF_CHARS = 4096
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    """`value` as an error message quotes it: repr'd (control characters visible), cut short."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value):,} characters)"
 
 
 def _time(ms: int | None) -> datetime | None:
@@ -191,9 +202,11 @@ def list_runs(
     if status is not None:
         status = status.upper()
         if status not in STATUSES:
-            raise NotFoundError(f"unknown status {status!r}; use one of {', '.join(STATUSES)}.")
+            raise NotFoundError(f"unknown status {_shown(status)}; use one of {', '.join(STATUSES)}.")
     if limit < 1:
         raise TrackingError(f"--limit must be at least 1, got {limit}.")
+    if limit > MAX_LIMIT:  # else MLflow's refusal is reported as a tracking store failure
+        raise TrackingError(f"--limit must be at most {MAX_LIMIT}, got {limit}; e.g. --limit 100.")
     if not store.store_exists(settings):
         return []
     client = store.client(settings)
@@ -205,7 +218,9 @@ def list_runs(
             ids = [i for i, n in names.items() if n == experiment]
             if not ids:
                 known = ", ".join(sorted(names.values())) or "none"
-                raise NotFoundError(f"no experiment named {experiment!r}; experiments in the store: {known}.")
+                raise NotFoundError(
+                    f"no experiment named {_shown(experiment)}; experiments in the store: {known}."
+                )
         else:
             ids = list(names)
         if not ids:
@@ -243,25 +258,37 @@ def find_run(settings: Settings, ref: str) -> Run:
     ref = ref.strip()
     if not ref:
         raise NotFoundError(f"no run given. {_HOW_TO_LIST}")
+    # Checked before the store is touched: a 100 kB argument made Path.exists() fail with
+    # ENAMETOOLONG (a NUL with ValueError), reported as a tracking store failure quoting it whole.
+    if len(ref) > MAX_REF_CHARS:
+        raise NotFoundError(
+            f"run {_shown(ref)} is too long to be a run id, name or directory "
+            f"(over {MAX_REF_CHARS} characters). {_HOW_TO_LIST}"
+        )
+    if _CONTROL.search(ref):
+        raise NotFoundError(
+            f"run {_shown(ref)} contains a control character (NUL, newline, ...), which no run id, "
+            f"name or directory has. {_HOW_TO_LIST}"
+        )
     if not store.store_exists(settings):
         raise NotFoundError(
-            f"no run {ref!r}: the tracking store {settings.tracking_uri} has no runs yet. "
+            f"no run {_shown(ref)}: the tracking store {settings.tracking_uri} has no runs yet. "
             "Start one with `visionloop train SPEC.yaml`."
         )
     client = store.client(settings)
     try:
         matches = _match(client, ref)
     except Exception as e:
-        raise _wrap(f"look up run {ref!r}", settings, e) from e
+        raise _wrap(f"look up run {_shown(ref)}", settings, e) from e
     if len(matches) == 1:
         return matches[0]
     if not matches:
         raise NotFoundError(
-            f"no run matches {ref!r} (tried run id, id prefix, run name and run directory) in "
+            f"no run matches {_shown(ref)} (tried run id, id prefix, run name and run directory) in "
             f"{store.redact_uri(settings.tracking_uri)}. {_HOW_TO_LIST}"
         )
     raise NotFoundError(
-        f"{ref!r} matches {len(matches)} runs; name one by its id (or a longer id prefix):\n"
+        f"{_shown(ref)} matches {len(matches)} runs; name one by its id (or a longer id prefix):\n"
         + _candidates(matches)
     )
 
@@ -284,7 +311,11 @@ def _match(client: MlflowClient, ref: str) -> list[Run]:
             add(store.search_all(client, f"attributes.run_id LIKE '{lowered}%'"))
     add(store.search_all(client, f"attributes.run_name = {store.quote_filter_value(ref)}"))
     path = Path(ref).expanduser()
-    if "/" in ref or path.exists():
+    try:
+        exists = path.exists()
+    except (OSError, ValueError):  # a name too long for the filesystem is not a run directory
+        exists = False
+    if "/" in ref or exists:
         resolved = str(path.resolve())
         add(store.search_all(client, f"tags.`{store.RUN_DIR_TAG}` = {store.quote_filter_value(resolved)}"))
     return sorted(found.values(), key=lambda r: r.info.start_time or 0, reverse=True)
