@@ -19,7 +19,6 @@ import dataclasses
 import difflib
 import math
 import os
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,6 +27,7 @@ from typing import Any, TypeVar
 
 from visionloop.core.errors import ConfigError
 from visionloop.core.fsutil import open_regular
+from visionloop.core.safetoml import TomlError, load_toml
 
 CONFIG_FILE = "alerts.toml"
 WEBHOOK_ENV = "VISIONLOOP_ALERTS_WEBHOOK"  # the webhook URL, kept out of files (it is a secret)
@@ -249,16 +249,9 @@ def _read(path: Path) -> AlertConfig:
 
             doc = load_untrusted(text)  # no aliases: a few hundred bytes could stand for billions
         else:
-            doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+            doc = load_toml(text)
+    except TomlError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}. Fix it, or remove it for the defaults.") from e
-    except (ValueError, RecursionError) as e:  # TOML: a 5000-digit number, nesting 1000 deep
-        why = str(e).split("; use sys.set_int_max_str_digits")[0]  # advice for programmers only
-        if isinstance(e, RecursionError):
-            why = "it nests too deeply"  # not Python's "maximum recursion depth exceeded"
-        raise ConfigError(
-            f"{path} is not valid TOML: {why or type(e).__name__}. Fix it, or remove it for the defaults."
-        ) from e
     except Exception as e:  # yaml.YAMLError, without importing yaml for every TOML file
         if type(e).__module__.startswith("yaml"):
             raise ConfigError(f"{path} is not valid YAML: {e}. Fix it, or remove it for the defaults.") from e

@@ -9,13 +9,13 @@ temporary folder with a single variable.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import ConfigError
 from visionloop.core.fsutil import NotRegularFileError, ensure_private_dir, open_regular
+from visionloop.core.safetoml import TomlError, load_toml
 
 DEFAULT_HOME = Path("~/.visionloop")
 _KNOWN_KEYS = {"home", "tracking_uri", "experiment"}
@@ -99,16 +99,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
             f"{path} is larger than {MAX_SETTINGS_BYTES // 1024} KiB, too large for settings. {fix}"
         )
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        data = load_toml(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text ({e}); save it as UTF-8.") from None
-    except tomllib.TOMLDecodeError as e:
+    except TomlError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}. {fix}") from e
-    except RecursionError:  # tomllib recurses per level of `[[[[...]]]]`
-        raise ConfigError(f"{path} is not valid TOML: it nests too deeply. {fix}") from None
-    except ValueError as e:  # an integer of more than 4300 digits
-        why = str(e).split("; use sys.set_int_max_str_digits")[0]
-        raise ConfigError(f"{path} is not valid TOML: {why}. {fix}") from None
     section = data.get("visionloop", data)
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: expected a [visionloop] table, e.g.\n[visionloop]\nhome = '/data/vl'")

@@ -92,7 +92,6 @@ attempts on another executor (it could not find their processes, and would run t
 from __future__ import annotations
 
 import re
-import tomllib
 import urllib.parse
 from collections import Counter
 from collections.abc import Mapping
@@ -102,6 +101,7 @@ from typing import Any, Literal, get_args
 
 from visionloop.core.errors import ConfigError
 from visionloop.core.fsutil import NotRegularFileError, open_regular
+from visionloop.core.safetoml import TomlError, load_toml
 from visionloop.sched.config_scheduler import SchedulerTimings, parse_scheduler
 from visionloop.sched.config_values import MAX_GPUS, number, shown, where, whole_number
 from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
@@ -422,14 +422,9 @@ def load_cluster_config(path: Path) -> ClusterConfig:
             f"check that --config names the right file. {hint}"
         )
     try:
-        doc = tomllib.loads(raw.decode("utf-8"))
+        doc = load_toml(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"cluster config {path} is not UTF-8 text ({e}); save it as UTF-8.") from None
-    except tomllib.TOMLDecodeError as e:
+    except TomlError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}. {hint}") from e
-    except RecursionError:  # tomllib recurses per level: `x = [[[[...]]]]` 1000 deep
-        raise ConfigError(f"{path} is not valid TOML: it nests too deeply. {hint}") from None
-    except ValueError as e:  # a number of more than 4300 digits
-        why = str(e).split("; use sys.set_int_max_str_digits")[0]  # advice for programmers only
-        raise ConfigError(f"{path} is not valid TOML: {why}. {hint}") from None
     return parse_cluster_config(doc, path)

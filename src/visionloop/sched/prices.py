@@ -9,13 +9,13 @@ producing a silently wrong bill later.
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from visionloop.core.catalogs import read_catalog
 from visionloop.core.errors import ConfigError
+from visionloop.core.safetoml import TomlError, load_toml
 from visionloop.sched.config_values import is_finite, shown
 from visionloop.sched.view import PriceClass
 
@@ -74,19 +74,10 @@ def _price(value: object) -> bool:
 
 def parse_catalog(text: str, source: str) -> PriceCatalog:
     try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        doc = load_toml(text)
+    except TomlError as e:
         raise ConfigError(
             f"price catalog {source} is not valid TOML ({e}); a valid entry:\n{_EXAMPLE}"
-        ) from None
-    except RecursionError:  # tomllib recurses per level: `x = [[[[...]]]]` 1000 deep
-        raise ConfigError(
-            f"price catalog {source} is not valid TOML (it nests too deeply); a valid entry:\n{_EXAMPLE}"
-        ) from None
-    except ValueError as e:  # an integer of more than 4300 digits
-        why = str(e).split("; use sys.set_int_max_str_digits")[0]
-        raise ConfigError(
-            f"price catalog {source} is not valid TOML ({why}); a valid entry:\n{_EXAMPLE}"
         ) from None
     gpus = doc.get("gpus")
     unknown = sorted(set(doc) - {"gpus"})
