@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +16,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
+from _hangkit import in_thread
 from visionloop.core.errors import DataError, SpecError
 from visionloop.core.settings import Settings
 from visionloop.data.derive import add_images
@@ -35,24 +35,6 @@ from visionloop.loop.state import (
 )
 
 
-def _in_thread(fn: Any) -> Any:
-    """Run `fn` with a deadline, so a read that hangs on a FIFO fails the test instead of
-    blocking the suite: the thread is a daemon, left behind if it never returns."""
-    box: list[object] = []
-
-    def target() -> None:
-        try:
-            box.append(fn())
-        except BaseException as e:  # handed to the test
-            box.append(e)
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(60)
-    assert box, "the call hung (it is waiting on a FIFO)"
-    return box[0]
-
-
 def _state_file(home: Path, name: str = "demo") -> Path:
     folder = loop_dir(home, name)
     folder.mkdir(parents=True, exist_ok=True)
@@ -65,7 +47,7 @@ def _state_file(home: Path, name: str = "demo") -> Path:
 def test_state_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
     path = _state_file(tmp_path)
     os.mkfifo(path)
-    e = _in_thread(lambda: load_state(tmp_path, "demo"))
+    e = in_thread(lambda: load_state(tmp_path, "demo"))
     assert isinstance(e, SpecError)
     assert "is a FIFO (named pipe), not a regular file" in str(e)
     assert "move it aside" in str(e)
@@ -129,9 +111,9 @@ def test_events_fifo_neither_blocks_the_writer_nor_the_reader(tmp_path: Path) ->
     folder = loop_dir(tmp_path, "demo")
     folder.mkdir(parents=True)
     os.mkfifo(folder / "events.jsonl")
-    e = _in_thread(lambda: record_event(tmp_path, "demo", 1, "opened"))
+    e = in_thread(lambda: record_event(tmp_path, "demo", 1, "opened"))
     assert isinstance(e, SpecError) and "cannot be appended to" in str(e)
-    assert _in_thread(lambda: read_events(tmp_path, "demo")) == []
+    assert in_thread(lambda: read_events(tmp_path, "demo")) == []
 
 
 def test_read_events_reads_only_the_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,7 +155,7 @@ def test_lock_file_that_is_a_fifo_is_refused_without_waiting(tmp_path: Path) -> 
         with loop_lock(tmp_path, "demo"):
             pass
 
-    e = _in_thread(take)
+    e = in_thread(take)
     assert isinstance(e, SpecError) and "is not a regular file" in str(e)
 
 
@@ -216,7 +198,7 @@ def test_manifest_fifo_is_named_not_reported_missing(tmp_path: Path) -> None:
     d = tmp_path / "ds"
     d.mkdir()
     os.mkfifo(d / "dataset.json")
-    e = _in_thread(lambda: read_manifest(d))
+    e = in_thread(lambda: read_manifest(d))
     assert isinstance(e, DataError)
     assert "is a FIFO (named pipe), not a regular file" in str(e)
 

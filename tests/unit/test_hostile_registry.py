@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
 
+from _hangkit import in_thread
 from _mlflowkit import copy_migrated_store
 from visionloop import registry
 from visionloop.core.errors import DataError, VisionloopError
@@ -53,24 +53,6 @@ def settings(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Settin
     home = tmp_path / "home"
     copy_migrated_store(tmp_path_factory, home)
     return Settings(home=home, tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-
-
-def _in_thread(fn: object) -> object:
-    """Run `fn` with a deadline, so a read that hangs on a FIFO fails the test instead of
-    blocking the suite: the thread is a daemon, left behind if it never returns."""
-    box: list[object] = []
-
-    def target() -> None:
-        try:
-            box.append(fn())  # type: ignore[operator]
-        except BaseException as e:  # handed to the test
-            box.append(e)
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(60)
-    assert box, "the call hung (it is waiting on a FIFO)"
-    return box[0]
 
 
 # --------------------------------------------------------------------------- references
@@ -148,7 +130,7 @@ def test_a_fifo_in_a_run_folder_is_refused_without_hanging(
     run = _run(tmp_path)
     (run / name).unlink()
     os.mkfifo(run / name)
-    got = _in_thread(lambda: load_run(run, settings))
+    got = in_thread(lambda: load_run(run, settings))
     assert isinstance(got, RunFolderError), got
     assert f"{run / name} is a FIFO (named pipe), not a regular file" in str(got)
 
@@ -219,7 +201,7 @@ def test_a_damaged_card_says_what_is_wrong(tmp_path: Path, content: bytes, why: 
 def test_a_card_that_is_a_fifo_is_refused_without_hanging(tmp_path: Path) -> None:
     path = tmp_path / "model_card.json"
     os.mkfifo(path)
-    got = _in_thread(lambda: ModelCard.load(path))
+    got = in_thread(lambda: ModelCard.load(path))
     assert isinstance(got, ModelCardError), got
     assert "is a FIFO (named pipe), not a regular file" in str(got)
 
@@ -269,7 +251,7 @@ def test_a_damaged_alias_history_moves_no_alias(settings: Settings, tmp_path: Pa
         assert history.read_bytes() == damage  # left for the user to look at
     history.unlink()
     os.mkfifo(history)
-    got = _in_thread(lambda: registry.set_alias("m", v2.version, "champion", settings=settings))
+    got = in_thread(lambda: registry.set_alias("m", v2.version, "champion", settings=settings))
     assert isinstance(got, VisionloopError) and "is a FIFO (named pipe)" in str(got), got
     history.unlink()
     history.write_bytes(good)
@@ -306,20 +288,20 @@ def test_hostile_version_files_read_as_absent_and_never_hang(settings: Settings,
         open_model_dataset(info)
     lineage.unlink()
     os.mkfifo(lineage)
-    assert _in_thread(info.lineage) == {}
+    assert in_thread(info.lineage) == {}
 
     report_dir = info.dir / "exports" / "onnx-fp32"
     report_dir.mkdir(parents=True)
     os.mkfifo(report_dir / "export.json")
-    assert _in_thread(lambda: read_export_report(report_dir / "export.json")) is None
-    assert _in_thread(info.export_path) is None
+    assert in_thread(lambda: read_export_report(report_dir / "export.json")) is None
+    assert in_thread(info.export_path) is None
 
     evals = info.dir / "evals" / "e1"
     evals.mkdir(parents=True)
     os.mkfifo(evals / "eval.json")
     (info.dir / "evals" / "e2").mkdir()
     (info.dir / "evals" / "e2" / "eval.json").write_bytes(b"[" * 100_000)
-    assert _in_thread(lambda: list_evals(info.dir)) == []
+    assert in_thread(lambda: list_evals(info.dir)) == []
     os.mkfifo(info.dir / "calibration.json")
-    got = _in_thread(lambda: read_temperature(info.dir))
+    got = in_thread(lambda: read_temperature(info.dir))
     assert isinstance(got, DataError) and "is a FIFO (named pipe)" in str(got), got
