@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionloop.core.errors import SpecError
-from visionloop.core.fsutil import NotRegularFileError, open_regular
+from visionloop.core.fsutil import NotRegularFileError, NotTextError, TooLargeError, read_capped_text
 from visionloop.core.safeyaml import load_untrusted
 from visionloop.core.strictbools import StrictBools
 
@@ -483,7 +483,18 @@ def yaml_inline(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
 
 
-def _set_dotted(doc: dict[str, Any], dotted: str, value: Any) -> None:
+class NotASectionError(Exception):
+    """`set_dotted` met a value where the dotted path needs a section; `key` is that value's key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def set_dotted(doc: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `a.b.c` in a nested mapping, making missing sections; raises NotASectionError when a
+    key on the way holds a value. Each caller words the error for where the path came from
+    (`--set`, a tune space)."""
     keys = dotted.split(".")
     node = doc
     for k in keys[:-1]:
@@ -491,9 +502,7 @@ def _set_dotted(doc: dict[str, Any], dotted: str, value: Any) -> None:
         if child is None:
             child = node[k] = {}
         if not isinstance(child, dict):
-            raise SpecError(
-                f"--set {dotted}: `{k}` is a value, not a section, so it has no field `{keys[-1]}`."
-            )
+            raise NotASectionError(k)
         node = child
     node[keys[-1]] = value
 
@@ -508,7 +517,14 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             value = load_untrusted(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             raise SpecError(f"--set {item!r}: the value is not valid YAML ({e}).") from e
-        _set_dotted(doc, key.strip(), value)
+        dotted = key.strip()
+        try:
+            set_dotted(doc, dotted, value)
+        except NotASectionError as e:
+            field = dotted.rsplit(".", 1)[-1]
+            raise SpecError(
+                f"--set {dotted}: `{e.key}` is a value, not a section, so it has no field `{field}`."
+            ) from None
     return doc
 
 
@@ -542,8 +558,7 @@ def read_spec_text(path: Path, *, what: str = "train spec", example: str | None 
     regular file of at most MAX_SPEC_BYTES of UTF-8 is read: a FIFO would block the reader
     forever, /dev/zero never ends."""
     try:
-        with open_regular(path) as f:
-            raw = f.read(MAX_SPEC_BYTES + 1)
+        return read_capped_text(path, MAX_SPEC_BYTES, what=f"a {what}")
     except FileNotFoundError:
         example = MINIMAL_TRAIN_SPEC if example is None else example
         raise SpecError(f"{what} file {path} does not exist. A minimal {what}:\n{example}") from None
@@ -552,15 +567,13 @@ def read_spec_text(path: Path, *, what: str = "train spec", example: str | None 
         raise SpecError(f"{what} file {path} {kind}; give the path of a YAML file.") from None
     except OSError as e:
         raise SpecError(f"cannot read {what} file {path}: {e.strerror or e}") from e
-    if len(raw) > MAX_SPEC_BYTES:
+    except TooLargeError:
         raise SpecError(
             f"{what} file {path} is larger than {MAX_SPEC_BYTES // 1024} KiB; a {what} is a few lines of "
             "YAML. Is it the right file?"
-        )
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{what} file {path} is not UTF-8 text ({e}); save it as UTF-8.") from None
+        ) from None
+    except NotTextError as e:
+        raise SpecError(f"{what} file {e}") from None
 
 
 def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpec, dict[str, Any]]:

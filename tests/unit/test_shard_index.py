@@ -165,6 +165,14 @@ def test_a_fifo_or_a_missing_index_is_refused_without_blocking(tmp_path: Path) -
         ShardReader(tmp_path / "nowhere")
 
 
+def test_a_folder_named_index_json_is_refused_not_a_traceback(tmp_path: Path) -> None:
+    folder = write_shards(tmp_path / "s")
+    (folder / "index.json").unlink()
+    (folder / "index.json").mkdir()
+    # Before: os.fdopen of the folder raised a bare IsADirectoryError (a traceback).
+    assert "not a regular file" in refused(folder)
+
+
 def test_an_index_changed_after_the_check_is_refused_at_open(tmp_path: Path) -> None:
     folder = write_shards(tmp_path / "s")
     reader = ShardReader(folder)  # checked here; litdata opens lazily on the first read

@@ -78,6 +78,13 @@ def test_bad_overrides_are_explained(bad: str) -> None:
         apply_overrides(doc(), [bad])
 
 
+def test_an_override_through_a_value_names_the_value_and_the_field() -> None:
+    with pytest.raises(
+        SpecError, match=r"--set epochs\.x: `epochs` is a value, not a section, so it has no field `x`"
+    ):
+        apply_overrides(doc(), ["epochs.x=1"])
+
+
 def test_relative_paths_resolve_against_the_spec_folder(tmp_path: Path) -> None:
     (tmp_path / "cfg").mkdir()
     spec = tmp_path / "cfg" / "train.yaml"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from visionloop.core.errors import ConfigError
-from visionloop.core.fsutil import open_regular
+from visionloop.core.fsutil import NotTextError, TooLargeError, read_capped_text
 from visionloop.core.safetoml import TomlError, load_toml
 
 CONFIG_FILE = "alerts.toml"
@@ -226,19 +226,16 @@ def load_config(path: Path | None, home: Path) -> AlertConfig:
 def _read_text(path: Path) -> str:
     """The file's text: a regular file (a FIFO would hang us) of at most MAX_CONFIG_BYTES, UTF-8."""
     try:
-        with open_regular(path) as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        return read_capped_text(path, MAX_CONFIG_BYTES, what="an alert config", encoding="utf-8-sig")
     except OSError as e:
         raise ConfigError(f"cannot read the alert config {path}: {e.strerror or e}.") from e
-    if len(data) > MAX_CONFIG_BYTES:
+    except TooLargeError:
         raise ConfigError(
             f"{path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; an alert config is a few dozen lines. "
             "Check that --config names the right file, or write one with `visionloop alerts init`."
-        )
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text ({e}); save it as UTF-8.") from e
+        ) from None
+    except NotTextError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _read(path: Path) -> AlertConfig:

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from visionloop.cli.console import err, out, print_wide
 from visionloop.core.errors import DataError
-from visionloop.core.fsutil import open_regular
+from visionloop.core.fsutil import TooLargeError, read_capped
 
 TOKEN_ENV = "LABEL_STUDIO_API_KEY"
 MAX_SELECTION_BYTES = 256 * 1024 * 1024  # `label select` writes a few hundred bytes per image
@@ -22,14 +22,13 @@ MAX_SELECTION_BYTES = 256 * 1024 * 1024  # `label select` writes a few hundred b
 
 def _selection(path: Path) -> dict[str, Any]:
     """A `label select --out` file: its model, folder and chosen images."""
-    try:
-        with open_regular(path) as f:  # not a FIFO, which would hang the read
-            data = f.read(MAX_SELECTION_BYTES + 1)
-        if len(data) > MAX_SELECTION_BYTES:
-            raise ValueError(f"larger than {MAX_SELECTION_BYTES // 2**20} MiB")
-        doc = json.loads(data)
-    except (OSError, ValueError, RecursionError) as e:
-        raise DataError(f"cannot read the selection {path}: {e}; write one with `label select --out`") from e
+    try:  # a regular file only: a FIFO would hang the read
+        doc = json.loads(read_capped(path, MAX_SELECTION_BYTES, what="a selection"))
+    except (OSError, ValueError, RecursionError) as e:  # TooLargeError is a ValueError
+        why = f"larger than {MAX_SELECTION_BYTES // 2**20} MiB" if isinstance(e, TooLargeError) else e
+        raise DataError(
+            f"cannot read the selection {path}: {why}; write one with `label select --out`"
+        ) from e
     chosen = doc.get("chosen") if isinstance(doc, dict) else None
     if not isinstance(chosen, list) or not all(
         isinstance(c, dict) and isinstance(c.get("id"), str) for c in chosen

@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from visionloop.core.errors import ConfigError
-from visionloop.core.fsutil import NotRegularFileError, open_regular
+from visionloop.core.fsutil import NotRegularFileError, TooLargeError, read_capped
 
 # A catalog is a few dozen entries: a file past this is not one.
 MAX_CATALOG_BYTES = 4 * 1024 * 1024
@@ -24,14 +24,12 @@ def read_catalog(path: Path | None, *, asset: str, what: str, example: str, defa
         return resources.files("visionloop").joinpath(f"assets/{asset}").read_text(encoding="utf-8")
     try:
         # Only a regular file: a FIFO would block the read forever, /dev/zero never ends.
-        with open_regular(Path(path)) as f:
-            raw = f.read(MAX_CATALOG_BYTES + 1)
-        if len(raw) > MAX_CATALOG_BYTES:
-            raise ConfigError(
-                f"{what} {path} is larger than {MAX_CATALOG_BYTES // 2**20} MiB, too large to be one; "
-                f"give the path of a TOML file such as\n{example}\nor {default_hint} to use the default one."
-            )
-        return raw.decode("utf-8")
+        return read_capped(path, MAX_CATALOG_BYTES, what=f"a {what}").decode("utf-8")
+    except TooLargeError:
+        raise ConfigError(
+            f"{what} {path} is larger than {MAX_CATALOG_BYTES // 2**20} MiB, too large to be one; "
+            f"give the path of a TOML file such as\n{example}\nor {default_hint} to use the default one."
+        ) from None
     except FileNotFoundError:
         raise ConfigError(
             f"{what} {path} does not exist; give the path of a TOML file such as\n{example}\n"

@@ -3,8 +3,10 @@
 A reader never sees a half-written file under the final name, and after the call returns
 the new content survives a power cut (the directory entry is synced too).
 
-And one safe read: `open_regular` opens a file a user handed in, refusing a FIFO, device,
-socket or folder named like one (a FIFO would hang the reader, /dev/zero never ends).
+And safe reads: `open_regular` opens a file a user handed in, refusing a FIFO, device,
+socket or folder named like one (a FIFO would hang the reader, /dev/zero never ends);
+`read_capped` (bytes) and `read_capped_text` (strict UTF-8) read such a file whole, refusing
+one past a size limit with `TooLargeError`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 
 def fsync_dir(path: Path) -> None:
@@ -140,3 +142,88 @@ def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
     except BaseException:
         os.close(fd)
         raise
+
+
+def human_bytes(n: int) -> str:
+    """A size limit in the largest binary unit that divides it: 1048576 is "1 MiB", 65536
+    "64 KiB", 1536 "1536 bytes" (a limit is shown exactly, never rounded)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return "1 byte" if n == 1 else f"{n} bytes"
+
+
+class TooLargeError(ValueError):
+    """A file past the size its reader accepts (`read_capped`). A ValueError, as a file's
+    content the reader cannot use is (not an OSError: the file could be read). `size` is the
+    file's size where it was known before reading (from fstat), else None (it grew, or its
+    size is not reported, as in /proc)."""
+
+    def __init__(self, path: str | os.PathLike[str], limit: int, what: str, size: int | None = None) -> None:
+        self.filename = os.fspath(path)
+        self.limit = limit
+        self.what = what
+        self.size = size
+        super().__init__(
+            f"{self.filename} is larger than {human_bytes(limit)}, the limit for {what}; "
+            "check that it is the right file"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable, to cross a process pool
+        return (type(self), (self.filename, self.limit, self.what, self.size))
+
+
+class NotTextError(UnicodeDecodeError):
+    """A file `read_capped_text` read is not UTF-8. Still a UnicodeDecodeError (and so a
+    ValueError), with the codec's position and reason; its message names the file and says
+    what to do. `detail` is the codec's message alone."""
+
+    def __init__(self, path: str | os.PathLike[str], error: UnicodeDecodeError) -> None:
+        super().__init__(error.encoding, error.object, error.start, error.end, error.reason)
+        self.filename = os.fspath(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable, to cross a process pool
+        cause = UnicodeDecodeError(self.encoding, self.object, self.start, self.end, self.reason)
+        return (type(self), (self.filename, cause))
+
+    @property
+    def detail(self) -> str:
+        return UnicodeDecodeError.__str__(self)
+
+    def __str__(self) -> str:
+        return f"{self.filename} is not UTF-8 text ({self.detail}); save it as UTF-8."
+
+
+def read_capped(path: str | os.PathLike[str], limit: int, *, what: str) -> bytes:
+    """The bytes of the regular file `path`, at most `limit` of them.
+
+    Raises what `open_regular` raises (NotRegularFileError for a FIFO, device, socket or
+    folder, before a byte is read; FileNotFoundError, PermissionError, ... as OSError) and
+    TooLargeError, naming `what` the file should be ("a cluster config"), for a file over
+    `limit` bytes: refused from its size before reading where the file system reports it,
+    else after reading `limit + 1` bytes (never more)."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise TooLargeError(path, limit, what, size)
+        data = f.read(limit + 1)
+    if len(data) > limit:  # it grew since the fstat
+        raise TooLargeError(path, limit, what)
+    return data
+
+
+def read_capped_text(
+    path: str | os.PathLike[str],
+    limit: int,
+    *,
+    what: str,
+    encoding: Literal["utf-8", "utf-8-sig"] = "utf-8",
+) -> str:
+    """`read_capped`, decoded as strict UTF-8 (utf-8-sig: a leading byte-order mark, which
+    spreadsheets and Windows editors write, is dropped). Raises as `read_capped` does, and
+    NotTextError (a UnicodeDecodeError) for bytes that are not UTF-8."""
+    data = read_capped(path, limit, what=what)
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise NotTextError(path, e) from None

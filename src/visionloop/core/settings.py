@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import ConfigError
-from visionloop.core.fsutil import NotRegularFileError, ensure_private_dir, open_regular
+from visionloop.core.fsutil import (
+    NotRegularFileError,
+    NotTextError,
+    TooLargeError,
+    ensure_private_dir,
+    read_capped_text,
+)
 from visionloop.core.safetoml import TomlError, load_toml
 
 DEFAULT_HOME = Path("~/.visionloop")
@@ -88,20 +94,19 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         # A regular file only (a FIFO would hang every command, /dev/zero never ends), read
         # to a limit: this runs at the start of nearly every command.
-        with open_regular(path) as f:
-            raw = f.read(MAX_SETTINGS_BYTES + 1)
+        text = read_capped_text(path, MAX_SETTINGS_BYTES, what="a settings file")
     except NotRegularFileError as e:
         raise ConfigError(f"{path} {(e.strerror or '').split(';')[0]}. {fix}") from None
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}. {fix}") from None
-    if len(raw) > MAX_SETTINGS_BYTES:
+    except TooLargeError:
         raise ConfigError(
             f"{path} is larger than {MAX_SETTINGS_BYTES // 1024} KiB, too large for settings. {fix}"
-        )
+        ) from None
+    except NotTextError as e:
+        raise ConfigError(str(e)) from None
     try:
-        data = load_toml(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text ({e}); save it as UTF-8.") from None
+        data = load_toml(text)
     except TomlError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}. {fix}") from e
     section = data.get("visionloop", data)

@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from visionloop.core.errors import DataError
-from visionloop.core.fsutil import atomic_write_text, open_regular
+from visionloop.core.fsutil import TooLargeError, atomic_write_text, read_capped
 
 MANIFEST_NAME = "dataset.json"
 REJECTED_NAME = "rejected.jsonl"
@@ -271,7 +271,7 @@ def read_manifest(dataset_dir: Path) -> DatasetManifest:
     """Load and validate `DIR/dataset.json`, with errors that say how to get a good one."""
     path = manifest_path(dataset_dir)
     # exists(), not is_file(): a dataset.json that is a FIFO or a folder is named as such below
-    # (open_regular) instead of being reported missing.
+    # (read_capped) instead of being reported missing.
     if not path.exists():
         hint = (
             f"{dataset_dir} does not exist"
@@ -290,17 +290,16 @@ def read_manifest(dataset_dir: Path) -> DatasetManifest:
             "must lie inside it. Re-run `visionloop data ingest` to rebuild the dataset."
         )
     try:
-        # open_regular: a FIFO or device under the manifest's name must not hang the reader.
-        with open_regular(path) as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise DataError(
-                f"{path} is over {MAX_MANIFEST_BYTES // 2**20} MiB, far more than a dataset manifest "
-                "holds; it is not one. Re-run `visionloop data ingest`."
-            )
+        # read_capped: a FIFO or device under the manifest's name must not hang the reader.
+        data = read_capped(path, MAX_MANIFEST_BYTES, what="a dataset manifest")
         # NaN and Infinity are not JSON (ingest never writes them): a NaN channel mean would
         # pass validation and normalise every image to NaN.
         raw = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except TooLargeError:
+        raise DataError(
+            f"{path} is over {MAX_MANIFEST_BYTES // 2**20} MiB, far more than a dataset manifest "
+            "holds; it is not one. Re-run `visionloop data ingest`."
+        ) from None
     except (OSError, ValueError) as e:  # also UnicodeDecodeError, JSONDecodeError, 5000 digits
         why = str(e).split("; use sys.set_int_max_str_digits")[0]
         raise DataError(f"{path} cannot be read as JSON ({why}); re-run `visionloop data ingest`.") from e

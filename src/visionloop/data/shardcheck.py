@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import stat
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import NotRegularFileError, TooLargeError, read_capped
 from visionloop.data.manifest import DatasetManifest, read_manifest, shard_dir_of
 
 INDEX_NAME = "index.json"
@@ -154,21 +154,18 @@ def _short(value: Any) -> str:
 
 
 def _read_capped(index_file: Path) -> bytes:
-    """The file's bytes, refusing anything but a regular file of at most INDEX_MAX_BYTES. Opened
-    non-blocking so that a FIFO named index.json cannot hang the reader."""
+    """The file's bytes, refusing anything but a regular file of at most INDEX_MAX_BYTES
+    (read_capped: a FIFO named index.json cannot hang the reader)."""
     try:
-        fd = os.open(index_file, os.O_RDONLY | os.O_NONBLOCK)
+        return read_capped(index_file, INDEX_MAX_BYTES, what="a shard index")
+    except NotRegularFileError:
+        raise _refuse(index_file, "it is not a regular file") from None
     except OSError as e:
         raise DataError(
             f"{index_file.parent} is not a readable shard folder ({e.strerror or e}). {_FIX}"
         ) from e
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _refuse(index_file, "it is not a regular file")
-        data = f.read(INDEX_MAX_BYTES + 1)
-    if len(data) > INDEX_MAX_BYTES:
-        raise _refuse(index_file, f"it is larger than {INDEX_MAX_BYTES // (1024 * 1024)} MiB")
-    return data
+    except TooLargeError:
+        raise _refuse(index_file, f"it is larger than {INDEX_MAX_BYTES // (1024 * 1024)} MiB") from None
 
 
 def _is_int(value: Any) -> bool:

@@ -18,14 +18,13 @@ from __future__ import annotations
 import base64
 import json
 import mimetypes
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import DataError
-from visionloop.core.fsutil import open_regular
+from visionloop.core.fsutil import TooLargeError, read_capped
 
 ID_KEY = "visionloop_id"
 MAX_EXPORT_BYTES = 512 * 1024 * 1024  # a Label Studio export read from a file or a server
@@ -229,17 +228,16 @@ def task_prediction(task: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def load_export(path: Path) -> list[Any]:
     """A Label Studio JSON export file, read within MAX_EXPORT_BYTES."""
     try:
-        with open_regular(path) as f:  # not a FIFO, which would hang the read
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_EXPORT_BYTES:
-                raise DataError(
-                    f"{path} is {size / 2**20:.0f} MiB, more than {MAX_EXPORT_BYTES // 2**20} MiB"
-                )
-            data = f.read(MAX_EXPORT_BYTES + 1)
+        # A regular file only (a FIFO would hang the read), refused from its size before reading.
+        data = read_capped(path, MAX_EXPORT_BYTES, what="a Label Studio export")
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from e
-    if len(data) > MAX_EXPORT_BYTES:  # it grew since
-        raise DataError(f"{path} is more than {MAX_EXPORT_BYTES // 2**20} MiB")
+    except TooLargeError as e:
+        if e.size is None:  # it grew since its size was read
+            raise DataError(f"{path} is more than {MAX_EXPORT_BYTES // 2**20} MiB") from None
+        raise DataError(
+            f"{path} is {e.size / 2**20:.0f} MiB, more than {MAX_EXPORT_BYTES // 2**20} MiB"
+        ) from None
     try:
         doc = json.loads(data)
     except (RecursionError, ValueError) as e:

@@ -25,7 +25,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from visionloop.core.errors import SpecError
-from visionloop.core.fsutil import NotRegularFileError, atomic_write_bytes, open_regular
+from visionloop.core.fsutil import NotRegularFileError, TooLargeError, atomic_write_bytes, read_capped
 
 log = logging.getLogger("visionloop.loop")
 
@@ -108,9 +108,8 @@ def load_state(home: Path, name: str) -> LoopState | None:
     path = loop_dir(home, name) / "state.json"
     try:
         _own_file(path, "state")
-        # open_regular: a state.json swapped for a FIFO or a device must not hang the loop.
-        with open_regular(path) as f:
-            raw = f.read(MAX_STATE_BYTES + 1)
+        # read_capped: a state.json swapped for a FIFO or a device must not hang the loop.
+        raw = read_capped(path, MAX_STATE_BYTES, what="a loop's state")
     except FileNotFoundError:
         return None
     except NotRegularFileError as e:
@@ -119,8 +118,8 @@ def load_state(home: Path, name: str) -> LoopState | None:
         raise SpecError(
             f"{path} cannot be read ({e.strerror or e}); fix its permissions or move it aside."
         ) from e
-    if len(raw) > MAX_STATE_BYTES:
-        raise SpecError(f"{path} is over {MAX_STATE_BYTES // 2**20} MiB; it is not a loop's state")
+    except TooLargeError:
+        raise SpecError(f"{path} is over {MAX_STATE_BYTES // 2**20} MiB; it is not a loop's state") from None
     try:
         state = LoopState.model_validate(orjson.loads(raw))
     except (orjson.JSONDecodeError, ValidationError) as e:

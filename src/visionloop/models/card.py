@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from visionloop import __version__
 from visionloop.core.errors import NotFoundError, VisionloopError
-from visionloop.core.fsutil import atomic_write_text, open_regular
+from visionloop.core.fsutil import TooLargeError, atomic_write_text, read_capped
 from visionloop.data.manifest import DatasetManifest
 from visionloop.models import registry
 from visionloop.models.registry import Interpolation, ModelDefaults, model_defaults
@@ -349,22 +349,20 @@ class ModelCard(BaseModel):
     def load(cls, path: Path) -> ModelCard:
         """Read and validate a card (a file, or a directory holding `model_card.json`)."""
         path = _card_path(path)
-        if not path.exists():  # a FIFO or folder exists, and open_regular names it below
+        if not path.exists():  # a FIFO or folder exists, and read_capped names it below
             raise NotFoundError(
                 f"no model card at {path}. A model folder holds {MODEL_CARD_NAME} beside its weights; "
                 "point at the folder of a trained model (train writes one with every model)."
             )
         try:
-            # open_regular: a FIFO in the card's place must not hang the reader; the size cap
+            # read_capped: a FIFO in the card's place must not hang the reader; the size cap
             # and the errors below cover what a hand-edited card can do to json.loads.
-            with open_regular(path) as f:
-                data = f.read(MAX_CARD_BYTES + 1)
-            if len(data) > MAX_CARD_BYTES:
-                raise ModelCardError(
-                    f"{path} is over {MAX_CARD_BYTES // 2**20} MiB, far more than a model card holds; "
-                    "restore it from the run's artifacts."
-                )
-            raw = json.loads(data.decode("utf-8"))
+            raw = json.loads(read_capped(path, MAX_CARD_BYTES, what="a model card").decode("utf-8"))
+        except TooLargeError as e:
+            raise ModelCardError(
+                f"{path} is over {MAX_CARD_BYTES // 2**20} MiB, far more than a model card holds; "
+                "restore it from the run's artifacts."
+            ) from e
         except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON, a 5000-digit number
             why = str(e).split("; use sys.set_int_max_str_digits")[0]  # advice for programmers only
             raise ModelCardError(

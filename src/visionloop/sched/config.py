@@ -100,7 +100,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from visionloop.core.errors import ConfigError
-from visionloop.core.fsutil import NotRegularFileError, open_regular
+from visionloop.core.fsutil import NotRegularFileError, NotTextError, TooLargeError, read_capped_text
 from visionloop.core.safetoml import TomlError, load_toml
 from visionloop.sched.config_scheduler import SchedulerTimings, parse_scheduler
 from visionloop.sched.config_values import MAX_GPUS, number, shown, where, whole_number
@@ -405,26 +405,26 @@ def _tables(doc: Mapping[str, Any], key: str, example: str, path: Path | None) -
 def load_cluster_config(path: Path) -> ClusterConfig:
     """Read `path`; a missing file gives the one-machine default."""
     # exists(), not is_file(): a FIFO, device or folder named cluster.toml is refused below
-    # (open_regular), not silently read as "no config" (all GPUs to one default team).
+    # (read_capped_text), not silently read as "no config" (all GPUs to one default team).
     if not path.exists():
         return ClusterConfig()
     hint = "Fix it, or remove it for the defaults."
     try:
-        with open_regular(path) as f:  # a FIFO would block, /dev/zero never ends
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        # A regular file only: a FIFO would block, /dev/zero never ends.
+        text = read_capped_text(path, MAX_CONFIG_BYTES, what="a cluster config")
     except NotRegularFileError as e:
         raise ConfigError(f"cluster config {path} {(e.strerror or '').split(';')[0]}. {hint}") from None
     except OSError as e:
         raise ConfigError(f"cannot read the cluster config {path}: {e.strerror or e}.") from None
-    if len(raw) > MAX_CONFIG_BYTES:
+    except TooLargeError:
         raise ConfigError(
             f"cluster config {path} is larger than {MAX_CONFIG_BYTES // 1024} KiB, too large to be one; "
             f"check that --config names the right file. {hint}"
-        )
+        ) from None
+    except NotTextError as e:
+        raise ConfigError(f"cluster config {e}") from None
     try:
-        doc = load_toml(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"cluster config {path} is not UTF-8 text ({e}); save it as UTF-8.") from None
+        doc = load_toml(text)
     except TomlError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}. {hint}") from e
     return parse_cluster_config(doc, path)

@@ -22,9 +22,11 @@ from pydantic import (
 
 from visionloop.core.errors import SpecError
 from visionloop.specs import (
+    NotASectionError,
     TrainSpec,
     example_for,
     format_validation_error,
+    set_dotted,
     yaml_inline,
 )
 from visionloop.tasks.registry import get_task
@@ -172,24 +174,14 @@ def _path_example(path: str) -> str:
     return f" Example value: {path}: {yaml_inline(value)}" if value is not None else ""
 
 
-def _set_path(doc: dict[str, Any], path: str, value: Any) -> None:
-    keys = path.split(".")
-    node = doc
-    for key in keys[:-1]:
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            raise SpecError(f"{path}: `{key}` is a value in the train spec, not a section.")
-        node = child
-    node[keys[-1]] = value
-
-
 def with_params(train_doc: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
     """A deep copy of `train_doc` with each dotted path in `params` set to its value."""
     doc = copy.deepcopy(dict(train_doc))
     for path, value in params.items():
-        _set_path(doc, path, value)
+        try:
+            set_dotted(doc, path, value)
+        except NotASectionError as e:
+            raise SpecError(f"{path}: `{e.key}` is a value in the train spec, not a section.") from None
     return doc
 
 

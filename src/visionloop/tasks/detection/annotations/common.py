@@ -36,7 +36,8 @@ from typing import Literal
 from PIL import ExifTags, Image
 
 from visionloop.core.errors import DataError
-from visionloop.core.fsutil import NotRegularFileError, open_regular
+from visionloop.core.fsutil import NotRegularFileError, TooLargeError
+from visionloop.core.fsutil import read_capped as read_file_capped
 from visionloop.data.imageio import DECODABLE_FORMATS
 from visionloop.data.manifest import SplitName
 from visionloop.tasks.detection.annotations import orient
@@ -103,8 +104,8 @@ class AnnotationFileError(Exception):
 def read_capped(path: Path, cap: int, what: str) -> bytes:
     """The bytes of `path`, refused (AnnotationFileError) past `cap` bytes or when unreadable."""
     try:
-        with open_regular(path) as f:  # a FIFO named like an annotation file must not hang us
-            data = f.read(cap + 1)
+        # A regular file only: a FIFO named like an annotation file must not hang us.
+        return read_file_capped(path, cap, what=what)
     except NotRegularFileError as e:
         raise AnnotationFileError(f"{path} {e.strerror}") from e
     except FileNotFoundError as e:
@@ -113,12 +114,11 @@ def read_capped(path: Path, cap: int, what: str) -> bytes:
         raise AnnotationFileError(f"{path} is a folder, not {what}") from e
     except OSError as e:
         raise AnnotationFileError(f"{path} cannot be read ({e.strerror or e}); check its permissions") from e
-    if len(data) > cap:
+    except TooLargeError as e:
         raise AnnotationFileError(
             f"{path} is larger than the {cap // (1024 * 1024)} MiB limit for {what}; "
             "split it into smaller files"
-        )
-    return data
+        ) from e
 
 
 def decode_text(data: bytes, path: Path) -> str:
