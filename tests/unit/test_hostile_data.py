@@ -21,7 +21,7 @@ from visionloop.alerts.rules import load_config
 from visionloop.cli.label_studio import _selection
 from visionloop.cli.main import app
 from visionloop.core.errors import ConfigError, DataError
-from visionloop.data.imageio import Rejection, RejectReason, normalise_file
+from visionloop.data.imageio import Rejection, RejectReason, max_file_bytes, normalise_file
 from visionloop.data.ingest_pool import hash_file
 from visionloop.data.manifest import ImagePolicy
 from visionloop.data.sources import list_source
@@ -55,6 +55,23 @@ def test_a_fifo_named_like_an_image_is_rejected_not_waited_on(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(20)
+def test_a_file_bigger_than_any_image_within_the_pixel_limit_is_refused_unread(tmp_path: Path) -> None:
+    policy = ImagePolicy(max_pixels=100)
+    limit = max_file_bytes(policy)
+    assert limit == 100 * 8 + 64 * 2**20
+    big = tmp_path / "video.jpg"
+    with big.open("wb") as f:  # sparse: no disk used, and a read of it would take 64 MiB
+        f.truncate(limit + 1)
+    outcome = normalise_file(str(big), policy)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.TOO_LARGE
+    assert f"is {limit + 1:,} bytes" in outcome.message and "raise --max-pixels" in outcome.message
+    # at the limit the file is read and judged by what it holds (zeros: not an image)
+    with big.open("r+b") as f:
+        f.truncate(limit)
+    outcome = normalise_file(str(big), policy)
+    assert isinstance(outcome, Rejection) and outcome.reason is RejectReason.NOT_AN_IMAGE
+
+
 def test_a_fifo_named_like_a_csv_source_is_a_data_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"labels\.csv: is a FIFO .*not a regular file"):
         list_source(_fifo(tmp_path / "labels.csv"))

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import ExifTags, Image, ImageFile, ImageOps, JpegImagePlugin, UnidentifiedImageError
 
-from visionloop.core.fsutil import NotRegularFileError, open_regular
+from visionloop.core.fsutil import NotRegularFileError, TooLargeError, read_capped
 from visionloop.data.manifest import ImagePolicy
 
 IMAGE_EXTENSIONS = frozenset(
@@ -377,17 +377,32 @@ def _normalise_open_image(
     return Normalised(encoded, stored_as, rgb.width, rgb.height, sha, pixel_sum, pixel_sq_sum)
 
 
+def max_file_bytes(policy: ImagePolicy) -> int:
+    """The largest file an image within `policy.max_pixels` can need: 8 bytes a pixel (16-bit
+    RGBA stored raw, as a TIFF can) and 64 MiB for metadata. A bigger file is refused from its
+    size before a byte is read: a stray video or disk image named .jpg would otherwise be read
+    whole into a pool worker's memory before its header said what it is."""
+    return policy.max_pixels * 8 + 64 * 2**20
+
+
 def normalise_file(path: str, policy: ImagePolicy) -> Normalised | Rejection:
     """`normalise_bytes` over a file, opened read-only; the source is never touched."""
+    limit = max_file_bytes(policy)
     try:
-        with open_regular(path) as f:
-            data = f.read()
+        data = read_capped(path, limit, what="an image")
     except NotRegularFileError as e:
         return not_a_file(e)
     except FileNotFoundError:
         return Rejection(RejectReason.MISSING_FILE, "does not exist (moved or deleted during ingest?)")
     except OSError as e:
         return unreadable(e)
+    except TooLargeError as e:
+        size = f"{e.size:,} bytes" if e.size is not None else "larger than that"
+        return Rejection(
+            RejectReason.TOO_LARGE,
+            f"is {size}, more than an image of at most {policy.max_pixels:,} pixels can take "
+            f"({limit:,} bytes); raise --max-pixels if it is real",
+        )
     return normalise_bytes(data, policy)
 
 
