@@ -294,9 +294,9 @@ def _details(
     ],
 )
 def test_ray_job_states_map_to_attempt_states(details: object, expected: tuple[str, int | None]) -> None:
-    from visionloop.sched.executors.ray import _attempt_status
+    from visionloop.sched.executors.ray_status import attempt_status
 
-    status = _attempt_status(details)
+    status = attempt_status(details)
     assert (status.state, status.exit_code) == expected
 
 
@@ -320,7 +320,7 @@ def test_types_and_price_classes_from_labels_and_resources() -> None:
 
 def test_older_ray_without_label_selectors_pins_to_the_node_ip() -> None:
     ex = RayExecutor("http://127.0.0.1:8265")
-    ex._client_obj, ex._label_selectors = object(), False  # as if Ray's SDK lacked the keyword
-    assert ex._pin("f00d", "10.0.0.7") == {"entrypoint_resources": {"node:10.0.0.7": 0.001}}
-    ex._label_selectors = True
-    assert ex._pin("f00d", "10.0.0.7") == {"entrypoint_label_selector": {"ray.io/node-id": "f00d"}}
+    ex.jobs._client_obj, ex.jobs._label_selectors = object(), False  # as if Ray's SDK lacked the keyword
+    assert ex.jobs.pin("f00d", "10.0.0.7") == {"entrypoint_resources": {"node:10.0.0.7": 0.001}}
+    ex.jobs._label_selectors = True
+    assert ex.jobs.pin("f00d", "10.0.0.7") == {"entrypoint_label_selector": {"ray.io/node-id": "f00d"}}

@@ -113,55 +113,69 @@ rank order) and `"rendezvous": "IP:PORT"`.
 
 Only `submission_id` is indispensable; the bare pre-launch handle `{"attempt_dir":
 ".../job-12/attempt-3"}` also works (the id is rebuilt from the folder names; see `adopt`).
+
+This module is the executor; it composes parts with one job each:
+
+- `ray_client`: the dashboard's job SDK and state API, every request with a timeout, Ray's
+  errors as ExecutorError;
+- `ray_ids`: submission ids, from an attempt and from a handle;
+- `ray_nodes`: what a node's labels and resources say (GPU type, price class): the capacity;
+- `ray_placement`: which node each part of an attempt runs on;
+- `ray_rendezvous`: MASTER_ADDR, MASTER_PORT and node rank of a run across nodes;
+- `ray_submit`: submitting one node's part, adopting one Ray already has, stopping orphans;
+- `ray_status`: Ray's job details as an attempt's status, for one node's part or all of them;
+- `ray_signal`: the signal job (`terminate`) and the deletion of finished ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-import os
-import re
-import shlex
 import threading
 import time
-import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
+from visionloop.core.errors import ExecutorError
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle, LaunchRequest
-from visionloop.sched.executors.ray_nodes import (
-    NODE_ID_LABEL,
-    RayNode,
-    ip_of,
-    node_gpu_type,
-    node_price_class,
+from visionloop.sched.executors.ray_client import DEFAULT_REQUEST_TIMEOUT_S, RayJobs
+from visionloop.sched.executors.ray_ids import (
+    check_prefix,
+    handle_sid,
+    handle_sids,
+    node_submission_id,
+    require_sid,
+    submission_id,
 )
-from visionloop.sched.executors.ray_signal import SUBMISSION_ENV, signal_entrypoint
+from visionloop.sched.executors.ray_nodes import RayNode, read_capacity
+from visionloop.sched.executors.ray_placement import place
+from visionloop.sched.executors.ray_rendezvous import (
+    DEFAULT_RENDEZVOUS_PORTS,
+    check_ports,
+    rendezvous_address,
+    rendezvous_env,
+)
+from visionloop.sched.executors.ray_signal import SUBMISSION_ENV, SignalJobs
+from visionloop.sched.executors.ray_status import (
+    EXIT_KILLED,
+    EXIT_NOT_STARTED,
+    TERMINAL,
+    attempt_status,
+    job_status,
+    read_nodes,
+)
+from visionloop.sched.executors.ray_submit import stop_orphans, submit
 from visionloop.sched.view import Gpu
-from visionloop.train.launch import NNODES_ENV, NODE_RANK_ENV, RESUMABLE_EXITS, combine_exit_codes
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REQUEST_TIMEOUT_S = 30.0
-EXIT_KILLED = 128 + 9  # SIGKILL, as a shell reports it
-EXIT_NOT_STARTED = 126  # the command could not be started (a shell's "cannot execute")
 READ_CHUNK = 64 * 1024
-# Multi-node attempts: where node 0's rank 0 listens (torchrun's default port starts the range),
-# and how long the other nodes may go on after one failed before they are stopped: they notice
-# a dead peer at their next collective, and Ray needs a while to declare a node dead (a lost
-# node requeues the job, a failure counts against its restarts, so Ray gets the time to say).
-DEFAULT_RENDEZVOUS_PORTS = (29500, 30499)
+# Multi-node attempts: how long the other nodes may go on after one failed before they are
+# stopped: they notice a dead peer at their next collective, and Ray needs a while to declare
+# a node dead (a lost node requeues the job, a failure counts against its restarts, so Ray
+# gets the time to say).
 PEER_GRACE_S = 90.0
-_SHORT = 8  # hex digits of a node id in Gpu ids
-_TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-# A supervisor that died (with its node, usually): the attempt's fate is unknown, like a
-# local process that vanished, so it is lost and requeued rather than failed.
-_LOST_ERRORS = {"JOB_SUPERVISOR_ACTOR_DIED", "JOB_SUPERVISOR_ACTOR_UNKNOWN_FAILURE"}
-_ATTEMPT_DIR = re.compile(r"job-(\d+)[/\\]attempt-(\d+)[/\\]?$")
-_PREFIX = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 
 class RayExecutor:
@@ -183,237 +197,42 @@ class RayExecutor:
         on its first node; keep it free of other services there. `peer_grace_s`: how long
         the other nodes of a multi-node attempt may run on after one node's process failed,
         before they are stopped."""
-        low, high = rendezvous_ports
-        if not 1024 <= low <= high <= 65535:
-            raise ExecutorError(
-                f"RayExecutor rendezvous_ports {rendezvous_ports} is not a port range; give (low, high) "
-                "with 1024 <= low <= high <= 65535, e.g. (29500, 30499)."
-            )
-        self.rendezvous_ports = (low, high)
+        self.rendezvous_ports = check_ports(rendezvous_ports)
         self.peer_grace_s = peer_grace_s
-        if not _PREFIX.fullmatch(prefix):
-            raise ExecutorError(
-                f"RayExecutor prefix {prefix!r} is invalid; use lower-case letters, digits and '-', "
-                "e.g. 'vl'."
-            )
-        self.address = address.rstrip("/")
-        self.prefix = prefix
+        self.prefix = check_prefix(prefix)
+        self.jobs = RayJobs(address, request_timeout_s)
+        self.address = self.jobs.address
         self.request_timeout_s = request_timeout_s
+        self.signals = SignalJobs(self.jobs)
         self._lock = threading.Lock()
-        self._client_obj: Any = None
-        self._label_selectors: bool | None = None
         self._nodes: dict[str, RayNode] = {}  # short id -> node, from the last capacity()
-        self._signal_jobs: dict[str, list[str]] = {}  # attempt's submission id -> signal jobs
         self._peer_failed: dict[str, float] = {}  # multi-node attempt -> when a node first failed
-
-    # -- the Ray client ---------------------------------------------------------------------
-
-    def _client(self) -> Any:
-        """The JobSubmissionClient, made on first use (its constructor already calls the
-        dashboard), with a timeout on every request: Ray's SDK sets none, and a hung
-        dashboard must not hang the control plane's scheduling cycle."""
-        with self._lock:
-            if self._client_obj is not None:
-                return self._client_obj
-            for var in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
-                value = os.environ.get(var)
-                if value and value.rstrip("/") != self.address:
-                    raise ExecutorError(
-                        f"{var}={value} is set in the control plane's environment; Ray's SDK would use it "
-                        f"instead of the address given to RayExecutor ({self.address}). Unset {var}, or "
-                        "set it to the same dashboard URL."
-                    )
-            try:
-                from ray.job_submission import JobSubmissionClient
-            except ImportError as e:
-                raise ExecutorError(
-                    "the Ray executor needs Ray's job SDK: `pip install 'visionloop[ray]'` "
-                    f"(ray[default]) on the control plane's machine ({e})."
-                ) from e
-            timeout = self.request_timeout_s
-
-            class _Client(JobSubmissionClient):
-                def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
-                    kwargs.setdefault("timeout", timeout)
-                    return super()._do_request(method, endpoint, **kwargs)
-
-            try:
-                client = _Client(self.address)
-            except (OSError, RuntimeError, ValueError) as e:
-                raise self._unreachable(e) from e
-            params = inspect.signature(JobSubmissionClient.submit_job).parameters
-            self._label_selectors = "entrypoint_label_selector" in params
-            self._client_obj = client
-            return client
-
-    def _unreachable(self, e: BaseException) -> ExecutorError:
-        return ExecutorUnavailableError(
-            f"cannot reach the Ray dashboard at {self.address}: {_reason(e)}. Is the cluster running? "
-            "Check with `ray status` on the head node; the address is the dashboard URL "
-            "(http://HEAD:8265), and the head must be started with --dashboard-host reachable from here."
-        )
-
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """One SDK call; None when Ray answers 404 (no such job), ExecutorError otherwise."""
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as e:
-            if "status code 404" in str(e):
-                return None
-            raise ExecutorError(f"Ray refused to {what}: {_reason(e)}") from e
-        except (OSError, ValueError) as e:
-            raise self._unreachable(e) from e
-
-    def _info(self, sid: str) -> Any:
-        """The job's JobDetails, or None if Ray has no such submission."""
-        return self._call(f"describe job {sid}", self._client().get_job_info, sid)
 
     # -- ids --------------------------------------------------------------------------------
 
     def submission_id(self, job_id: int, attempt: int) -> str:
-        return f"{self.prefix}-job-{job_id}-attempt-{attempt}"
+        return submission_id(self.prefix, job_id, attempt)
 
-    @staticmethod
-    def node_submission_id(sid: str, rank: int) -> str:
-        """Node `rank`'s submission of a multi-node attempt: node 0's is the attempt's own id
-        (its log is the attempt's log), the others' `{sid}-node-{rank}`."""
-        return sid if rank == 0 else f"{sid}-node-{rank}"
+    node_submission_id = staticmethod(node_submission_id)
 
     def _sids(self, handle: Handle) -> list[str] | None:
-        """Every submission of the attempt, node 0's first; None if the handle names none.
-        A bare pre-launch handle has no node list: the other nodes' are looked up in Ray."""
-        nodes = handle.get("nodes")
-        if isinstance(nodes, list) and nodes:
-            return [str(n["submission_id"]) for n in nodes]
-        sid = self._sid(handle)
-        if sid is None:
-            return None
-        sids = [sid]
-        if not handle.get("submission_id"):
-            while self._info_quietly(self.node_submission_id(sid, len(sids))) is not None:
-                sids.append(self.node_submission_id(sid, len(sids)))
-        return sids
+        return handle_sids(self.prefix, handle, lambda sid: self.jobs.info_quietly(sid) is not None)
 
-    def _sid(self, handle: Handle) -> str | None:
-        sid = handle.get("submission_id")
-        if isinstance(sid, str) and sid:
-            return sid
-        m = _ATTEMPT_DIR.search(str(handle.get("attempt_dir", "")))
-        return self.submission_id(int(m.group(1)), int(m.group(2))) if m else None
-
-    def _require_sid(self, handle: Handle) -> str:
-        sid = self._sid(handle)
-        if sid is None:
-            raise ExecutorError(
-                f"the handle {handle} names no Ray submission (no submission_id, and its attempt_dir is not "
-                ".../job-N/attempt-M); `ray job list` shows the cluster's jobs."
-            )
-        return sid
+    def _require_sids(self, handle: Handle) -> list[str]:
+        sids = self._sids(handle)
+        return sids if sids is not None else [require_sid(self.prefix, handle)]
 
     # -- capacity ---------------------------------------------------------------------------
 
     def capacity(self) -> list[Gpu]:
-        try:
-            from ray.util.state import list_nodes
-            from ray.util.state.exception import RayStateApiException
-        except ImportError as e:
-            raise ExecutorError(f"the Ray executor needs `pip install 'visionloop[ray]'` ({e}).") from e
-        try:
-            nodes = list_nodes(
-                address=self.address,
-                limit=10_000,
-                timeout=max(1, round(self.request_timeout_s)),
-                raise_on_missing_output=False,
-            )
-        except (RayStateApiException, OSError, RuntimeError, ValueError) as e:
-            raise self._unreachable(e) from e
-        gpus: list[Gpu] = []
-        known: dict[str, RayNode] = {}
-        alive = [n for n in nodes if str(n.state) == "ALIVE"]
-        shorts = [str(n.node_id)[:_SHORT] for n in alive]
-        for n, short in zip(alive, shorts, strict=True):
-            node_id = str(n.node_id)
-            if shorts.count(short) > 1:  # astronomically rare; never give two nodes one name
-                short = node_id
-            resources: Mapping[str, float] = n.resources_total or {}
-            labels: Mapping[str, str] = n.labels or {}
-            node = RayNode(
-                node_id=node_id,
-                ip=str(n.node_ip),
-                name=f"{n.node_name or n.node_ip}-{short}",
-                cpus=float(resources.get("CPU", 0)),
-            )
-            known[short] = node
-            gpu_type = node_gpu_type(resources, labels)
-            price = node_price_class(resources, labels, node.name)
-            count = int(resources.get("GPU", 0))
-            gpus += [Gpu(f"{short}/{i}", node.name, gpu_type, price) for i in range(count)]
+        return self._read_cluster()[0]
+
+    def _read_cluster(self) -> tuple[list[Gpu], Mapping[str, RayNode]]:
+        """The cluster's GPUs and alive nodes, read now; the nodes are kept for `launch`."""
+        gpus, known = read_capacity(self.jobs.list_nodes())
         with self._lock:
             self._nodes = known
-        return sorted(gpus, key=lambda g: (g.node, int(g.id.rsplit("/", 1)[1])))
-
-    def _nodes_of(self, request: LaunchRequest) -> list[tuple[RayNode | None, int]]:
-        """Where each node's part of the request runs, node rank order, with its GPU count:
-        the nodes the scheduler placed the GPUs on (in the order it listed them), or for a CPU
-        job, one unpinned entry (Ray's choice) or, across nodes, the nodes picked here."""
-        if request.nodes < 1:
-            raise ExecutorError(f"job {request.job_id}: nodes is {request.nodes}; it must be at least 1.")
-        if not request.gpus:
-            if request.nodes == 1:
-                return [(None, 0)]
-            return [(node, 0) for node in self._cpu_nodes(request)]
-        by_node: dict[str, int] = {}
-        for g in request.gpus:
-            short = g.id.split("/", 1)[0]
-            by_node[short] = by_node.get(short, 0) + 1
-        if len(by_node) != request.nodes or len(set(by_node.values())) != 1:
-            layout = ", ".join(f"{n} on {short}" for short, n in by_node.items())
-            raise ExecutorError(
-                f"job {request.job_id} spans {request.nodes} node(s), but its GPUs "
-                f"{[g.id for g in request.gpus]} lie {layout}: allocate the same number of GPUs on each "
-                f"of exactly {request.nodes} node(s) "
-                "(visionloop.sched.placement.pick_nodes)."
-            )
-        with self._lock:
-            known = dict(self._nodes)
-        if any(short not in known for short in by_node):
-            ids = {g.id for g in self.capacity()}
-            with self._lock:
-                known = dict(self._nodes)
-            missing = [g.id for g in request.gpus if g.id not in ids]
-            if missing or any(short not in known for short in by_node):
-                raise ExecutorError(
-                    f"job {request.job_id}: GPUs {missing or [g.id for g in request.gpus]} are not in the "
-                    f"Ray cluster any more (it has {sorted(ids)}); a node left or restarted. Restart the "
-                    "control plane so it reads the cluster's GPUs again."
-                )
-        return [(known[short], n) for short, n in by_node.items()]
-
-    def _cpu_nodes(self, request: LaunchRequest) -> list[RayNode]:
-        """`request.nodes` distinct alive nodes for a CPU job across nodes: the scheduler
-        places no CPU job, so the executor does. Nodes with the most CPUs first (then by name:
-        the same choice every time); each must have the job's per-node share of CPUs."""
-        self.capacity()  # refreshes self._nodes: the alive nodes
-        need = request.cpus / request.nodes
-        with self._lock:
-            nodes = sorted(self._nodes.values(), key=lambda n: (-n.cpus, n.name))
-        fit = [n for n in nodes if n.cpus >= need]
-        if len(fit) < request.nodes:
-            has = ", ".join(f"{n.name}: {n.cpus:g}" for n in nodes) or "no alive node"
-            raise ExecutorError(
-                f"job {request.job_id} needs {request.nodes} Ray nodes with {need:g} CPUs each, and the "
-                f"cluster has {len(fit)} ({has}); "
-                "add nodes, or lower resources.nodes or resources.cpus."
-            )
-        return fit[: request.nodes]
-
-    def _pin(self, node_id: str, ip: str | None) -> dict[str, Any]:
-        """Scheduling kwargs that put an entrypoint on one node."""
-        self._client()  # sets _label_selectors
-        if self._label_selectors or not ip:
-            return {"entrypoint_label_selector": {NODE_ID_LABEL: node_id}}
-        # Older Ray: the node's IP resource. Nodes sharing an IP share a host (and its /proc).
-        return {"entrypoint_resources": {f"node:{ip}": 0.001}}
+        return gpus, known
 
     # -- launch -----------------------------------------------------------------------------
 
@@ -421,8 +240,10 @@ class RayExecutor:
         if not request.command:
             raise ExecutorError(f"job {request.job_id}: the command is empty; give the trainer command.")
         sid = self.submission_id(request.job_id, request.attempt)
-        placed = self._nodes_of(request)
-        self._stop_orphans(request)
+        with self._lock:
+            known = dict(self._nodes)
+        placed = place(request, known, self._read_cluster)
+        stop_orphans(self.jobs, self.prefix, request)
         base_env = {
             **request.env,
             "VISIONLOOP_JOB_ID": str(request.job_id),
@@ -435,32 +256,20 @@ class RayExecutor:
         if len(placed) > 1:
             first = placed[0][0]
             assert first is not None  # several nodes are always chosen ones
-            rendezvous = f"{first.ip}:{self._rendezvous_port(sid)}"
+            rendezvous = rendezvous_address(first, sid, self.rendezvous_ports)
         try:
             for rank, (node, n_gpus) in enumerate(placed):
                 node_sid = self.node_submission_id(sid, rank)
                 env = dict(base_env)
                 if rendezvous is not None:
-                    addr, port = rendezvous.rsplit(":", 1)
-                    env.update(
-                        {
-                            NNODES_ENV: str(len(placed)),
-                            NODE_RANK_ENV: str(rank),
-                            "MASTER_ADDR": addr,
-                            "MASTER_PORT": port,
-                        }
-                    )
-                self._submit(request, node_sid, node, n_gpus, env, len(placed))
+                    env.update(rendezvous_env(rendezvous, len(placed), rank))
+                submit(self.jobs, request, node_sid, node, n_gpus, env, len(placed))
                 nodes.append({"submission_id": node_sid, "node_id": node.node_id if node else None})
         except ExecutorError:
             # All nodes or none: a part-started run would wait for its missing peers forever.
             for started in nodes:
                 with contextlib.suppress(ExecutorError):
-                    self._call(
-                        f"stop job {started['submission_id']}",
-                        self._client().stop_job,
-                        started["submission_id"],
-                    )
+                    self.jobs.stop(started["submission_id"])
             raise
         handle: Handle = {
             "executor": self.name,
@@ -473,102 +282,13 @@ class RayExecutor:
             handle.update(nodes=nodes, rendezvous=rendezvous)
         return handle
 
-    def _submit(
-        self,
-        request: LaunchRequest,
-        sid: str,
-        node: RayNode | None,
-        n_gpus: int,
-        env: dict[str, str],
-        n_nodes: int,
-    ) -> None:
-        """Submit one node's part of the attempt (the whole of it on one node), or adopt it
-        if Ray already has it."""
-        # Ray sets CUDA_VISIBLE_DEVICES only for entrypoints that request GPUs; a CPU job left
-        # without it would see every GPU of its node, other jobs' included.
-        no_gpus = "" if n_gpus else "CUDA_VISIBLE_DEVICES= "
-        entrypoint = f"exec env {no_gpus}{SUBMISSION_ENV}={sid} {shlex.join(request.command)}"
-        kwargs: dict[str, Any] = {
-            "entrypoint": entrypoint,
-            "submission_id": sid,
-            "runtime_env": {"env_vars": env},
-            "metadata": {"visionloop_job": str(request.job_id), "attempt": str(request.attempt)},
-            "entrypoint_num_cpus": request.cpus / n_nodes,
-            "entrypoint_num_gpus": n_gpus,
-        }
-        if request.memory_gb > 0:
-            kwargs["entrypoint_memory"] = int(request.memory_gb / n_nodes * 1024**3)
-        if node is not None:
-            kwargs.update(self._pin(node.node_id, node.ip))
-        client = self._client()
-        try:
-            client.submit_job(**kwargs)
-        except RuntimeError as e:
-            if "already exists" not in str(e):
-                raise ExecutorError(f"Ray refused job {sid}: {_reason(e)}") from e
-            self._check_adoptable(sid, entrypoint, request)
-        except (OSError, ValueError) as e:
-            # The request may have reached Ray: look before giving up, so a job that did start
-            # is adopted rather than left running unaccounted for.
-            if self._info_quietly(sid) is None:
-                raise self._unreachable(e) from e
-            self._check_adoptable(sid, entrypoint, request)
-
-    def _rendezvous_port(self, sid: str) -> int:
-        """MASTER_PORT of a multi-node attempt: drawn from the range by the submission id, so
-        a re-launch (adoption) gets the same one and the next attempt most likely another
-        (the control plane cannot see which ports are free on a Ray node; a taken one fails
-        the attempt, and its retry draws again)."""
-        low, high = self.rendezvous_ports
-        return low + zlib.crc32(sid.encode()) % (high - low + 1)
-
-    def _check_adoptable(self, sid: str, entrypoint: str, request: LaunchRequest) -> None:
-        """A submission with this id exists: adopt it if it is this very attempt."""
-        info = self._info(sid)
-        if info is None:
-            raise ExecutorError(f"Ray said job {sid} exists, then that it does not; launch it again.")
-        meta = dict(info.metadata or {})
-        if (
-            info.entrypoint == entrypoint
-            and meta.get("visionloop_job") == str(request.job_id)
-            and meta.get("attempt") == str(request.attempt)
-        ):
-            log.info("job %s: Ray already runs %s; adopting it", request.job_id, sid)
-            return
-        raise ExecutorError(
-            f"Ray already has a job {sid} with another command: another visionloop installation (or an "
-            "earlier state database) uses this cluster with the same prefix. Give each installation its "
-            f"own RayExecutor(prefix=...), or remove the old job with `ray job delete {sid}` once it ended."
-        )
-
-    def _stop_orphans(self, request: LaunchRequest) -> None:
-        """Stop earlier attempts of this job that Ray still runs. The control plane launches
-        attempt N only after attempt N-1 ended in its books, so a live one is an orphan: a
-        launch whose answer was lost (timeout) and then counted as failed. Never two at once."""
-        for n in range(max(1, request.attempt - 3), request.attempt):
-            attempt_sid = self.submission_id(request.job_id, n)
-            for rank in range(max(request.nodes, 1)):
-                sid = self.node_submission_id(attempt_sid, rank)
-                info = self._info_quietly(sid)
-                if info is not None and _status(info) not in _TERMINAL:
-                    log.warning(
-                        "job %s: earlier attempt %s still runs in Ray; stopping it", request.job_id, sid
-                    )
-                    self._call(f"stop job {sid}", self._client().stop_job, sid)
-
-    def _info_quietly(self, sid: str) -> Any:
-        try:
-            return self._info(sid)
-        except ExecutorError:
-            return None
-
     def adopt(self, attempt_dir: Path) -> Handle | None:
         """The handle of the attempt whose (pre-launch) folder is `attempt_dir`, if Ray has its
         submission; None otherwise. For a control plane that died between `launch` and storing
         the handle. (An addition to the Executor protocol, as on LocalExecutor; every method
         also accepts the bare `{"attempt_dir": ...}` handle.)"""
-        sid = self._sid({"attempt_dir": str(attempt_dir)})
-        info = None if sid is None else self._info(sid)
+        sid = handle_sid(self.prefix, {"attempt_dir": str(attempt_dir)})
+        info = None if sid is None else self.jobs.info(sid)
         if sid is None or info is None:
             return None
         node_id = getattr(info, "driver_node_id", None)
@@ -581,7 +301,7 @@ class RayExecutor:
         }
         sids = self._sids({"attempt_dir": str(attempt_dir)}) or [sid]
         if len(sids) > 1:
-            infos = [info] + [self._info(s) for s in sids[1:]]
+            infos = [info] + [self.jobs.info(s) for s in sids[1:]]
             handle["nodes"] = [
                 {"submission_id": s, "node_id": getattr(i, "driver_node_id", None) if i else None}
                 for s, i in zip(sids, infos, strict=True)
@@ -597,75 +317,50 @@ class RayExecutor:
         if len(sids) > 1:
             return self._poll_nodes(sids)
         sid = sids[0]
-        info = self._info(sid)
+        info = self.jobs.info(sid)
         if info is None:
             return AttemptStatus(
                 "lost",
                 detail=f"Ray has no job {sid}: never submitted, deleted, or the cluster restarted",
             )
-        status = _attempt_status(info)
+        status = attempt_status(info)
         if status.state != "running":
-            self._forget_signal_jobs(sid)
+            self.signals.forget(sid)
         return status
 
     def _poll_nodes(self, sids: list[str]) -> AttemptStatus:
-        """A multi-node attempt as one: lost as soon as any node's part is (its node died:
-        the whole job is requeued, and the other nodes, which cannot go on without it, are
-        stopped); exited when every node's part has, with their codes combined as the
-        launcher combines its ranks' (all 0 → 0; 0 or 75 → 75; 0 or 76 → 76; else the first failure, a
-        node that failed by itself before one that was stopped); running otherwise. A node
-        that failed while others still run gives them `peer_grace_s` to notice (they fail
-        at their next collective) before they are stopped."""
-        infos = [self._info(sid) for sid in sids]
-        statuses = [
-            AttemptStatus("lost", detail=f"Ray has no job {sid}") if info is None else _attempt_status(info)
-            for sid, info in zip(sids, infos, strict=True)
-        ]
-        running = [sid for sid, st in zip(sids, statuses, strict=True) if st.state == "running"]
-        lost = [(rank, st) for rank, st in enumerate(statuses) if st.state == "lost"]
-        if lost:
-            self._stop_all(running, "lost a node")
+        """A multi-node attempt as one (`ray_status.read_nodes`). When it is lost, the nodes
+        still running are stopped (they cannot go on without the lost one). A node that
+        failed while others still run gives them `peer_grace_s` to notice (they fail at their
+        next collective) before they are stopped."""
+        reading = read_nodes(sids, [self.jobs.info(sid) for sid in sids])
+        if reading.status.state == "lost":
+            self._stop_all(reading.running, "lost a node")
             self._end_nodes(sids)
-            rank, st = lost[0]
-            return AttemptStatus("lost", detail=f"node {rank} of {len(sids)} ({sids[rank]}): {st.detail}")
-        exited = [
-            (rank, st, _status(infos[rank]) == "STOPPED")
-            for rank, st in enumerate(statuses)
-            if st.state == "exited" and st.exit_code is not None
-        ]
-        failed = [f for f in exited if f[1].exit_code not in RESUMABLE_EXITS]
-        if running:
-            if failed:
+        elif reading.status.state == "running":
+            if reading.first_failed is not None:
                 now = time.monotonic()
                 with self._lock:
                     since = self._peer_failed.setdefault(sids[0], now)
                 if now - since > self.peer_grace_s:
-                    self._stop_all(running, f"node {failed[0][0]} failed {now - since:.0f} s ago")
-            return AttemptStatus(
-                "running", detail=f"running in Ray on {len(sids)} nodes ({len(running)} still running)"
-            )
-        self._end_nodes(sids)
-        if not failed:
-            code = combine_exit_codes([st.exit_code or 0 for _, st, _ in exited])
-            return AttemptStatus("exited", exit_code=code, detail=f"all {len(sids)} nodes exited")
-        # The node that failed by itself says why; the ones we stopped after it only echo it.
-        rank, st, _ = sorted(failed, key=lambda f: f[2])[0]
-        detail = f"node {rank} of {len(sids)} ({sids[rank]}): exit {st.exit_code}" + (
-            f"; {st.detail}" if st.detail else ""
-        )
-        return AttemptStatus("exited", exit_code=st.exit_code, detail=detail)
+                    self._stop_all(
+                        reading.running, f"node {reading.first_failed} failed {now - since:.0f} s ago"
+                    )
+        else:
+            self._end_nodes(sids)
+        return reading.status
 
     def _stop_all(self, sids: list[str], why: str) -> None:
         for sid in sids:
             log.warning("stopping %s: its multi-node attempt %s", sid, why)
             with contextlib.suppress(ExecutorError):
-                self._call(f"stop job {sid}", self._client().stop_job, sid)
+                self.jobs.stop(sid)
 
     def _end_nodes(self, sids: list[str]) -> None:
         with self._lock:
             self._peer_failed.pop(sids[0], None)
         for sid in sids:
-            self._forget_signal_jobs(sid)
+            self.signals.forget(sid)
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -673,56 +368,17 @@ class RayExecutor:
         """SIGTERM to the attempt's main process on each of its nodes, through a signal job on
         that node (see the module docstring); a part that has not started yet is stopped."""
         for sid in self._require_sids(handle):
-            self._terminate_one(sid)
-
-    def _terminate_one(self, sid: str) -> None:
-        info = self._info(sid)
-        if info is None or _status(info) in _TERMINAL:
-            return
-        node_id = getattr(info, "driver_node_id", None)
-        if _status(info) == "PENDING" or not node_id:
-            # Nothing to checkpoint yet: stop it (its command may be starting this instant).
-            self._call(f"stop job {sid}", self._client().stop_job, sid)
-            return
-        signal_sid = f"{sid}-sigterm-{time.time_ns() // 1_000_000}"
-        self._call(
-            f"submit the signal job {signal_sid}",
-            self._client().submit_job,
-            entrypoint=signal_entrypoint(sid, "TERM"),
-            submission_id=signal_sid,
-            metadata={"visionloop_signal_for": sid},
-            entrypoint_num_cpus=0,
-            **self._pin(node_id, ip_of(getattr(info, "driver_agent_http_address", None))),
-        )
-        with self._lock:
-            self._signal_jobs.setdefault(sid, []).append(signal_sid)
+            self.signals.terminate(sid)
 
     def kill(self, handle: Handle) -> None:
         """Ray's stop_job on each node's part: with RAY_JOB_STOP_WAIT_TIME_S=0 in the attempt's
         runtime env, SIGKILL of its whole process tree right away. A no-op on a finished or
         unknown job."""
         for sid in self._require_sids(handle):
-            info = self._info(sid)
-            if info is None or _status(info) in _TERMINAL:
+            info = self.jobs.info(sid)
+            if info is None or job_status(info) in TERMINAL:
                 continue
-            self._call(f"stop job {sid}", self._client().stop_job, sid)
-
-    def _require_sids(self, handle: Handle) -> list[str]:
-        sids = self._sids(handle)
-        return sids if sids is not None else [self._require_sid(handle)]
-
-    def _forget_signal_jobs(self, sid: str) -> None:
-        """Delete the finished signal jobs of an attempt that ended, so `ray job list` does not
-        fill up with them; failed ones stay for inspection."""
-        with self._lock:
-            pending = self._signal_jobs.pop(sid, [])
-        for signal_sid in pending:
-            try:
-                info = self._info(signal_sid)
-                if info is not None and _status(info) == "SUCCEEDED":
-                    self._client().delete_job(signal_sid)
-            except (ExecutorError, RuntimeError, OSError) as e:
-                log.debug("could not delete signal job %s: %s", signal_sid, e)
+            self.jobs.stop(sid)
 
     # -- logs -------------------------------------------------------------------------------
 
@@ -730,50 +386,11 @@ class RayExecutor:
         return None  # on the driver's node; read_log fetches it
 
     def read_log(self, handle: Handle, offset: int = 0) -> Iterator[bytes]:
-        sid = self._require_sid(handle)
-        text = self._call(f"read the log of job {sid}", self._client().get_job_logs, sid)
+        sid = require_sid(self.prefix, handle)
+        text = self.jobs.call(f"read the log of job {sid}", self.jobs.client().get_job_logs, sid)
         data = (text or "").encode("utf-8", "replace")
         for start in range(max(0, offset), len(data), READ_CHUNK):
             yield data[start : start + READ_CHUNK]
-
-
-def _status(info: Any) -> str:
-    """A JobDetails' status as a plain string ("RUNNING", ...)."""
-    return str(getattr(info.status, "value", info.status))
-
-
-def _attempt_status(info: Any) -> AttemptStatus:
-    status = _status(info)
-    message = _reason(info.message or "")
-    if status in ("PENDING", "RUNNING"):
-        detail = f"pending in Ray: {message}" if status == "PENDING" else "running in Ray"
-        return AttemptStatus("running", detail=detail)
-    code = getattr(info, "driver_exit_code", None)
-    if code is None and str(info.error_type or "") == "JOB_ENTRYPOINT_COMMAND_ERROR":
-        # Ray versions without driver_exit_code still say it in the message.
-        m = re.search(r"exit code (-?\d+)", message)
-        code = int(m.group(1)) if m else None
-    if status == "SUCCEEDED":
-        return AttemptStatus("exited", exit_code=0 if code is None else int(code))
-    if status == "STOPPED":
-        return AttemptStatus("exited", exit_code=EXIT_KILLED, detail="stopped through Ray (SIGKILL)")
-    if code is not None:
-        code = int(code)
-        detail = message.split(", last available logs")[0]  # the logs themselves: read_log
-        return AttemptStatus("exited", exit_code=128 - code if code < 0 else code, detail=detail)
-    error_type = str(info.error_type or "")
-    if error_type in _LOST_ERRORS:
-        return AttemptStatus("lost", detail=f"Ray lost the job: {message}")
-    return AttemptStatus("exited", exit_code=EXIT_NOT_STARTED, detail=f"Ray could not start it: {message}")
-
-
-def _reason(e: BaseException | str) -> str:
-    """The line of a Ray error that says what went wrong: Ray's SDK wraps server-side
-    exceptions as "Request failed with status code 500: Traceback ...", reason last."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip().strip(".")]
-    if not lines:
-        return type(e).__name__ if isinstance(e, BaseException) else ""
-    return lines[-1] if len(lines) > 1 and "Traceback" in lines[0] else lines[0]
 
 
 if TYPE_CHECKING:
@@ -782,4 +399,13 @@ if TYPE_CHECKING:
         return executor
 
 
-__all__ = ["RayExecutor", "RayNode"]
+__all__ = [
+    "DEFAULT_RENDEZVOUS_PORTS",
+    "DEFAULT_REQUEST_TIMEOUT_S",
+    "EXIT_KILLED",
+    "EXIT_NOT_STARTED",
+    "PEER_GRACE_S",
+    "SUBMISSION_ENV",
+    "RayExecutor",
+    "RayNode",
+]

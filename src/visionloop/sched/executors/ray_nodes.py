@@ -1,19 +1,22 @@
 """What the Ray executor reads from a Ray node: its identity, GPU type and price class, from
-the labels and resources the node was started with (see `ray.py`'s docstring)."""
+the labels and resources the node was started with, and so the cluster's capacity: every
+ALIVE node's GPUs as the scheduler's Gpu ids (see `ray.py`'s docstring)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from visionloop.core.errors import ExecutorError
-from visionloop.sched.view import PriceClass
+from visionloop.sched.view import Gpu, PriceClass
 
 GPU_TYPE_LABEL = "visionloop.io/gpu-type"
 PRICE_CLASS_LABEL = "visionloop.io/price-class"
 NODE_ID_LABEL = "ray.io/node-id"
 _PRICE_CLASSES: tuple[PriceClass, ...] = ("owned", "on_demand", "spot")
+_SHORT = 8  # hex digits of a node id in Gpu ids
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,34 @@ class RayNode:
     ip: str
     name: str  # the Gpu.node name: "{node_name}-{node_id[:8]}"
     cpus: float = 0.0  # the node's CPU resource (total), for placing CPU jobs across nodes
+
+
+def read_capacity(nodes: Iterable[Any]) -> tuple[list[Gpu], dict[str, RayNode]]:
+    """The GPUs of the ALIVE nodes among `nodes` (the state API's NodeState records), as Gpu
+    ids `{node_id[:8]}/{i}` on node `{node_name}-{node_id[:8]}` in node then index order, and
+    those nodes by their short id."""
+    gpus: list[Gpu] = []
+    known: dict[str, RayNode] = {}
+    alive = [n for n in nodes if str(n.state) == "ALIVE"]
+    shorts = [str(n.node_id)[:_SHORT] for n in alive]
+    for n, short in zip(alive, shorts, strict=True):
+        node_id = str(n.node_id)
+        if shorts.count(short) > 1:  # astronomically rare; never give two nodes one name
+            short = node_id
+        resources: Mapping[str, float] = n.resources_total or {}
+        labels: Mapping[str, str] = n.labels or {}
+        node = RayNode(
+            node_id=node_id,
+            ip=str(n.node_ip),
+            name=f"{n.node_name or n.node_ip}-{short}",
+            cpus=float(resources.get("CPU", 0)),
+        )
+        known[short] = node
+        gpu_type = node_gpu_type(resources, labels)
+        price = node_price_class(resources, labels, node.name)
+        count = int(resources.get("GPU", 0))
+        gpus += [Gpu(f"{short}/{i}", node.name, gpu_type, price) for i in range(count)]
+    return sorted(gpus, key=lambda g: (g.node, int(g.id.rsplit("/", 1)[1]))), known
 
 
 def node_gpu_type(resources: Mapping[str, float], labels: Mapping[str, str]) -> str:
