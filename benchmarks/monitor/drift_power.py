@@ -172,7 +172,6 @@ class Served:
     def load(cls, settings: Any) -> Served:
         from visionloop.registry import get_version
         from visionloop.serve.images import needed_side
-        from visionloop.serve.runtime import OnnxModel
         from visionloop.serve.source import RegistrySource
         from visionloop.tasks import get_task
 
@@ -183,7 +182,7 @@ class Served:
         return cls(
             name=info.name,
             version=info.version,
-            model=OnnxModel(resolved.path, intra_op_threads=1),
+            model=resolved.load(intra_op_threads=1),
             card=card,
             task=get_task(card.task),
             temperature=resolved.temperature,

@@ -8,6 +8,7 @@ registry expects (exports/onnx-<precision>/model.onnx + export.json).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,7 @@ def export_onnx(version_dir: Path, precision: str = "fp32", *, passed: bool = Tr
         format="onnx",
         precision=precision,  # type: ignore[arg-type]
         path=str(path),
-        sha256=None,
+        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),  # bench loads only the bytes it names
         size_bytes=path.stat().st_size,
         opset=17,
         exporter="torchscript",
@@ -256,6 +257,7 @@ def test_a_corrupt_export_is_a_failed_row_and_the_sweep_goes_on(
     onnx_row, torch_row = result.configs
     assert onnx_row.status == "failed"
     assert (onnx_row.reason or "").startswith("could not load: ")
+    assert "is not the file the export gate passed (sha256" in (onnx_row.reason or "")
     assert torch_row.status == "ok" and [p.batch_size for p in torch_row.points] == [2]
     assert torch_row.accuracy is None and result.eval_images == 0
     assert result.eval_source == (

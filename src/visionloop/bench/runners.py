@@ -117,9 +117,15 @@ _ORT_PROVIDER = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 class OrtRunner:
-    """An ONNX Runtime session on one provider; fails rather than silently falling back to CPU."""
+    """An ONNX Runtime session on one provider; fails rather than silently falling back to CPU.
 
-    def __init__(self, path: Path, *, device: str, threads: int | None = None) -> None:
+    With `data`, the session is built from those bytes (an export's, checked against the sha256
+    its gate recorded: `read_passing_export`), so the file cannot be swapped between that check
+    and the load; `path` then only names the model. Without, ORT reads `path`."""
+
+    def __init__(
+        self, path: Path, *, device: str, threads: int | None = None, data: bytes | None = None
+    ) -> None:
         import onnxruntime as ort
 
         wanted = _ORT_PROVIDER[device]
@@ -135,7 +141,8 @@ class OrtRunner:
         if threads is not None:
             opts.intra_op_num_threads = threads
         providers = [wanted] if device == "cpu" else [wanted, "CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        source = str(path) if data is None else data
+        self.session = ort.InferenceSession(source, sess_options=opts, providers=providers)
         got = self.session.get_providers()
         if not got or got[0] != wanted:
             raise RuntimeError(

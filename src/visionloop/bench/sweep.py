@@ -33,6 +33,7 @@ from visionloop.bench.result import (
 from visionloop.bench.runners import OrtRunner, Runner, SkippedError, TorchRunner, cuda_available
 from visionloop.bench.stats import summarize
 from visionloop.bench.target import BenchTarget
+from visionloop.registry.export_record import read_passing_export
 from visionloop.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -121,11 +122,20 @@ def _make_runner(
             import torch
 
             torch.set_num_threads(settings.threads)
-        return TorchRunner(target.card, target.weights, precision=precision, device=device), target.weights
+        # A registered version's weights are checked against the sha256 recorded at
+        # registration (`verify_weights`: RegistryError, a "failed" row naming the file), as
+        # export checks them: the row is reported under the version's name. A bare folder (a
+        # run directory) has no registration to check against; its weights are what it holds.
+        weights = target.verify_weights() if target.verify_weights is not None else target.weights
+        return TorchRunner(target.card, weights, precision=precision, device=device), weights
     entry = target.onnx.get(precision, f"no onnx {precision} export")
     if isinstance(entry, str):
         raise SkippedError(entry)
-    return OrtRunner(entry, device=device, threads=settings.threads), entry
+    # Every ONNX entry is an export folder's model.onnx beside the export.json that passed
+    # (bench.target): ORT gets the bytes the gate passed, read once and checked against the
+    # report's sha256, never the path, which could be swapped between a check and the load.
+    data = read_passing_export(entry.parent, ref=target.label if target.name is not None else None)
+    return OrtRunner(entry, device=device, threads=settings.threads, data=data), entry
 
 
 def _release() -> None:

@@ -8,7 +8,7 @@ reason it cannot be benchmarked, which the sweep turns into a "skipped" row.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,9 @@ class BenchTarget:
     dataset: Path | None = None
     name: str | None = None
     version: int | None = None
+    # A registered version's `verified_weights`: the weights, checked against the sha256
+    # recorded at registration (raises RegistryError for a changed file). None for a folder.
+    verify_weights: Callable[[], Path] | None = None
 
 
 def _reason(report: ExportReport | None, precision: str, hint: str) -> str | None:
@@ -116,6 +119,7 @@ def target_from_version(info: Any, *, dataset: Path | None = None) -> BenchTarge
         dataset=dataset or _lineage_dataset(info) or dataset_from_spec(Path(info.dir)),
         name=info.name,
         version=info.version,
+        verify_weights=info.verified_weights,
     )
 
 

@@ -47,13 +47,17 @@ def evaluate_model(
     check_options(options)
     info = ref if isinstance(ref, ModelVersionInfo) else get_version(ref, settings)
     card = info.card()
+    # verified_weights, before any image is read: the file must be the one registered, or the
+    # report (and the temperature the server applies) would be filed under this version for
+    # other weights.
+    weights = info.verified_weights()
     task = get_task(card.task)
     path, manifest = dataset_for(info, options.dataset)
     split, reader = split_reader(path, manifest, options.split)
     positions = spread_positions(len(reader), options.max_images)
     slice_values = _slice_values(path, manifest, split, len(reader), positions, options.slices)
     device = _device(options.device)
-    model = task.load_model(card, info.weights).to(device)
+    model = task.load_model(card, weights).to(device)
     loss_fn = _loss_fn(task, info)
 
     def run(corrupter: Corrupter | None, keep_images: bool = False) -> PassResult:

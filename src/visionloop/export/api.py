@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -86,10 +88,16 @@ def export_model(
         raise ExportError(f"unknown export format {fmt!r}; the format supported is onnx.")
     if precision not in PRECISIONS:
         raise ExportError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
-    if threshold_points < 0:
+    # Checked up front, not only when the report is written: the report refuses what is not
+    # finite or out of range (ExportReport), and would fail after the whole measurement.
+    if not (math.isfinite(threshold_points) and threshold_points >= 0):
         raise ExportError(
             f"the allowed metric drop (--max-drop) must be >= 0 points, got {threshold_points}."
         )
+    if max_abs_diff is not None and not (math.isfinite(max_abs_diff) and max_abs_diff >= 0):
+        raise ExportError(f"--max-abs-diff must be a number >= 0, got {max_abs_diff}.")
+    if min_top1_agreement is not None and not 0.0 <= min_top1_agreement <= 1.0:
+        raise ExportError(f"--min-agreement must be a fraction between 0 and 1, got {min_top1_agreement}.")
     if calibration_size < 1:
         raise ExportError(f"--calibration-size must be at least 1, got {calibration_size}.")
     info = ref if isinstance(ref, ModelVersionInfo) else get_version(ref, settings)
@@ -163,7 +171,7 @@ def export_model(
         opset=convert.OPSET if exporter == "torchscript" else max(convert.OPSET, 18),
         exporter=exporter,
         samples=m.samples,
-        max_abs_diff=m.max_abs_diff,
+        max_abs_diff=_finite_diff(m.max_abs_diff),
         top1_agreement=m.agreement,
         max_abs_diff_threshold=diff_limit,
         top1_agreement_threshold=agree_limit,
@@ -260,6 +268,14 @@ def _measure(
     return m
 
 
+def _finite_diff(diff: float) -> float:
+    """The parity difference as the report records it: finite (a report refuses inf and NaN,
+    which JSON cannot hold). A detector's difference is infinite when a box has no box of its
+    class to pair with (`row_difference`); that is recorded as the largest float, which reads
+    as 1.8e+308 and fails any limit, as inf did. The parity verdict is taken on `diff` itself."""
+    return diff if math.isfinite(diff) else sys.float_info.max
+
+
 def _reason(parity_ok: bool, gate_ok: bool, metric: str = "accuracy") -> str:
     reasons = []
     if not parity_ok:
@@ -271,10 +287,11 @@ def _reason(parity_ok: bool, gate_ok: bool, metric: str = "accuracy") -> str:
 
 def _store(out_dir: Path, data: bytes, report: ExportReport) -> bool:
     """The model file, then its report (a reader trusts the model only through a passed report
-    whose size matches). A failed export keeps only its report, so it can never be served —
-    except that a refused re-export never destroys an earlier export that passed: that one
-    stays, and the refusal goes to FAILED_EXPORT_REPORT_FILE beside it. Returns whether an
-    earlier passing export was kept that way."""
+    whose size matches, and runs only bytes whose sha256 matches: `read_passing_export`). A
+    failed export keeps only its report, so it can never be served — except that a refused
+    re-export never destroys an earlier export that passed: that one stays, and the refusal
+    goes to FAILED_EXPORT_REPORT_FILE beside it. Returns whether an earlier passing export was
+    kept that way."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = write_export_report_text(report)
     with model_lock(out_dir):

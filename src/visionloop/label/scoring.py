@@ -95,7 +95,6 @@ class Scorer:
     def __init__(self, ref: str, settings: Any, precision: str) -> None:
         from visionloop.registry import get_version
         from visionloop.serve.images import needed_side
-        from visionloop.serve.runtime import OnnxModel
         from visionloop.serve.source import RegistrySource
         from visionloop.tasks import get_task
 
@@ -106,7 +105,8 @@ class Scorer:
             get_task(resolved.card.task),
             resolved.temperature,
         )
-        self.model = OnnxModel(resolved.path, intra_op_threads=1)
+        # load: the export's bytes, checked against the sha256 its gate recorded.
+        self.model = resolved.load(intra_op_threads=1)
         self.spec = self.model.inputs[0]
         self.transform = self.card.eval_preprocess().to_transform()
         self.need = needed_side(self.card.eval_preprocess())

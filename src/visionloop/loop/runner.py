@@ -319,7 +319,10 @@ class _Steps:
             weights = self.settings.weights_dir / f"{self.spec.name}-round-{self.rnd.number}.safetensors"
             weights.parent.mkdir(parents=True, exist_ok=True)
             if not weights.exists():
-                link_or_copy(info.weights, weights)
+                # verified_weights: the round warm-starts from the champion's registered weights,
+                # not from whatever file replaced them (a link made by an earlier attempt of this
+                # round was checked when it was made).
+                link_or_copy(info.verified_weights(), weights)
             doc["model"]["pretrained"] = str(weights)
             if doc["data"].get("normalize", "auto") == "auto":
                 # Keep the champion's normalisation: "auto" would switch to ImageNet's with weights.

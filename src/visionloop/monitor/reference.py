@@ -198,7 +198,6 @@ def build_reference(
     from visionloop.eval.api import dataset_for, split_reader, spread_positions
     from visionloop.registry import get_version
     from visionloop.serve.images import MAX_PIXELS, decode_image, needed_side
-    from visionloop.serve.runtime import OnnxModel
     from visionloop.serve.source import RegistrySource
     from visionloop.tasks import get_task
 
@@ -215,7 +214,8 @@ def build_reference(
     positions = spread_positions(len(reader), max_images)
     if len(positions) < 20:
         raise DataError(f"{path} has {len(positions)} {split_name} images; a reference needs at least 20.")
-    model = OnnxModel(resolved.path, intra_op_threads=1)
+    # load: the export's bytes, checked against the sha256 its gate recorded.
+    model = resolved.load(intra_op_threads=1)
     spec = model.inputs[0]
     transform = card.eval_preprocess().to_transform()
     need = needed_side(card.eval_preprocess())

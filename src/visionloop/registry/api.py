@@ -140,7 +140,13 @@ class ModelVersionInfo:
 
 def passing_export(folder: Path) -> Path | None:
     """The model file of the export in `folder` if its report says it passed its gate and the
-    file is the one the gate measured; else None."""
+    file has the size the gate measured; else None.
+
+    Cheap on purpose: `models show`, `models list`, bench's target and the server's resolver
+    ask it for every version and precision, and hashing a 45 MB file each time is not
+    acceptable. The size catches a truncated or half-copied file; a file replaced by another of
+    the same size is caught where its bytes are loaded to run (`read_passing_export`), which is
+    also the only place the check can be made without a window between check and use."""
     report = read_export_report(folder / EXPORT_REPORT_FILE)
     if report is None or not report.passed:
         return None
@@ -149,7 +155,6 @@ def passing_export(folder: Path) -> Path | None:
         size = model.stat().st_size
     except OSError:
         return None
-    # A truncated or replaced file is not the one the gate passed.
     return model if report.size_bytes == size else None
 
 

@@ -192,7 +192,8 @@ class Repository:
         threads = cpu_threads_per_batch(cfg) if cfg.device == "cpu" else cfg.intra_op_threads
 
         def build() -> tuple[OnnxModel, Callable[[Any], Any]]:
-            m = OnnxModel(rv.path, device=cfg.device, intra_op_threads=threads)
+            # A registry export is loaded from its bytes, checked against its report's sha256.
+            m = rv.load(device=cfg.device, intra_op_threads=threads)
             m.warm_up()
             # The image endpoint's preprocessing, built and run once now: its first use imports
             # torchvision (seconds), which the first image request must not wait for.

@@ -82,9 +82,17 @@ def cuda_available() -> bool:
 
 
 class OnnxModel:
-    """An ORT inference session with a batch-first signature."""
+    """An ORT inference session with a batch-first signature.
 
-    def __init__(self, path: Path, *, device: str = "cpu", intra_op_threads: int = 0) -> None:
+    With `data`, the session is built from those bytes and `path` only names the model in
+    messages: a registry export's bytes, read once and checked against the sha256 its gate
+    recorded (`ResolvedVersion.load`, `registry.export_record.read_passing_export`), so no
+    other file can take its place between the check and the load. Without, ORT reads `path`
+    itself (an ONNX file given directly, outside the registry)."""
+
+    def __init__(
+        self, path: Path, *, device: str = "cpu", intra_op_threads: int = 0, data: bytes | None = None
+    ) -> None:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -101,7 +109,8 @@ class OnnxModel:
             else:
                 log.warning("device cuda asked, but this onnxruntime has no CUDA provider: serving on CPU")
         try:
-            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+            source = str(path) if data is None else data
+            self.session = ort.InferenceSession(source, sess_options=opts, providers=providers)
         except Exception as e:  # ORT raises its own exception types for unreadable or invalid files
             raise ModelLoadError(f"ONNX Runtime cannot load {path}: {e}. Re-export the model.") from e
         self.path = Path(path)

@@ -17,7 +17,9 @@ from typing import Protocol
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.core.settings import Settings
 from visionloop.models.card import ModelCard
+from visionloop.registry.export_record import read_passing_export
 from visionloop.registry.layout import ModelRef
+from visionloop.serve.runtime import OnnxModel
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,24 @@ class ResolvedVersion:
     path: Path
     card: ModelCard
     temperature: float | None = None
+    # A registry export (RegistrySource): `load` runs the bytes its gate passed, checked against
+    # the sha256 in its report. False for a file given directly (StaticSource), which has no
+    # report to check against.
+    registry_export: bool = False
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}/{self.version}"
+
+    def load(self, *, device: str = "cpu", intra_op_threads: int = 0) -> OnnxModel:
+        """An ONNX Runtime session of this version. A registry export is read once and checked
+        (`read_passing_export`: UnservableExportError, naming the file and the re-export to
+        run, for a file that is not the one the gate passed), and ORT is handed those bytes,
+        never the path, so the file cannot be swapped between the check and the load."""
+        data = None
+        if self.registry_export:
+            data = read_passing_export(self.path.parent, ref=self.ref)
+        return OnnxModel(self.path, device=device, intra_op_threads=intra_op_threads, data=data)
 
 
 class ModelSource(Protocol):
@@ -149,7 +169,9 @@ class RegistrySource:
                 f"{info.name}/{info.version} has no passing {self.fmt} {self.precision} export; run "
                 f"`visionloop export {info.name}/{info.version} --precision {self.precision}` first."
             )
-        return ResolvedVersion(info.name, info.version, Path(path), info.card(), _temperature(info.dir))
+        return ResolvedVersion(
+            info.name, info.version, Path(path), info.card(), _temperature(info.dir), registry_export=True
+        )
 
     def resolve(self, ref: ModelRef) -> ResolvedVersion:
         from visionloop.registry import get_version
