@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from _fakerun import fake_run
 from _mlflowkit import copy_migrated_store
 from _trainkit import cli
 from visionloop import registry
 from visionloop.core.settings import Settings
-from visionloop.models.card import ModelCard
 from visionloop.registry import store as rstore
 
 
@@ -22,19 +22,7 @@ def home(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Path:
     """A home with model `m` v1 registered from a hand-written run folder (no training)."""
     home = tmp_path / "home"
     copy_migrated_store(tmp_path_factory, home)
-    run = tmp_path / "run"
-    run.mkdir()
-    ModelCard(
-        arch="small_cnn",
-        num_classes=2,
-        class_names=["a", "b"],
-        input_size=(3, 16, 16),
-        mean=(0.5, 0.5, 0.5),
-        std=(0.25, 0.25, 0.25),
-        crop_pct=1.0,
-        metrics={"accuracy": 0.9},
-    ).save(run / "model_card.json")
-    (run / "final.safetensors").write_bytes(b"not really weights")
+    run = fake_run(tmp_path)
     registry.register(run, name="m", settings=_settings(home))
     return home
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from _fakerun import fake_card, fake_run, store_settings
 from _hangkit import in_thread
-from _mlflowkit import copy_migrated_store
 from visionloop import registry
 from visionloop.core.errors import DataError, VisionloopError
 from visionloop.core.settings import Settings
@@ -24,35 +24,9 @@ from visionloop.registry.layout import ModelRef, ModelRefError, check_alias, che
 from visionloop.registry.runsource import RunFolderError, load_run
 
 
-def _card() -> ModelCard:
-    return ModelCard(
-        arch="small_cnn",
-        num_classes=2,
-        class_names=["a", "b"],
-        input_size=(3, 16, 16),
-        mean=(0.5, 0.5, 0.5),
-        std=(0.25, 0.25, 0.25),
-        crop_pct=1.0,
-        metrics={"accuracy": 0.9},
-    )
-
-
-def _run(root: Path, name: str = "run") -> Path:
-    d = root / name
-    d.mkdir(parents=True)
-    _card().save(d / "model_card.json")
-    (d / "final.safetensors").write_bytes(b"not really weights")
-    (d / "run.json").write_text(json.dumps({"status": "finished", "mlflow_run_id": "abc"}))
-    (d / "spec.yaml").write_text("model: {arch: small_cnn}\n")
-    (d / "spec.resolved.yaml").write_text("data: {dataset: /data/digits}\n")
-    return d
-
-
 @pytest.fixture
 def settings(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Settings:
-    home = tmp_path / "home"
-    copy_migrated_store(tmp_path_factory, home)
-    return Settings(home=home, tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    return store_settings(tmp_path_factory, tmp_path / "home")
 
 
 # --------------------------------------------------------------------------- references
@@ -111,7 +85,7 @@ def test_a_version_too_large_for_the_store_is_refused_by_name(settings: Settings
 def test_a_damaged_run_json_is_refused_by_name(
     settings: Settings, tmp_path: Path, content: bytes, why: str
 ) -> None:
-    run = _run(tmp_path)
+    run = fake_run(tmp_path)
     (run / "run.json").write_bytes(content)
     with pytest.raises(RunFolderError) as e:
         load_run(run, settings)
@@ -127,7 +101,7 @@ def test_a_damaged_run_json_is_refused_by_name(
 def test_a_fifo_in_a_run_folder_is_refused_without_hanging(
     settings: Settings, tmp_path: Path, name: str
 ) -> None:
-    run = _run(tmp_path)
+    run = fake_run(tmp_path)
     (run / name).unlink()
     os.mkfifo(run / name)
     got = in_thread(lambda: load_run(run, settings))
@@ -141,7 +115,7 @@ def test_a_link_out_of_the_run_folder_is_not_copied_into_the_registry(
 ) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("data: {dataset: /x}\n")
-    run = _run(tmp_path)
+    run = fake_run(tmp_path)
     (run / name).unlink()
     (run / name).symlink_to(secret)
     with pytest.raises(RunFolderError, match=rf"{name} is a link to {secret}, outside the run folder"):
@@ -150,7 +124,7 @@ def test_a_link_out_of_the_run_folder_is_not_copied_into_the_registry(
 
 
 def test_a_link_inside_the_run_folder_is_fine(settings: Settings, tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run = fake_run(tmp_path)
     (run / "weights.bin").write_bytes((run / "final.safetensors").read_bytes())
     (run / "final.safetensors").unlink()
     (run / "final.safetensors").symlink_to(run / "weights.bin")
@@ -158,7 +132,7 @@ def test_a_link_inside_the_run_folder_is_fine(settings: Settings, tmp_path: Path
 
 
 def test_resolved_spec_aliases_are_refused(settings: Settings, tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run = fake_run(tmp_path)
     (run / "spec.resolved.yaml").write_text("a: &a [1, 2]\ndata: {dataset: *a}\n")
     with pytest.raises(
         RunFolderError,
@@ -168,7 +142,7 @@ def test_resolved_spec_aliases_are_refused(settings: Settings, tmp_path: Path) -
 
 
 def test_wrong_types_in_run_files_are_dropped_not_recorded(settings: Settings, tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run = fake_run(tmp_path)
     (run / "spec.resolved.yaml").write_text("data: {dataset: {not: a path}}\n")
     (run / "run.json").write_text('{"final_metrics": {"a": true, "b": NaN, "c": "x"}, "mlflow_run_id": 5}')
     src = load_run(run, settings)
@@ -209,7 +183,7 @@ def test_a_card_that_is_a_fifo_is_refused_without_hanging(tmp_path: Path) -> Non
 @pytest.mark.parametrize("field", ["mean", "std"])
 @pytest.mark.parametrize("value", ["NaN", "Infinity"])
 def test_a_card_with_non_finite_normalisation_is_refused(tmp_path: Path, field: str, value: str) -> None:
-    path = _card().save(tmp_path / "model_card.json")
+    path = fake_card().save(tmp_path / "model_card.json")
     doc = json.loads(path.read_text())
     doc[field] = [0.5, 0.5, 0.5]
     text = json.dumps(doc).replace(f'"{field}": [0.5, 0.5, 0.5]', f'"{field}": [0.5, {value}, 0.5]')
@@ -221,7 +195,7 @@ def test_a_card_with_non_finite_normalisation_is_refused(tmp_path: Path, field: 
 @pytest.mark.parametrize("size", [[3, 1_000_000, 1_000_000], [100, 32, 32]])
 def test_a_card_asking_for_an_absurd_input_is_refused(tmp_path: Path, size: list[int]) -> None:
     # export, bench and serve allocate batches of input_size: a hand edit must not ask for terabytes.
-    path = _card().save(tmp_path / "model_card.json")
+    path = fake_card().save(tmp_path / "model_card.json")
     doc = json.loads(path.read_text())
     doc["input_size"] = size
     path.write_text(json.dumps(doc))
@@ -233,7 +207,7 @@ def test_a_card_asking_for_an_absurd_input_is_refused(tmp_path: Path, size: list
 
 
 def test_a_damaged_alias_history_moves_no_alias(settings: Settings, tmp_path: Path) -> None:
-    run = _run(tmp_path)
+    run = fake_run(tmp_path)
     v1 = registry.register(run, name="m", settings=settings)
     v2 = registry.register(run, name="m", settings=settings)
     registry.set_alias("m", v1.version, "champion", settings=settings)
@@ -259,7 +233,7 @@ def test_a_damaged_alias_history_moves_no_alias(settings: Settings, tmp_path: Pa
 
 
 def test_replaced_weights_are_not_exported_under_the_version_name(settings: Settings, tmp_path: Path) -> None:
-    info = registry.register(_run(tmp_path), name="m", settings=settings)
+    info = registry.register(fake_run(tmp_path), name="m", settings=settings)
     assert info.verified_weights() == info.weights
     original = info.weights.read_bytes()
     info.weights.write_bytes(b"other weights")
@@ -279,7 +253,7 @@ def test_replaced_weights_are_not_exported_under_the_version_name(settings: Sett
 
 
 def test_hostile_version_files_read_as_absent_and_never_hang(settings: Settings, tmp_path: Path) -> None:
-    info = registry.register(_run(tmp_path), name="m", settings=settings)
+    info = registry.register(fake_run(tmp_path), name="m", settings=settings)
     lineage = info.dir / "lineage.json"
     lineage.write_bytes(b"\xff")
     assert info.lineage() == {}

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from _fakerun import fake_run, store_settings
 from _hangkit import in_thread
-from _mlflowkit import copy_migrated_store
 from visionloop import registry
 from visionloop.bench.result import sweep_settings
 from visionloop.bench.sweep import _make_runner, bench_config
@@ -27,7 +27,6 @@ from visionloop.bench.target import target_from_version
 from visionloop.core.errors import DataError
 from visionloop.core.settings import Settings
 from visionloop.eval.api import evaluate_model
-from visionloop.models.card import ModelCard
 from visionloop.registry.api import passing_export
 from visionloop.registry.export_record import (
     ExportReport,
@@ -40,35 +39,9 @@ from visionloop.registry.layout import ModelRef, export_dir
 from visionloop.serve.source import RegistrySource
 
 
-def _card() -> ModelCard:
-    return ModelCard(
-        arch="small_cnn",
-        num_classes=2,
-        class_names=["a", "b"],
-        input_size=(3, 16, 16),
-        mean=(0.5, 0.5, 0.5),
-        std=(0.25, 0.25, 0.25),
-        crop_pct=1.0,
-        metrics={"accuracy": 0.9},
-    )
-
-
-def _run(root: Path) -> Path:
-    d = root / "run"
-    d.mkdir(parents=True)
-    _card().save(d / "model_card.json")
-    (d / "final.safetensors").write_bytes(b"not really weights")
-    (d / "run.json").write_text(json.dumps({"status": "finished", "mlflow_run_id": "abc"}))
-    (d / "spec.yaml").write_text("model: {arch: small_cnn}\n")
-    (d / "spec.resolved.yaml").write_text("data: {dataset: /data/digits}\n")
-    return d
-
-
 @pytest.fixture
 def settings(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Settings:
-    home = tmp_path / "home"
-    copy_migrated_store(tmp_path_factory, home)
-    return Settings(home=home, tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    return store_settings(tmp_path_factory, tmp_path / "home")
 
 
 def _onnx(weight: float) -> bytes:
@@ -156,7 +129,7 @@ def _export(info: registry.ModelVersionInfo, data: bytes) -> Path:
 def test_a_same_size_replaced_export_is_refused_by_the_server_and_bench(
     settings: Settings, tmp_path: Path
 ) -> None:
-    info = registry.register(_run(tmp_path), name="m", settings=settings)
+    info = registry.register(fake_run(tmp_path), name="m", settings=settings)
     original, other = _onnx(1.0), _onnx(2.0)
     assert len(original) == len(other) and original != other
     path = _export(info, original)
@@ -195,7 +168,7 @@ def test_the_session_is_built_from_the_checked_bytes_not_the_path(
     # path would run the other model.
     import onnxruntime as ort
 
-    info = registry.register(_run(tmp_path), name="m", settings=settings)
+    info = registry.register(fake_run(tmp_path), name="m", settings=settings)
     path = _export(info, _onnx(1.0))
     real = ort.InferenceSession
 
@@ -216,7 +189,7 @@ def test_the_session_is_built_from_the_checked_bytes_not_the_path(
 def test_an_export_that_cannot_be_checked_is_refused_with_what_to_do(
     settings: Settings, tmp_path: Path
 ) -> None:
-    info = registry.register(_run(tmp_path), name="m", settings=settings)
+    info = registry.register(fake_run(tmp_path), name="m", settings=settings)
     path = _export(info, _onnx(1.0))
     folder = path.parent
     again = "Re-export it with `visionloop export m/1 --precision fp32`."
@@ -247,7 +220,7 @@ def test_an_export_that_cannot_be_checked_is_refused_with_what_to_do(
 
 
 def test_eval_refuses_weights_replaced_after_registration(settings: Settings, tmp_path: Path) -> None:
-    info = registry.register(_run(tmp_path), name="m", settings=settings)
+    info = registry.register(fake_run(tmp_path), name="m", settings=settings)
     info.weights.write_bytes(b"other weights")
     with pytest.raises(registry.RegistryError, match=r"final.safetensors is not the file registered as m/1"):
         evaluate_model(info, settings=settings)
