@@ -21,7 +21,7 @@ from visionloop.sched.config import ClusterConfig, parse_cluster_config
 from visionloop.sched.service import ControlPlane
 
 # Two teams sharing the test inventory.
-TEAMS = [
+TEAMS: list[dict[str, Any]] = [
     {"name": "vision", "nominal_gpus": 1, "borrow_limit": 1},
     {"name": "research", "nominal_gpus": 1, "borrow_limit": 1},
 ]

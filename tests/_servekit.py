@@ -82,7 +82,8 @@ def _export(card: ModelCard, weights: Path, out: Path, swap: bool) -> None:
         # The classifier's rows for classes 0 and 1 swapped: the two versions disagree exactly
         # on the images v1 calls 0 or 1, and agree on the rest.
         with torch.no_grad():
-            fc = model.fc  # type: ignore[union-attr]
+            fc = model.fc
+            assert isinstance(fc, torch.nn.Linear)
             fc.weight[[0, 1]] = fc.weight[[1, 0]].clone()
             fc.bias[[0, 1]] = fc.bias[[1, 0]].clone()
     x = torch.zeros(1, *card.input_size)

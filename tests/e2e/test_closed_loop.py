@@ -140,8 +140,8 @@ def test_night_traffic_is_caught_labelled_retrained_canaried_and_the_new_champio
         state = server.app.state.server
         # 1. A window of day traffic, then a window of night traffic.
         for data in [*day, *night]:
-            r = httpx.post(url, content=data, headers={"Content-Type": "image/png"}, timeout=30)
-            assert r.status_code == 200, r.text
+            resp = httpx.post(url, content=data, headers={"Content-Type": "image/png"}, timeout=30)
+            assert resp.status_code == 200, resp.text
         state.predlog.flush()
         state.collector.flush()
 
@@ -235,9 +235,9 @@ def test_night_traffic_is_caught_labelled_retrained_canaried_and_the_new_champio
 
     # 6. Better at night than the old champion, on night images neither was trained on.
     holdout = tmp_path / "night-holdout"
-    for i, (r, data) in enumerate(zip(val[WINDOW:], held_out, strict=True)):
+    for i, (record, data) in enumerate(zip(val[WINDOW:], held_out, strict=True)):
         split = "train" if i < 20 else "val"
-        folder = holdout / split / manifest.classes[int(r["label"])]
+        folder = holdout / split / manifest.classes[int(record["label"])]
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{i}.png").write_bytes(data)
     r = cli("data", "ingest", str(holdout), "--out", str(tmp_path / "night-ds"), env=kit.env())

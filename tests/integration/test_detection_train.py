@@ -25,7 +25,7 @@ from visionloop.data.manifest import (
     SplitPolicy,
     write_manifest,
 )
-from visionloop.data.shards import ShardWriter
+from visionloop.data.shards import ShardWriter, make_record
 from visionloop.models import ModelCard
 from visionloop.specs import validate_train_spec
 from visionloop.tasks.detection.annotations import read_coco
@@ -60,12 +60,12 @@ def detection_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
             for k in labels:
                 per_class[names[k]] += 1
             writer.add(
-                {
-                    "image": Path(s.image).read_bytes(),
-                    "label": len(labels),
-                    "index": i + (0 if split == "train" else TRAIN),
-                    "boxes": encode_boxes(np.asarray(s.boxes, dtype=np.float32).reshape(-1, 4), labels),
-                }
+                make_record(
+                    Path(s.image).read_bytes(),
+                    len(labels),
+                    i + (0 if split == "train" else TRAIN),
+                    boxes=encode_boxes(np.asarray(s.boxes, dtype=np.float32).reshape(-1, 4), labels),
+                )
             )
         writer.close()
         splits[split] = SplitInfo(
@@ -77,7 +77,7 @@ def detection_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
             version="det-test-1",
             task="detection",
             classes=names,
-            splits=splits,  # type: ignore[arg-type]
+            splits=splits,
             image_policy=ImagePolicy(),
             source=SourceInfo(kind="coco", path=str(coco), files_seen=TRAIN + VAL),
             split_policy=SplitPolicy(seed=0, val_fraction=0.2, test_fraction=0.0, from_source=False),
@@ -150,9 +150,9 @@ def test_a_detector_trains_logs_val_map_and_keeps_the_best_by_it(
     # Tracked as val/<name>, every evaluation.
     run_id = json.loads((tmp_path / "run" / "run.json").read_text())["mlflow_run_id"]
     history = MlflowClient(load_settings().tracking_uri).get_metric_history(run_id, "val/mAP")
-    assert sorted((m.step, m.value) for m in history) == [
-        (s, pytest.approx(m["mAP"])) for s, m, _ in rec.evals
-    ]
+    tracked = sorted((m.step, m.value) for m in history)
+    assert [s for s, _ in tracked] == [s for s, _, _ in rec.evals]
+    assert [v for _, v in tracked] == pytest.approx([m["mAP"] for _, m, _ in rec.evals])
 
     # The best checkpoint is chosen by val/mAP (checkpoint.best_metric is left to the task):
     # each evaluation's checkpoint carries its mAP, the best is the highest. (A few steps

@@ -13,7 +13,8 @@ import pytest
 from _modelkit import ModelKit, registered_model  # noqa: F401  (session fixture)
 from _trainkit import cli
 from visionloop.core.errors import DataError, SpecError
-from visionloop.eval.api import EvalOptions, evaluate_model
+from visionloop.eval.api import evaluate_model
+from visionloop.eval.options import EvalOptions
 from visionloop.registry.evals import CALIBRATION_FILE, list_evals, read_temperature
 
 
@@ -30,7 +31,9 @@ def test_clean_eval_matches_training_and_stores_a_temperature(kit: ModelKit) -> 
     assert report.split == "val" and report.same_data_as_training
     assert report.images == 359
     assert report.metric == "accuracy"
-    assert report.clean == pytest.approx(info.card().metrics["accuracy"], abs=1 / 359 + 1e-9)
+    trained = info.card().metrics
+    assert trained is not None
+    assert report.clean == pytest.approx(trained["accuracy"], abs=1 / 359 + 1e-9)
     assert report.clean_metrics["accuracy"] == report.clean and report.clean_metrics["loss"] > 0
     c = report.calibration
     assert c is not None

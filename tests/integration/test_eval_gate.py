@@ -15,8 +15,9 @@ import pytest
 from _modelkit import ModelKit, registered_model  # noqa: F401  (session fixture)
 from _trainkit import cli
 from visionloop import registry
-from visionloop.eval.api import EvalOptions, evaluate_model
+from visionloop.eval.api import evaluate_model
 from visionloop.eval.gate import GateMargins, PromotionGateError, promote
+from visionloop.eval.options import EvalOptions
 from visionloop.registry.evals import list_evals
 
 STRESS = EvalOptions(

@@ -20,7 +20,8 @@ from visionloop.core.errors import DataError, SpecError
 from visionloop.data.ingest import IngestOptions, ingest
 from visionloop.data.manifest import read_manifest
 from visionloop.data.shards import ShardReader
-from visionloop.eval.api import EvalOptions, evaluate_model
+from visionloop.eval.api import evaluate_model
+from visionloop.eval.options import EvalOptions
 
 
 def camera_of(i: int) -> str:

@@ -16,14 +16,14 @@ from PIL import Image
 
 from _modelkit import ModelKit, onnx_model
 from _trainkit import cli
-from visionloop.data.manifest import read_manifest, shard_dir_of
+from visionloop.data.manifest import SplitName, read_manifest, shard_dir_of
 from visionloop.data.shards import ShardReader
 from visionloop.export import export_model
 
 __all__ = ["onnx_model"]
 
 
-def _split_images(kit: ModelKit, split: str, n: int) -> list[bytes]:
+def _split_images(kit: ModelKit, split: SplitName, n: int) -> list[bytes]:
     manifest = read_manifest(kit.dataset)
     reader = ShardReader(shard_dir_of(kit.dataset, manifest.splits[split]))
     return [bytes(r["image"]) for r in reader.read_many(list(range(min(n, len(reader)))))]

@@ -43,11 +43,11 @@ def test_classification_round_trip_from_the_cli(
     reader = ShardReader(shard_dir_of(kit.dataset, manifest.splits["val"]))
     src = tmp_path / "unlabelled"
     truth: dict[str, str] = {}
-    for i, r in enumerate(reader.read_many(list(range(40)))):
+    for i, record in enumerate(reader.read_many(list(range(40)))):
         name = f"cam{i % 2}/img-{i:02d}.png"
         (src / name).parent.mkdir(parents=True, exist_ok=True)
-        (src / name).write_bytes(bytes(r["image"]))
-        truth[name] = manifest.classes[int(r["label"])]
+        (src / name).write_bytes(bytes(record["image"]))
+        truth[name] = manifest.classes[int(record["label"])]
     env = {**kit.env(), "LABEL_STUDIO_API_KEY": label_studio.token}
 
     sel = tmp_path / "selection.json"
@@ -169,11 +169,11 @@ def test_detection_round_trip_through_the_server(label_studio: Server, tmp_path:
                 {"label": "person", "index": 1, "score": 0.4, "box": [100.0, 10.0, 140.0, 100.0]},
             ]
         }
-        result, score = det.pre_annotation(served[name], ImageContext(160, 120, 64, 64))
+        pre, score = det.pre_annotation(served[name], ImageContext(160, 120, 64, 64))
         tasks.append(
             {
                 "data": {"image": f"/data/local-files/?d={name}", ID_KEY: name},
-                "predictions": [{"model_version": "det/1", "score": score, "result": result}],
+                "predictions": [{"model_version": "det/1", "score": score, "result": pre}],
             }
         )
     with LabelStudio(label_studio.url, label_studio.token) as ls:

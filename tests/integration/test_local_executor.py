@@ -165,11 +165,12 @@ def test_the_shim_records_the_exit_in_exit_json_and_is_reaped(
         assert wait_done(ex, handle).exit_code == code
         record = json.loads((Path(handle["attempt_dir"]) / "exit.json").read_text())
         assert record["exit_code"] == code and record["ended_at"] > 0
+
         # The executor that launched the shim reaps it (on its next call): no zombie accumulates.
-        wait_for(
-            lambda h=handle: ex.poll(h).state == "exited" and shim.proc_info(h["pid"]) is None,
-            f"shim pid {handle['pid']} to be reaped",
-        )
+        def reaped(h: Handle = handle) -> bool:
+            return ex.poll(h).state == "exited" and shim.proc_info(h["pid"]) is None
+
+        wait_for(reaped, f"shim pid {handle['pid']} to be reaped")
 
 
 def test_cuda_visible_devices_follows_the_allocation(

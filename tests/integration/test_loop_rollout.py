@@ -191,8 +191,8 @@ def test_a_canary_that_holds_is_promoted_and_one_that_fails_is_rolled_back(
     assert rnd.steps["canary"].outputs["rolled_back"] is True
     assert rnd.steps["promote"].status == "skipped"
     assert aliases("digits", settings) == {CHAMPION: 2}  # the challenger alias is gone
-    history = [(e.action, e.alias, e.version) for e in alias_history("digits", settings)]
-    assert history[-2:] == [("set", "challenger", 3), ("unset", "challenger", 3)], history
+    moves = [(e.action, e.alias, e.version) for e in alias_history("digits", settings)]
+    assert moves[-2:] == [("set", "challenger", 3), ("unset", "challenger", 3)], moves
     assert len(crashed) >= 14, crashed
     deadline = time.monotonic() + 30
     while (routing := w.routing())["challenger"] is not None and time.monotonic() < deadline:

@@ -56,7 +56,7 @@ def test_runs_to_the_end_are_samples_and_a_queued_job_of_the_same_spec_gets_thei
     assert (est.shortest, est.longest) == (100.0, 400.0)
     (row,) = store.view_jobs()
     assert row.id == queued and row.run_length == 10 and row.spec_key and row.shape_key
-    samples = store.runtime_samples([row.shape_key])  # type: ignore[list-item]
+    samples = store.runtime_samples([row.shape_key])
     assert sorted(s.ran_s for s in samples) == [100.0, 130.0, 400.0]  # newest first, of this shape only
     assert [s.ran_s for s in samples] == [130.0, 400.0, 100.0]
     assert store.runtime_estimate(other) is None  # it ended: it is a sample, not a job to plan
@@ -90,7 +90,7 @@ def test_a_preempted_run_counts_every_attempt_and_a_paused_trial_counts_to_its_r
     (row,) = store.view_jobs()
     assert row.run_length == 9
     est = store.runtime_estimate(trial)
-    assert est is not None and (est.seconds, est.runs) == (pytest.approx(90.0), 1)
+    assert est is not None and est.seconds == pytest.approx(90.0) and est.runs == 1
 
 
 def test_only_the_newest_samples_of_a_shape_count(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -662,10 +662,10 @@ def test_a_writer_killed_mid_transaction_leaves_the_store_consistent(
             import psycopg
 
             with (
-                psycopg.connect(url.set(drivername="postgresql").render_as_string(False)) as probe,
+                psycopg.connect(url.set(drivername="postgresql").render_as_string(False)) as pg,
                 pytest.raises(psycopg.errors.LockNotAvailable),
             ):
-                probe.execute("SELECT state FROM jobs WHERE id = %s FOR UPDATE NOWAIT", (job.id,))
+                pg.execute("SELECT state FROM jobs WHERE id = %s FOR UPDATE NOWAIT", (job.id,))
         assert store.get_job(job.id) == before  # readers never see uncommitted changes
         os.kill(proc.pid, signal.SIGKILL)
     finally:
@@ -859,7 +859,8 @@ def test_a_paused_trial_is_promoted_with_its_next_rung_or_pruned_for_good(store:
         store.resume_paused(job.id, 1, "again", now=15.0)
     resumed = store.resume_paused(job.id, 3, "promoted", now=15.0)
     assert resumed.state is JobState.QUEUED and resumed.waiting_reason == "promoted"
-    assert store.get_job(job.id).workload_doc["until_epoch"] == 3
+    workload = store.get_job(job.id).workload_doc
+    assert workload is not None and workload["until_epoch"] == 3
     assert [j.id for j in store.view_jobs()] == [job.id]
     with pytest.raises(TransitionError, match="is queued, not paused"):
         store.prune(job.id, "late", now=16.0)

@@ -228,7 +228,8 @@ def _an_image(dataset: Path) -> bytes:
 def test_eval_with_stress_through_the_contract(tmp_path: Path, task_dataset: tuple[str, Path]) -> None:
     """`visionloop eval` knows no task: the task's metrics, error analysis and (where its
     outputs are one softmax) calibration come through the contract, clean and corrupted."""
-    from visionloop.eval.api import EvalOptions, evaluate_model
+    from visionloop.eval.api import evaluate_model
+    from visionloop.eval.options import EvalOptions
     from visionloop.registry import register
 
     name, dataset = task_dataset

@@ -188,7 +188,9 @@ def test_pretrained_weights_from_a_local_file_are_loaded(tmp_path: Path, digits_
     from visionloop.models import create_model
 
     donor = create_model("small_cnn", 1000)  # a different head: it is skipped, the rest loads
-    torch.nn.init.constant_(donor.features[0][0].weight, 0.125)  # type: ignore[index]
+    conv = donor.get_submodule("features.0.0")
+    assert isinstance(conv, torch.nn.Conv2d)
+    torch.nn.init.constant_(conv.weight, 0.125)
     weights = save_weights(donor, tmp_path / "donor.safetensors")
     doc = spec_doc(
         digits_dataset,

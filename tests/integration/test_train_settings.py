@@ -40,9 +40,9 @@ def grad_norms_at_optimizer_steps(monkeypatch: pytest.MonkeyPatch) -> list[float
     """The total gradient norm each optimizer step is taken with (a step pre-hook on the
     optimizer the trainer builds), i.e. after clipping and after the grad scaler's unscale."""
     import visionloop.train.setup as setup
+    from visionloop.train.schedule import build_optimizer as real
 
     norms: list[float] = []
-    real = setup.build_optimizer
 
     def hook(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         grads = [p.grad.double() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -137,6 +137,7 @@ def test_the_logged_loss_is_cross_entropy_with_the_label_smoothing_asked_for(
     assert len(logits) == 1 and rec.steps and rec.steps[0][0] == 1
     labels = first_batch_labels(digits_dataset, doc)
     logged = rec.steps[0][1]
+    assert logged is not None
     assert logged == pytest.approx(smoothed_cross_entropy(logits[0], labels, eps), rel=1e-5)
     if eps:  # the smoothing is large enough to tell apart from plain cross-entropy
         plain = smoothed_cross_entropy(logits[0], labels, 0.0)

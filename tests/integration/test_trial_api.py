@@ -104,7 +104,7 @@ def test_evals_are_served_from_the_job_folder(cp: CP, digits_dataset: Path) -> N
         assert c.get(f"/v1/jobs/{job_id}/evals").json() == {"evals": []}
         folder = cp.plane.job_dir(job_id)
         folder.mkdir(parents=True, exist_ok=True)
-        lines = [
+        lines: list[dict[str, object] | str] = [
             {"attempt": 1, "step": 23, "epoch": 1.0, "metrics": {"accuracy": 0.5}},
             "torn {",
             {"attempt": 1, "step": 46, "epoch": 2.0, "metrics": {"accuracy": 0.75, "loss": 0.3}},

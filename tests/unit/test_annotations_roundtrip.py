@@ -12,7 +12,7 @@ from test_annotations_common import make_image, rotated_jpeg
 from visionloop.core.errors import DataError
 from visionloop.data.ingest import IngestOptions, ingest
 from visionloop.data.manifest import read_manifest
-from visionloop.data.shards import ShardReader
+from visionloop.data.shards import ShardReader, record_field
 from visionloop.tasks.detection.annotations import (
     DetectionSample,
     DetectionSource,
@@ -140,7 +140,7 @@ def _stored_flags(out: Path) -> dict[str, tuple[list[int], list[bool]]]:
         reader = ShardReader(out / info.shard_dir)
         for k in range(len(reader)):
             rec = reader[k]
-            _, labels, ignore = decode_boxes(rec["boxes"], len(m.classes))
+            _, labels, ignore = decode_boxes(record_field(rec, "boxes"), len(m.classes))
             found[src.samples[rec["index"]].rel] = (labels.tolist(), ignore.tolist())
     return found
 

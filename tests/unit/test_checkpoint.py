@@ -147,9 +147,10 @@ def test_buffers_are_reused_between_checkpoints_and_rebuilt_when_shapes_change(t
     from visionloop.train.checkpoint import Snapshotter
 
     snap = Snapshotter()
-    live = {"a": torch.ones(4), "b": [torch.zeros(2, 2)]}
+    a = torch.ones(4)
+    live = {"a": a, "b": [torch.zeros(2, 2)]}
     first = snap(live)
-    live["a"].add_(1)
+    a.add_(1)
     second = snap(live)
     assert second["a"].data_ptr() == first["a"].data_ptr()  # same buffer, refilled
     assert torch.equal(second["a"], torch.full((4,), 2.0))

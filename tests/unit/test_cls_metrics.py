@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from sklearn import metrics as skm
+from torch.multiprocessing.spawn import spawn
 
 from visionloop.core.errors import DataError
 from visionloop.tasks.classification.metrics import ClassificationReport, ConfusionMatrix
@@ -112,7 +112,7 @@ def _all_reduce_worker(rank: int, world: int, store_path: str, out_dir: str) -> 
 
 
 def test_all_reduce_across_two_ranks_gives_every_rank_the_whole(tmp_path: Path) -> None:
-    mp.spawn(_all_reduce_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    spawn(_all_reduce_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     logits, targets = _random_batch(400, 6, seed=11)
     whole = ConfusionMatrix(6, topk=(1, 3))
     whole.update(logits, targets)

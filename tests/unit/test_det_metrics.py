@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn
 
 from visionloop.core.errors import DataError
 from visionloop.tasks.detection.metrics import (
@@ -105,7 +105,9 @@ def _pycocotools(preds: list[dict[str, Any]], targets: list[dict[str, Any]], n_c
         x1, y1, x2, y2 = box
         return [x1, y1, x2 - x1, y2 - y1]
 
-    images, annotations, results = [], [], []
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     for i, (p, t) in enumerate(zip(preds, targets, strict=True)):
         images.append({"id": i, "height": 640, "width": 640})
         crowd = t["iscrowd"].tolist() if "iscrowd" in t else [False] * len(t["labels"])
@@ -429,7 +431,7 @@ def _gather_worker(rank: int, world: int, store_path: str, out_dir: str) -> None
 
 
 def test_gathered_or_summed_states_across_two_ranks_give_every_rank_the_whole(tmp_path: Path) -> None:
-    mp.spawn(_gather_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    spawn(_gather_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     preds, targets = _random_split(21, 3, seed=5)
     expected = torch.tensor(
         list(_evaluate(preds, targets, ["a", "b", "c"]).compute().values()), dtype=torch.float64

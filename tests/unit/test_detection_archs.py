@@ -7,12 +7,15 @@ import logging
 import math
 import warnings
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 import torchvision
 from torch import nn
+from torchvision.models.detection import FCOS, FasterRCNN
+from torchvision.models.detection.ssd import SSD
 
 from visionloop.core.errors import SpecError
 from visionloop.export.convert import export_fp32
@@ -101,7 +104,7 @@ def test_every_arch_trains_and_detects_at_its_image_size(arch: str) -> None:
     losses = model(list(images), _targets(s))
     assert isinstance(losses, dict) and len(losses) >= 2
     assert all(v.ndim == 0 and math.isfinite(float(v.detach())) for v in losses.values())
-    sum(losses.values()).backward()
+    torch.stack(list(losses.values())).sum().backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert any(g is not None and float(g.abs().sum()) > 0 for g in grads)
 
@@ -130,13 +133,17 @@ def test_torchvision_transform_does_not_rescale_the_letterboxed_input() -> None:
         ("ssdlite320_mobilenet_v3_large", 128, half),
     ]:
         model = build_detector(arch, 3, image_size=s).eval()
+        assert isinstance(model, (FasterRCNN, FCOS, SSD))
         x = torch.rand(3, s, s)
         batch, _ = model.transform([x])
         assert batch.image_sizes == [(s, s)] and batch.tensors.shape == (1, 3, s, s)
         expected = (x - mean[:, None, None]) / std[:, None, None]
         assert torch.allclose(batch.tensors[0], expected, atol=1e-5)
-    assert model.detections_per_img == 100
+        # At most 100 detections an image, every arch (Faster R-CNN keeps the count on its ROI head).
+        head = model.roi_heads if isinstance(model, FasterRCNN) else model
+        assert head.detections_per_img == 100, arch
     frcnn = build_detector("fasterrcnn_mobilenet_v3_large_320_fpn", 3, image_size=96)
+    assert isinstance(frcnn, FasterRCNN)
     assert frcnn.roi_heads.detections_per_img == 100
 
 
@@ -169,6 +176,7 @@ def test_pretrained_for_other_classes_loads_all_but_the_head(
 ) -> None:
     torch.manual_seed(0)
     coco_like = build_detector("fasterrcnn_mobilenet_v3_large_320_fpn", 7, image_size=96)
+    assert isinstance(coco_like, FasterRCNN)
     save_weights(coco_like, tmp_path / "other.safetensors")
     with caplog.at_level(logging.WARNING, logger="visionloop.tasks.detection.archs"):
         model = build_detector(
@@ -177,6 +185,7 @@ def test_pretrained_for_other_classes_loads_all_but_the_head(
             image_size=96,
             pretrained=tmp_path / "other.safetensors",
         )
+    assert isinstance(model, FasterRCNN)
     assert "roi_heads.box_predictor.cls_score.weight" in caplog.text and "fine-tuning" in caplog.text
     assert model.roi_heads.box_predictor.cls_score.weight.shape[0] == 4  # 3 classes + background
     assert torch.equal(model.backbone.body["0"][0].weight, coco_like.backbone.body["0"][0].weight)
@@ -193,6 +202,7 @@ def test_weights_backbone_loads_imagenet_mobilenet_into_the_body(tmp_path: Path)
     model = build_detector(
         "fasterrcnn_mobilenet_v3_large_fpn", 3, image_size=96, weights_backbone=tmp_path / "mnv3.pth"
     )
+    assert isinstance(model, FasterRCNN)
     body = model.backbone.body.state_dict()
     features = classifier.features.state_dict()
     assert set(body) == set(features)
@@ -206,6 +216,7 @@ def test_weights_backbone_loads_imagenet_resnet50_and_refuses_other_files(tmp_pa
     model = build_detector(
         "fcos_resnet50_fpn", 3, image_size=64, weights_backbone=tmp_path / "r50.safetensors"
     )
+    assert isinstance(model, FCOS)
     assert torch.equal(model.backbone.body.layer4[2].conv3.weight, resnet.layer4[2].conv3.weight)
     assert torch.equal(model.backbone.body.bn1.running_var, resnet.bn1.running_var)
 
@@ -268,7 +279,8 @@ def _iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
     inter = np.prod(np.clip(hi - lo, 0, None), axis=1)
     area = np.prod(box[2:] - box[:2])
     areas = np.prod(boxes[:, 2:] - boxes[:, :2], axis=1)
-    return inter / np.maximum(area + areas - inter, 1e-9)
+    iou: np.ndarray = inter / np.maximum(area + areas - inter, 1e-9)
+    return iou
 
 
 def _assert_same_detections(want: np.ndarray, have: np.ndarray, nms: float) -> None:
@@ -306,9 +318,8 @@ def _onnx_parity(arch: str, tmp_path: Path, exporter: str = "torchscript") -> No
     s = _size(arch)
     model = build_detector(arch, 3, image_size=s).eval()
     _spread_scores(model)
-    nms = float(
-        getattr(model, "nms_thresh", None) or model.roi_heads.nms_thresh
-    )  # Faster R-CNN: its ROI head
+    head = model.roi_heads if isinstance(model, FasterRCNN) else model  # Faster R-CNN: its ROI head
+    nms = float(cast(float, head.nms_thresh))
     module = export_module(model)
     path = tmp_path / f"{arch}.onnx"
     with warnings.catch_warnings():
@@ -326,7 +337,7 @@ def _onnx_parity(arch: str, tmp_path: Path, exporter: str = "torchscript") -> No
         assert [g.shape for g in got] == [(batch, 100, 4), (batch, 100), (batch, 100)]
         assert [g.dtype for g in got] == [np.float32, np.float32, np.int64]
         for i in range(batch):
-            _assert_same_detections(_rows(*ref, i), _rows(*got, i), nms)
+            _assert_same_detections(_rows(ref[0], ref[1], ref[2], i), _rows(got[0], got[1], got[2], i), nms)
 
 
 def test_native_detector_exports_to_onnx_with_a_dynamic_batch(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ served scores it maps."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from visionloop.tasks import get_task
 from visionloop.tasks.detection.calibration import right_or_wrong, scaled_scores
 
 
-def _t(rows: list[list[float]]) -> torch.Tensor:
+def _t(rows: Sequence[Sequence[float]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32).reshape(-1, 4)
 
 
@@ -50,7 +52,8 @@ def test_detections_are_matched_greedily_in_score_order_and_crowds_are_ignored()
 def test_the_task_gives_two_class_logits_and_a_fitted_temperature_softens_an_overconfident_detector() -> None:
     task = get_task("detection")
     rng = np.random.default_rng(0)
-    outputs, targets = [], []
+    outputs: list[dict[str, torch.Tensor]] = []
+    targets: list[dict[str, torch.Tensor]] = []
     for _ in range(300):
         # Each image: one object; the detector puts one box on it or beside it, scoring it
         # far more confidently than it is right (true probability of being right: 0.6).
@@ -68,7 +71,10 @@ def test_the_task_gives_two_class_logits_and_a_fitted_temperature_softens_an_ove
     after = cal.calibration(cal.softmax(logits.numpy(), t), labels.numpy())
     assert t > 1.0 and after.ece < 0.05 < before.ece
     # Served: the same map on the "scores" output; the ranking stays, padding stays 0.
-    served = {"scores": np.array([[0.95, 0.5, 0.2, 0.0]], np.float32), "labels": np.zeros((1, 4), np.int64)}
+    served: dict[str, np.ndarray] = {
+        "scores": np.array([[0.95, 0.5, 0.2, 0.0]], np.float32),
+        "labels": np.zeros((1, 4), np.int64),
+    }
     out = task.calibrate(served, t)
     assert out["scores"][0, 0] == pytest.approx(float(labels.float().mean()), abs=0.03)
     assert out["scores"][0, 1] == pytest.approx(0.5) and out["scores"][0, 3] == 0.0

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from visionloop.core.errors import SpecError
-from visionloop.data.shards import Record, ShardReader, ShardWriter
+from visionloop.data.shards import ShardReader, ShardWriter, make_record, record_field
 from visionloop.models.card import LETTERBOX_FILL
 from visionloop.models.native_detector import build_native_detector
 from visionloop.specs import AugmentSpec
@@ -65,12 +65,12 @@ def _shards(
     writer = ShardWriter(tmp / "shards")
     for i, (h, w, boxes, labels) in enumerate(scenes):
         ignore = flags[i] if flags is not None else None
-        record: Record = {
-            "image": _png(_scene(h, w, boxes)),
-            "label": len(boxes),
-            "index": 100 + i,
-            "boxes": encode_boxes(np.asarray(boxes, dtype=np.float32).reshape(-1, 4), labels, ignore),
-        }
+        record = make_record(
+            _png(_scene(h, w, boxes)),
+            len(boxes),
+            100 + i,
+            boxes=encode_boxes(np.asarray(boxes, dtype=np.float32).reshape(-1, 4), labels, ignore),
+        )
         writer.add(record)
     writer.close()
     return ShardReader(tmp / "shards")
@@ -106,7 +106,7 @@ def test_a_flip_moves_the_box_with_the_pixels() -> None:
     assert torch.allclose(boxes, torch.tensor([[70 * 0.64, 10 * 0.64, 90 * 0.64, 40 * 0.64]]))
     assert labels.tolist() == [2]
     cx, cy = (boxes[0, 0] + boxes[0, 2]) / 2, (boxes[0, 1] + boxes[0, 3]) / 2
-    assert _is_red(out, cx, cy) and not _is_red(out, 20 * 0.64, cy)
+    assert _is_red(out, float(cx), float(cy)) and not _is_red(out, 20 * 0.64, float(cy))
     # Below the letterboxed image (32 rows of 64): grey padding.
     assert out[:, 40:, :].eq(LETTERBOX_FILL).all()
 
@@ -191,7 +191,7 @@ def test_eval_dataset_and_record_targets_agree(tmp_path: Path) -> None:
     assert torch.allclose(targets[0]["boxes"], torch.tensor([[16.0, 8, 48, 24]]))
     assert targets[1]["boxes"].shape == (0, 4) and targets[1]["labels"].dtype == torch.int64
     assert targets[2]["labels"].tolist() == [0, 2]
-    from_records = task.record_targets(reader.read_many([0, 1, 2]), image_size=64)  # type: ignore[call-arg]
+    from_records = task.record_targets(reader.read_many([0, 1, 2]), image_size=64)
     for a, b in zip(targets, from_records, strict=True):
         assert torch.equal(a["boxes"], b["boxes"]) and torch.equal(a["labels"], b["labels"])
         assert (a["scale"], a["image_id"], a["orig_size"]) == (b["scale"], b["image_id"], b["orig_size"])
@@ -209,7 +209,8 @@ def test_ignored_boxes_leave_training_targets_and_stay_flagged_in_evaluation(tmp
     ]
     flags = [[False, True], [True, False, True], [False]]
     reader = _shards(tmp_path, scenes, flags)
-    assert reader[2]["boxes"] == encode_boxes([[4, 4, 20, 20]], [2])  # unflagged: the old layout
+    # Unflagged: the old layout.
+    assert record_field(reader[2], "boxes") == encode_boxes([[4, 4, 20, 20]], [2])
     ev = ShardDetectionDataset(reader, DetectionEvalTransform(64), CLASSES)
     _, targets = get_task("detection").collate([ev[(i, 0)] for i in range(3)])
     assert [t["iscrowd"].tolist() for t in targets] == flags
@@ -217,7 +218,7 @@ def test_ignored_boxes_leave_training_targets_and_stay_flagged_in_evaluation(tmp
     assert targets[0]["iscrowd"].dtype == torch.bool
     assert torch.allclose(targets[0]["boxes"], torch.tensor([[16.0, 8, 48, 24], [1.6, 1.6, 9.6, 9.6]]))
     # The export gate and bench score through the contract's record_targets: same flags.
-    contract = get_task("detection").record_targets(reader.read_many([0, 1, 2]), image_size=64)  # type: ignore[call-arg]
+    contract = get_task("detection").record_targets(reader.read_many([0, 1, 2]), image_size=64)
     assert [t["iscrowd"].tolist() for t in contract] == flags
     for i, target in enumerate(targets):
         again = record_target(reader[i], 64, len(CLASSES))
@@ -515,7 +516,7 @@ def test_model_card_describes_letterboxed_unnormalised_input(tmp_path: Path) -> 
         "letterbox",
         1.0,
     )
-    assert card.mean == (0, 0, 0) and card.std == (1, 1, 1) and card.class_names == CLASSES
+    assert card.mean == (0.0, 0.0, 0.0) and card.std == (1.0, 1.0, 1.0) and card.class_names == CLASSES
     assert card.model_kwargs == {"widths": [8, 8, 16, 16]}
     assert card.metrics == {"mAP": 0.5, "loss": 0.0} and card.dataset_version == "ds-1"
     model = get_task("detection").load_model(card, None)

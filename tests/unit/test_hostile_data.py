@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -188,7 +189,9 @@ def test_an_alert_config_that_cannot_be_read_is_a_config_error(
         {"id": 1, "data": {ID_KEY: "a.png"}, "annotations": {"result": []}},
     ],
 )
-def test_an_export_whose_predictions_or_annotations_are_not_lists_does_not_crash(task: dict) -> None:
+def test_an_export_whose_predictions_or_annotations_are_not_lists_does_not_crash(
+    task: dict[str, Any],
+) -> None:
     assert model_of([task]) is None
     tasks, left_out = read_tasks([task], "export.json")
     assert len(tasks) + len(left_out) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def _rect(label: object = "cat", **extra: object) -> dict[str, object]:
     return {"type": "rectanglelabels", "value": value, **extra}
 
 
-def _ls(tmp_path: Path, tasks: list[object]) -> Path:
+def _ls(tmp_path: Path, tasks: Sequence[object]) -> Path:
     make_image(tmp_path / "a.jpg", 100, 80)
     make_image(tmp_path / "b.jpg", 100, 80)
     path = tmp_path / "export.json"
@@ -51,9 +52,9 @@ class _CountingDict(dict):  # type: ignore[type-arg]
 
     def __eq__(self, other: object) -> bool:
         _CountingDict.compared += 1
-        return dict.__eq__(self, other)  # type: ignore[no-any-return]
+        return dict.__eq__(self, other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
 
 def test_label_studio_results_are_counted_without_comparing_them_to_each_other(
@@ -140,7 +141,7 @@ def test_label_studio_label_with_control_characters_is_left_out_alone(tmp_path: 
 # COCO
 
 
-def _coco(tmp_path: Path, doc: dict[str, object]) -> Path:
+def _coco(tmp_path: Path, doc: Mapping[str, object]) -> Path:
     make_image(tmp_path / "img" / "a.jpg", 100, 80)
     make_image(tmp_path / "img" / "b.jpg", 100, 80)
     path = tmp_path / "instances.json"

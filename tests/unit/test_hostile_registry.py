@@ -234,22 +234,22 @@ def test_a_damaged_alias_history_moves_no_alias(settings: Settings, tmp_path: Pa
 
 def test_replaced_weights_are_not_exported_under_the_version_name(settings: Settings, tmp_path: Path) -> None:
     info = registry.register(fake_run(tmp_path), name="m", settings=settings)
-    assert info.verified_weights() == info.weights
     original = info.weights.read_bytes()
+    assert info.verified_weights_bytes() == original
     info.weights.write_bytes(b"other weights")
     with pytest.raises(registry.RegistryError, match=r"final.safetensors is not the file registered as m/1"):
-        info.verified_weights()
+        info.verified_weights_bytes()
     info.weights.unlink()
     info.weights.mkdir()
     with pytest.raises(
         registry.RegistryError, match=r"m/1's weights cannot be read: .* is a folder, not a regular"
     ):
-        info.verified_weights()
+        info.verified_weights_bytes()
     info.weights.rmdir()
     with pytest.raises(registry.RegistryError, match=r"final.safetensors is missing: m/1 has no weights"):
-        info.verified_weights()
+        info.verified_weights_bytes()
     info.weights.write_bytes(original)
-    assert info.verified_weights() == info.weights
+    assert info.verified_weights_bytes() == original
 
 
 def test_hostile_version_files_read_as_absent_and_never_hang(settings: Settings, tmp_path: Path) -> None:

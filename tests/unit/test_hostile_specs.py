@@ -5,6 +5,7 @@ never accepted as nonsense and never a traceback further on."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 import yaml
@@ -34,8 +35,8 @@ def train_doc(**sections: object) -> dict[str, object]:
         node = doc
         *parents, last = dotted.split("__")
         for key in parents:
-            node = node.setdefault(key, {})  # type: ignore[assignment]
-        node[last] = value  # type: ignore[index]
+            node = cast(dict[str, object], node.setdefault(key, {}))
+        node[last] = value
     return doc
 
 

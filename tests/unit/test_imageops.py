@@ -176,8 +176,8 @@ def test_the_model_cards_eval_transform_matches_torchvision(
         if resize == "letterbox":
             size = max(h, w)
         pre = EvalPreprocess(
-            channels=c, resize_size=size, crop_size=(h, w), interpolation=interpolation,  # type: ignore[arg-type]
-            mean=(0.4,) * c, std=(0.25,) * c, resize=resize,  # type: ignore[arg-type]
+            channels=c, resize_size=size, crop_size=(h, w), interpolation=interpolation,
+            mean=(0.4,) * c, std=(0.25,) * c, resize=resize,
         )  # fmt: skip
         ours, theirs = pre.to_transform(), _torchvision_eval_transform(pre)
         pil = Image.fromarray(img.permute(1, 2, 0).numpy())

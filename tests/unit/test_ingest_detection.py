@@ -19,7 +19,7 @@ from _imgfactory import exif_jpeg, png, tree_digest, truncate, write
 from visionloop.core.errors import DataError
 from visionloop.data.ingest import IngestOptions, IngestReport, ingest
 from visionloop.data.manifest import REJECTED_NAME, DatasetManifest, read_manifest
-from visionloop.data.shards import ShardReader
+from visionloop.data.shards import ShardReader, record_field
 from visionloop.data.split import BACKGROUND_GROUP, rarest_class_groups
 from visionloop.tasks.detection.annotations import (
     DetectionSample,
@@ -52,12 +52,12 @@ def _opts(**kw: object) -> IngestOptions:
 def _records(out: Path, num_classes: int) -> dict[int, tuple[str, bytes, np.ndarray, np.ndarray]]:
     """index -> (split, image bytes, boxes, labels) over every split of a built dataset."""
     m = read_manifest(out)
-    found = {}
+    found: dict[int, tuple[str, bytes, np.ndarray, np.ndarray]] = {}
     for split, info in m.splits.items():
         reader = ShardReader(out / info.shard_dir)
         for k in range(len(reader)):
             rec = reader[k]
-            boxes, labels, _ = decode_boxes(rec["boxes"], num_classes)
+            boxes, labels, _ = decode_boxes(record_field(rec, "boxes"), num_classes)
             assert rec["label"] == len(labels)  # a detection record's label is its box count
             found[rec["index"]] = (split, rec["image"], boxes, labels)
     return found
@@ -337,7 +337,7 @@ def test_seeded_split_is_deterministic(coco_src: Path, tmp_path: Path) -> None:
 def test_scale_boxes_uses_each_axis_factor() -> None:
     s = DetectionSample(Path("x"), "x", 100, 30, [(0.0, 0.0, 100.0, 30.0), (50.0, 10.0, 60.0, 20.0)], [0, 1])
     boxes, labels, kept, moved = scale_boxes(s, 64, 19)  # target_size(100, 30, 64) = (64, 19)
-    np.testing.assert_allclose(boxes, [[0, 0, 64, 19], [32, 19 / 3, 38.4, 38 / 3]])
+    np.testing.assert_allclose(boxes, [[0.0, 0.0, 64.0, 19.0], [32.0, 19 / 3, 38.4, 38 / 3]])
     assert labels.tolist() == [0, 1] and kept == [0, 1] and moved == 0
     # A box past the edge (no reader in front) is clipped to the stored image and counted.
     s.boxes = [(90.0, 0.0, 110.0, 30.0)]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-import scipy.fft
+import scipy.fft  # type: ignore[import-untyped]  # no type hints; comes with scikit-learn
 from PIL import Image, ImageDraw, ImageFilter
 
 import visionloop.label.phash as ph
@@ -206,7 +206,8 @@ def test_within_pool_keeps_the_first_of_each_group_and_dropped_ones_drop_nothing
 
 
 def brute_force(cand: list[int], ref: list[int], t: int) -> list[Duplicate]:
-    out, kept = [], []
+    out: list[Duplicate] = []
+    kept: list[int] = []
     for j, h in enumerate(cand):
         dr = [(bin(h ^ r).count("1"), i) for i, r in enumerate(ref)]
         if dr and min(dr)[0] <= t:

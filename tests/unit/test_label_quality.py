@@ -98,12 +98,14 @@ def test_each_planted_box_mistake_is_found_with_its_kind_and_both_labels() -> No
 
     (overlooked,) = by_item[11].findings
     assert overlooked.given is None and overlooked.given_box is None and overlooked.suggested == "cat"
+    assert overlooked.suggested_box is not None
     # In the stored image's pixels (the results were in a frame twice as large).
     assert np.allclose(overlooked.suggested_box, (70.2, 10.1, 94.8, 35.3), atol=0.01)
 
     (moved,) = by_item[17].findings
     true_box = scenes[17][0][0]
     assert moved.given == moved.suggested == NAMES[scenes[17][1][0]]
+    assert moved.given_box is not None and moved.suggested_box is not None
     assert np.allclose(moved.given_box, [v + 12.0 for v in true_box], atol=0.01)
     assert np.allclose(moved.suggested_box, true_box, atol=2.0)  # the prediction, 0.5 px noise
     for issue in issues:
@@ -146,10 +148,10 @@ def test_the_classification_judge_names_the_flipped_labels() -> None:
     ]
     issues = get_task("classification").find_label_issues(results, names)
     assert sorted(i.item for i in issues) == flipped
-    for i in issues:
-        assert i.given == names[given[i.item]] and i.suggested == names[y[i.item]]
-        (f,) = i.findings
-        assert f.kind == "wrong class" and f.score == i.quality < 0.05
+    for issue in issues:
+        assert issue.given == names[given[issue.item]] and issue.suggested == names[y[issue.item]]
+        (f,) = issue.findings
+        assert f.kind == "wrong class" and f.score == issue.quality < 0.05
 
 
 @pytest.mark.parametrize("task", ["classification", "detection"])

@@ -5,6 +5,7 @@ of a loop spec refused where it could not be watched."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,10 @@ def test_judge_waits_for_enough_answers_then_checks_each_criterion() -> None:
     assert v.passed is False and v.reasons[0].startswith("failures 5.33% (champion 0.00%")
 
     slow = _reading((500, 0), (60, 0), (95, 5))
-    slow.versions["2"] = Counts(60, 0, {0.01: 0.0, 0.1: 0.0, 1.0: 60.0, float("inf"): 60.0})
+    slow = replace(
+        slow,
+        versions={**slow.versions, "2": Counts(60, 0, {0.01: 0.0, 0.1: 0.0, 1.0: 60.0, float("inf"): 60.0})},
+    )
     v = judge(slow, 1, 2, spec)
     assert v.passed is False and "p95 latency" in v.summary() and "(at most 1.5x)" in v.summary()
 

@@ -114,7 +114,7 @@ def test_non_finite_metrics_are_stored_as_null(tmp_path: Path) -> None:
 
 def test_inconsistent_cards_are_refused() -> None:
     base = ModelCard.from_manifest(_manifest(), arch="small_cnn").model_dump()
-    for change, match in [
+    cases: list[tuple[dict[str, object], str]] = [
         ({"class_names": ["a", "b"]}, "num_classes is 3"),
         ({"class_names": ["a", "a", "b"]}, "repeated"),
         ({"mean": (0.5, 0.5)}, "one per input channel"),
@@ -122,7 +122,8 @@ def test_inconsistent_cards_are_refused() -> None:
         ({"crop_pct": 1.5}, "crop_pct"),
         ({"model_kwargs": {"act": object()}}, "JSON-serialisable"),
         ({"colour": "blue"}, "colour"),
-    ]:
+    ]
+    for change, match in cases:
         with pytest.raises(ValidationError, match=match):
             ModelCard.model_validate({**base, **change})
 

@@ -56,6 +56,7 @@ def test_load_report_names_loaded_and_skipped_keys(
 ) -> None:
     path = save_weights(imagenet_resnet18, tmp_path / "r18.safetensors")
     model = create_model("resnet18", 10)
+    assert isinstance(model.fc, torch.nn.Linear)
     fresh_head = model.fc.weight.detach().clone()
     with caplog.at_level(logging.INFO, logger="visionloop.models.weights"):
         report = load_pretrained(model, path)

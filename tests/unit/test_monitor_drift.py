@@ -14,10 +14,11 @@ import contextlib
 import json
 import math
 from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
 import pytest
-from scipy import stats
+from scipy import stats  # type: ignore[import-untyped]  # no type hints; comes with scikit-learn
 
 from visionloop.core.errors import DataError, SpecError
 from visionloop.monitor.drift import (
@@ -455,8 +456,8 @@ def test_a_window_below_the_minimum_is_not_tested() -> None:
 
 
 def result(name: str, p: float | None, moved: tuple[str, ...] = ()) -> TestResult:
-    status = "ok" if p is not None else "too_few_samples"
     statistic = None if p is None else 0.0
+    status: Literal["ok", "too_few_samples"] = "ok" if p is not None else "too_few_samples"
     return TestResult(name, statistic, p, ALPHA, p is not None and p < ALPHA, 100, 50, moved, {}, status)
 
 

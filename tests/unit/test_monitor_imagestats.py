@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from scipy import ndimage
+from scipy import ndimage  # type: ignore[import-untyped]  # no type hints; comes with scikit-learn
 
 from visionloop.core.errors import DataError
 from visionloop.monitor.drift import univariate_ks

@@ -180,7 +180,7 @@ def test_a_detector_gives_box_counts_and_scores_and_a_classifier_its_probabiliti
     from visionloop.tasks import get_task
 
     scores = np.array([[0.9, 0.3, 0.1, 0.0], [0.2, 0.0, 0.0, 0.0]], dtype=np.float32)
-    outputs = {
+    outputs: dict[str, np.ndarray] = {
         "boxes": np.tile(
             np.array([[0, 0, 4, 4], [10, 10, 14, 14], [20, 0, 24, 4], [0, 20, 4, 24]], np.float32), (2, 1, 1)
         ),

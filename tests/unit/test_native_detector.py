@@ -54,6 +54,7 @@ def _model(seed: int = 0, **kwargs: object) -> NativeDetector:
 def test_eval_mode_returns_torchvision_dicts_in_each_input_images_pixels() -> None:
     model = _model(score_thresh=0.0, detections_per_img=40).eval()
     # Boxes of ~e^2.5 * 4 = 49 px around every cell: many cross the image's edges.
+    assert model.box.out.bias is not None
     with torch.no_grad():
         model.box.out.bias.copy_(torch.tensor([0.0, 0.0, 2.5, 2.5]))
     images, _ = _batch()

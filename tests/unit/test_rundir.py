@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,11 @@ from visionloop.core.errors import TrainingError
 from visionloop.train.launch import combine_exit_codes
 from visionloop.train.rundir import RunDir
 
-SPEC = {"data": {"dataset": "/d", "workers": 2, "batch_size": 64}, "optimizer": {"lr": 0.1}, "device": "auto"}
+SPEC: dict[str, Any] = {
+    "data": {"dataset": "/d", "workers": 2, "batch_size": 64},
+    "optimizer": {"lr": 0.1},
+    "device": "auto",
+}
 
 
 def test_first_prepare_creates_uid_and_saves_the_spec_verbatim(tmp_path: Path) -> None:

@@ -804,7 +804,9 @@ def test_another_teams_quota_is_not_a_higher_classs_when_its_jobs_checkpoint_at_
     mine = [r(f"a{i}", [f"n0/{i}"], team="a", ckpt_at_stop=True) for i in range(2)]
     low = r("b-low", ["n0/2", "n0/3", "n0/4", "n0/5"], team="b", prio=LOW, ckpt_at_stop=True)
 
-    def evicted(job: PendingJob, running: list[ActiveJob], cfg: PolicyConfig = CFG) -> list[tuple[str, str]]:
+    def evicted(
+        job: PendingJob, running: list[ActiveJob], cfg: PolicyConfig = CFG
+    ) -> list[tuple[str, str | None]]:
         d = schedule(view(gpus, [job], running, teams), cfg)
         if not d.evictions:
             assert d.waiting[job.id].startswith("waiting for 2 GPUs: 0 free"), d.waiting

@@ -102,7 +102,7 @@ def test_the_pace_is_told_at_most_every_interval_from_the_attempts_first_step(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr("visionloop.train.progress.time.monotonic", lambda: clock[0])
     monkeypatch.setenv(progress.ENV, "1")
     monkeypatch.setenv(progress.PACE_ENV, "30")
     pace = progress.Pace()

@@ -30,7 +30,16 @@ from visionloop.sched.sim import (
     summarize,
 )
 from visionloop.sched.sim.quota import waiting_in_quota
-from visionloop.sched.view import ClusterView, Decision, Eviction, Freed, Placement, Team
+from visionloop.sched.view import (
+    ActiveJob,
+    ClusterView,
+    Decision,
+    Eviction,
+    Freed,
+    PendingJob,
+    Placement,
+    Team,
+)
 
 VL = partial(schedule, config=PolicyConfig(same_node=False))
 FIFO = partial(fifo, same_node=False)
@@ -221,7 +230,7 @@ def test_random_trace_completes_under_both_policies() -> None:
             rng.uniform(60, 4000),
             rng.choice(["detection", "segmentation", "research"]),
             rng.choice(["low", "normal", "normal", "high"]),
-            rng.choice(["never", "allowed", "preferred"]),  # type: ignore[arg-type]
+            rng.choice(["never", "allowed", "preferred"]),
         )
         for i in range(30)
     ]
@@ -299,7 +308,7 @@ def test_no_livelock_on_random_clusters_and_configs(
             rng.uniform(60, 6000),
             rng.choice(["detection", "research", "other"]),
             rng.choice(["low", "normal", "high"]),
-            rng.choice(["never", "allowed", "preferred"]),  # type: ignore[arg-type]
+            rng.choice(["never", "allowed", "preferred"]),
         )
         for i in range(30)
     ]
@@ -613,7 +622,8 @@ def test_history_plans_a_job_with_the_runs_of_its_application_and_gpu_count_befo
     seen: dict[str, set[float | None]] = {}
 
     def watching(view: ClusterView) -> Decision:
-        for j in (*view.queued, *view.running):
+        jobs: list[ActiveJob | PendingJob] = [*view.queued, *view.running]
+        for j in jobs:
             seen.setdefault(j.id, set()).add(j.expected_runtime_s)
         return VL(view)
 

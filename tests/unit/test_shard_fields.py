@@ -17,7 +17,7 @@ from visionloop.data.shards import ShardReader, ShardWriter, make_record, record
 from visionloop.tasks import get_task
 
 FIX = "visionloop data ingest"
-_LEAF = {"type": None, "context": None, "children_spec": []}
+_LEAF: dict[str, object] = {"type": None, "context": None, "children_spec": []}
 
 
 def write_points(folder: Path, n: int = 5) -> Path:
@@ -167,7 +167,7 @@ def test_the_writers_spec_encoding_is_what_the_check_accepts(tmp_path: Path) -> 
     folder = write_points(tmp_path / "s")
     types = {"image": "bytes", "index": "int", "label": "int", "points": "bytes"}
     rewrite_config(folder, ["image", "label", "index", "points"], ["bytes", "int", "int", "bytes"], types)
-    assert ShardReader(folder)[0]["points"] == b"\x00\x01\x02"
+    assert record_field(ShardReader(folder)[0], "points") == b"\x00\x01\x02"
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from visionloop.size.memory import (
     ALLOCATOR_HEADROOM,
     FRAMEWORK_OVERHEAD_GIB,
     GIB,
+    ActivationProfile,
     estimate_memory,
     measure_activations,
     optimizer_slots,
@@ -51,14 +52,14 @@ def test_activations_are_measured_and_scale_with_batch_and_precision(digits_data
     # fp16 on the CPU is measured as bf16 (same element size).
     assert measure_activations(probe, "fp16").per_image == bf16.per_image
 
-    def total(batch: int, profile: object, gpus: int = 1) -> int:
+    def total(batch: int, profile: ActivationProfile, gpus: int = 1) -> int:
         return estimate_memory(
             probe.num_params,
             probe.trainable_params,
             spec.optimizer,
             profile,
             global_batch=batch,
-            gpus=gpus,  # type: ignore[arg-type]
+            gpus=gpus,
         ).total
 
     assert total(64, fp32) < total(128, fp32) < total(1024, fp32)

@@ -22,7 +22,12 @@ def test_a_detector_gives_each_images_box_scores_after_nms_above_the_floor() -> 
     labels = np.zeros((2, 5), dtype=np.int64)
     # Image 0: two boxes on the same object (NMS keeps the better), one elsewhere, one under
     # the floor, one padding row (score 0).
-    boxes[0, :4] = [[0, 0, 10, 10], [0, 0, 10, 10.5], [20, 20, 30, 30], [40, 40, 50, 50]]
+    boxes[0, :4] = [
+        [0.0, 0.0, 10.0, 10.0],
+        [0.0, 0.0, 10.0, 10.5],
+        [20.0, 20.0, 30.0, 30.0],
+        [40.0, 40.0, 50.0, 50.0],
+    ]
     scores[0, :4] = [0.9, 0.6, 0.3, 0.01]
     # Image 1: nothing but padding.
     u = get_task("detection").uncertainty_inputs(

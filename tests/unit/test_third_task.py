@@ -146,7 +146,7 @@ def _png() -> bytes:
 
 def _source(root: Path, marker: str = MARKER) -> Path:
     root.mkdir(parents=True)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"image": "a.png", "points": [[1.0, 2.0], [3.5, 4.0]]},
         {"image": "b.png", "points": []},
         {"image": "c.png", "points": [[7.0, 0.25]]},
@@ -182,7 +182,7 @@ def test_a_task_defined_outside_the_tree_ingests_checks_and_reads_its_own_record
             "epochs": 1,
         }
     )
-    samples = task.train_dataset(ShardReader(shards), spec)
+    samples: object = task.train_dataset(ShardReader(shards), spec)  # the toy task's: a list
     assert samples == [(0, [[1.0, 2.0], [3.5, 4.0]]), (1, []), (2, [[7.0, 0.25]])]
     assert [ShardReader(shards)[i]["label"] for i in range(3)] == [2, 0, 1]
 

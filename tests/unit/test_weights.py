@@ -76,7 +76,8 @@ def test_ddp_prefix_is_stripped(tmp_path: Path) -> None:
     """A real DistributedDataParallel wrapper (gloo, one process) saves `module.`-prefixed
     keys; the file holds the bare names."""
     model = create_model("small_cnn", 3)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    store = dist.HashStore()  # type: ignore[attr-defined]  # imported by torch.distributed, not exported
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         ddp = DistributedDataParallel(model)
         assert all(k.startswith("module.") for k in ddp.state_dict())
@@ -89,6 +90,7 @@ def test_ddp_prefix_is_stripped(tmp_path: Path) -> None:
 def test_compile_prefix_is_stripped(tmp_path: Path) -> None:
     model = create_model("small_cnn", 3)
     compiled = torch.compile(model)  # wraps lazily; nothing is compiled until a forward
+    assert isinstance(compiled, nn.Module)
     assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
     _assert_same(load_weights(save_weights(compiled, tmp_path / "c.safetensors")), model.state_dict())
 
