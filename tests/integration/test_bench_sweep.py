@@ -59,7 +59,7 @@ def export_onnx(version_dir: Path, precision: str = "fp32", *, passed: bool = Tr
     report = ExportReport(
         model=f"{version_dir.name}/1",
         format="onnx",
-        precision=precision,  # type: ignore[arg-type]
+        precision=precision,
         path=str(path),
         sha256=hashlib.sha256(path.read_bytes()).hexdigest(),  # bench loads only the bytes it names
         size_bytes=path.stat().st_size,

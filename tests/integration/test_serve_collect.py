@@ -219,7 +219,7 @@ def test_retention_deletes_what_was_last_seen_too_long_ago(
     kit: ModelKit, digits: list[bytes], tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
-    collect = {"enabled": True, "sample_rate": 1.0, "retention_days": 30, "dir": str(store)}
+    collect: dict[str, Any] = {"enabled": True, "sample_rate": 1.0, "retention_days": 30, "dir": str(store)}
     with _server(kit, tmp_path, **collect) as server:
         for data in digits[:3]:
             _classify(server, data)

@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -102,7 +103,7 @@ def test_tritonclient_sends_the_key_with_headers(serve_kit: ServeKit, keys: Keys
 def test_every_route_but_health_needs_a_key(serve_kit: ServeKit, keys: Keys) -> None:
     x = serve_kit.batch(1)
     png = next(serve_kit.images.rglob("*.png")).read_bytes()
-    routes = [
+    routes: list[tuple[str, str, dict[str, Any]]] = [
         ("GET", "/v2", {}),
         ("GET", "/v2/models", {}),
         ("GET", f"/v2/models/{NAME}", {}),
@@ -117,18 +118,18 @@ def test_every_route_but_health_needs_a_key(serve_kit: ServeKit, keys: Keys) -> 
     fake = "vlk_00000000_" + "A" * 43  # well formed, never issued
     for method, path, kw in routes:
         for bad in (None, "not-a-key", fake, keys.digits[:-1] + ("B" if keys.digits[-1] != "B" else "C")):
-            headers = dict(kw.get("headers", {}))  # type: ignore[call-overload]
+            headers = dict(kw.get("headers", {}))
             if bad is not None:
                 headers["Authorization"] = f"Bearer {bad}"
             rest = {k: v for k, v in kw.items() if k != "headers"}
-            r = httpx.request(method, f"{keys.server.url}{path}", headers=headers, **rest)  # type: ignore[arg-type]
+            r = httpx.request(method, f"{keys.server.url}{path}", headers=headers, **rest)
             assert r.status_code == 401, (method, path, bad, r.text)
             assert r.headers["www-authenticate"] == "Bearer"
             assert "error" in r.json()
-        good = dict(kw.get("headers", {}))  # type: ignore[call-overload]
+        good = dict(kw.get("headers", {}))
         good["Authorization"] = f"Bearer {keys.all}"
         rest = {k: v for k, v in kw.items() if k != "headers"}
-        r = httpx.request(method, f"{keys.server.url}{path}", headers=good, **rest)  # type: ignore[arg-type]
+        r = httpx.request(method, f"{keys.server.url}{path}", headers=good, **rest)
         assert r.status_code == 200, (method, path, r.text)
     for path in ("/v2/health/live", "/v2/health/ready"):
         assert keys.get(path, None).status_code == 200

@@ -155,7 +155,7 @@ def test_at_most_max_concurrent_decodes_images_decode_at_once(
     running = 0
     most = 0
     lock = threading.Lock()
-    real = state.decode_image
+    real = state.decode_image  # type: ignore[attr-defined]  # the name serve.state calls, patched below
 
     def counting(*args: Any) -> Any:
         nonlocal running, most
@@ -222,7 +222,7 @@ def test_a_health_check_is_answered_while_a_large_body_is_parsed(
     parsing = threading.Event()
     done: list[str] = []
     answers: dict[str, httpx.Response] = {}
-    real = app_module.parse_infer_request
+    real = app_module.parse_infer_request  # type: ignore[attr-defined]  # the name the route calls
 
     def parse(*args: Any) -> Any:
         parsing.set()  # the body is read; its parse (orjson, checks, conversion) begins

@@ -33,10 +33,10 @@ def _point(batch: int, p99: float, ips: float) -> BatchPoint:
 
 def _config(fmt: str, precision: str, points: list[BatchPoint], status: str = "ok") -> ConfigResult:
     return ConfigResult(
-        format=fmt,  # type: ignore[arg-type]
-        precision=precision,  # type: ignore[arg-type]
+        format=fmt,
+        precision=precision,
         device="cpu",
-        status=status,  # type: ignore[arg-type]
+        status=status,
         reason=None if status == "ok" else "why",
         points=points,
     )

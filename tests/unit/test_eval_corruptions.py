@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
-from scipy import ndimage
+from scipy import ndimage  # type: ignore[import-untyped]
 
 from visionloop.core.errors import DataError, SpecError
 from visionloop.eval.corruptions import CORRUPTIONS, SEVERITIES, corrupt, image_seed

@@ -74,7 +74,8 @@ def test_the_exported_embedding_is_the_projected_penultimate_layer(arch: str, tm
 
 def _fc_inputs(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
-    handle = model.fc.register_forward_pre_hook(lambda _m, args: seen.extend(args[0]))
+    fc = model.get_submodule("fc")
+    handle = fc.register_forward_pre_hook(lambda _m, args: seen.extend(args[0]))
     try:
         model(x)
     finally:
@@ -160,13 +161,15 @@ def test_mmd_on_the_embeddings_sees_a_shift_the_outputs_do_not_show() -> None:
     ref = _reference(rng)
     same = judge(ref, _window(rng, ref, rng.normal(size=(300, 8))), thin=1)
     assert "mmd_embeddings" in same.p_values and "mmd_outputs" not in same.p_values
-    assert not same.drift and same.p_values["mmd_embeddings"] > 0.05
+    p_same = same.p_values["mmd_embeddings"]
+    assert not same.drift and p_same is not None and p_same > 0.05
     # The features moved (a new kind of image) while the class probabilities look the same.
     moved = rng.normal(size=(300, 8))
     moved[:, 0] += 0.6
     w = judge(ref, _window(rng, ref, moved), thin=1)
     assert w.drift and w.flagged == ("mmd_embeddings",), w
-    assert w.p_values["mmd_embeddings"] < 0.01 and w.p_values["ks_bbsd"] > 0.05
+    mmd, ks = w.p_values["mmd_embeddings"], w.p_values["ks_bbsd"]
+    assert mmd is not None and ks is not None and mmd < 0.01 and ks > 0.05
     # Records without embeddings (an export from before the embedding output): MMD on outputs.
     old = judge(ref, _window(rng, ref, None), thin=1)
     assert "mmd_outputs" in old.p_values and "mmd_embeddings" not in old.p_values
