@@ -41,15 +41,15 @@ MAX_SPEC_BYTES = 1 * 2**20
 
 def read_saved_spec(path: Path) -> Any:
     """The YAML document of a train spec saved beside a model, read as untrusted: never waits
-    on a FIFO (open_regular), at most MAX_SPEC_BYTES, no aliases (a billion-laughs file), and
+    on a FIFO (read_capped), at most MAX_SPEC_BYTES, no aliases (a billion-laughs file), and
     bytes that are not UTF-8 are an error. Raises OSError, ValueError or yaml.YAMLError."""
-    from visionloop.core.fsutil import open_regular
+    from visionloop.core.fsutil import TooLargeError, read_capped
     from visionloop.core.safeyaml import load_untrusted
 
-    with open_regular(path) as f:
-        data = f.read(MAX_SPEC_BYTES + 1)
-    if len(data) > MAX_SPEC_BYTES:
-        raise ValueError(f"{path} is over {MAX_SPEC_BYTES // 2**20} MiB")
+    try:
+        data = read_capped(path, MAX_SPEC_BYTES, what="a saved train spec")
+    except TooLargeError as e:
+        raise ValueError(f"{path} is over {MAX_SPEC_BYTES // 2**20} MiB") from e
     return load_untrusted(data.decode("utf-8"))
 
 

@@ -65,9 +65,21 @@ def _meter(device: str, *, torch_allocator: bool) -> PeakMeter:
 class TorchRunner:
     """Eager PyTorch from the card and final weights, in eval mode under inference_mode: the
     module the task exports (`task.export_module(task.load_model(card, weights))`), so its
-    outputs line up one for one with the ONNX model's."""
+    outputs line up one for one with the ONNX model's.
 
-    def __init__(self, card: ModelCard, weights: Path, *, precision: str, device: str) -> None:
+    `weights` is a file, safetensors bytes, or a function that reads them (a registered
+    version's `verified_weights_bytes`), called once the memory baseline is taken: the bytes it
+    reads and frees count as the model's load, as a file's read does; bytes read before the
+    baseline and freed after would hide the model's own memory from the measurement."""
+
+    def __init__(
+        self,
+        card: ModelCard,
+        weights: Path | bytes | Callable[[], bytes],
+        *,
+        precision: str,
+        device: str,
+    ) -> None:
         import torch
 
         if precision == "int8":
@@ -80,7 +92,9 @@ class TorchRunner:
         from visionloop.tasks import get_task
 
         task = get_task(card.task)
-        model = task.export_module(task.load_model(card, weights)).eval().to(self.device, self.dtype)
+        source = weights() if callable(weights) else weights
+        model = task.export_module(task.load_model(card, source)).eval().to(self.device, self.dtype)
+        del source
         self.model = model
         self.provider = "torch-cuda" if device == "cuda" else "torch-cpu"
 

@@ -124,10 +124,12 @@ def _make_runner(
             torch.set_num_threads(settings.threads)
         # A registered version's weights are checked against the sha256 recorded at
         # registration (`verify_weights`: RegistryError, a "failed" row naming the file), as
-        # export checks them: the row is reported under the version's name. A bare folder (a
-        # run directory) has no registration to check against; its weights are what it holds.
-        weights = target.verify_weights() if target.verify_weights is not None else target.weights
-        return TorchRunner(target.card, weights, precision=precision, device=device), weights
+        # export checks them: the row is reported under the version's name. The runner loads
+        # the checked bytes, never the path, which could be swapped after the check; it reads
+        # them itself, after its memory baseline. A bare folder (a run directory) has no
+        # registration to check against; its weights are what it holds.
+        weights = target.verify_weights if target.verify_weights is not None else target.weights
+        return TorchRunner(target.card, weights, precision=precision, device=device), target.weights
     entry = target.onnx.get(precision, f"no onnx {precision} export")
     if isinstance(entry, str):
         raise SkippedError(entry)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from visionloop.bench.evalset import dataset_from_spec
 from visionloop.bench.result import PRECISIONS, BenchError
-from visionloop.registry.export_record import ExportReport, read_export_report
+from visionloop.registry.export_record import ExportReport, passing_export, read_export_report
 from visionloop.registry.layout import CARD_FILE, EXPORT_REPORT_FILE, ONNX_FILE, WEIGHTS_FILE, export_dir
 
 if TYPE_CHECKING:
@@ -32,9 +32,10 @@ class BenchTarget:
     dataset: Path | None = None
     name: str | None = None
     version: int | None = None
-    # A registered version's `verified_weights`: the weights, checked against the sha256
-    # recorded at registration (raises RegistryError for a changed file). None for a folder.
-    verify_weights: Callable[[], Path] | None = None
+    # A registered version's `verified_weights_bytes`: the weights' bytes, read once and checked
+    # against the sha256 recorded at registration (raises RegistryError for a changed file),
+    # which are what the pytorch runner loads. None for a folder.
+    verify_weights: Callable[[], bytes] | None = None
 
 
 def _reason(report: ExportReport | None, precision: str, hint: str) -> str | None:
@@ -48,17 +49,28 @@ def _reason(report: ExportReport | None, precision: str, hint: str) -> str | Non
 
 
 def onnx_exports(model_dir: Path, export_hint: str) -> dict[str, Path | str]:
-    """Each precision's ONNX file under `model_dir/exports/`, or why it cannot be used."""
+    """Each precision's ONNX file under `model_dir/exports/`, or why it cannot be used.
+
+    An export is usable by the registry's own rule (`passing_export`: its report passed and
+    the file has the size the gate measured), for a registered version and a bare folder alike;
+    the bytes are checked against the report's sha256 when they are loaded to run
+    (`read_passing_export`)."""
     found: dict[str, Path | str] = {}
     for precision in PRECISIONS:
         folder = export_dir(model_dir, "onnx", precision)
         hint = f"{export_hint} --precision {precision}"
-        model = folder / ONNX_FILE
-        if not model.is_file():
+        passed = passing_export(folder)
+        if passed is not None:
+            found[precision] = passed
+            continue
+        report = read_export_report(folder / EXPORT_REPORT_FILE)
+        if report is None and not (folder / ONNX_FILE).is_file():
             found[precision] = f"no onnx {precision} export; make one with `{hint}`"
             continue
-        reason = _reason(read_export_report(folder / EXPORT_REPORT_FILE), precision, hint)
-        found[precision] = model if reason is None else reason
+        found[precision] = _reason(report, precision, hint) or (
+            f"onnx {precision} export's {ONNX_FILE} is missing or changed since its gate passed; "
+            f"re-export it (`{hint}`)"
+        )
     return found
 
 
@@ -91,25 +103,12 @@ def _lineage_dataset(info: Any) -> Path | None:
 
 
 def target_from_version(info: Any, *, dataset: Path | None = None) -> BenchTarget:
-    """A registered version (`visionloop.registry.ModelVersionInfo`). Exports come from
-    `info.export_path`, which only returns an export that passed its gate; for the others the
-    folder says why (missing, or the failed report)."""
+    """A registered version (`visionloop.registry.ModelVersionInfo`). Its exports are found
+    as a folder's are (`onnx_exports`: only an export that passed its gate, by the registry's
+    `passing_export`, which `info.export_path` applies too); for the others it says why
+    (missing, the failed report, a file changed since)."""
     ref = f"{info.name}/{info.version}"
-    exports: dict[str, Path | str] = {}
-    for precision in PRECISIONS:
-        path = info.export_path("onnx", precision)
-        if path is not None:
-            exports[precision] = Path(path)
-            continue
-        hint = f"visionloop export {ref} --precision {precision}"
-        report = info.export_report("onnx", precision)
-        if report is None:
-            exports[precision] = f"no onnx {precision} export; make one with `{hint}`"
-        else:
-            exports[precision] = _reason(report, precision, hint) or (
-                f"onnx {precision} export's {ONNX_FILE} is missing or changed since its gate passed; "
-                f"re-export it (`{hint}`)"
-            )
+    exports = onnx_exports(Path(info.dir), f"visionloop export {ref}")
     weights = Path(info.dir) / WEIGHTS_FILE
     return BenchTarget(
         label=ref,
@@ -119,7 +118,7 @@ def target_from_version(info: Any, *, dataset: Path | None = None) -> BenchTarge
         dataset=dataset or _lineage_dataset(info) or dataset_from_spec(Path(info.dir)),
         name=info.name,
         version=info.version,
-        verify_weights=info.verified_weights,
+        verify_weights=info.verified_weights_bytes,
     )
 
 

@@ -47,10 +47,10 @@ def evaluate_model(
     check_options(options)
     info = ref if isinstance(ref, ModelVersionInfo) else get_version(ref, settings)
     card = info.card()
-    # verified_weights, before any image is read: the file must be the one registered, or the
-    # report (and the temperature the server applies) would be filed under this version for
-    # other weights.
-    weights = info.verified_weights()
+    # verified_weights_bytes, before any image is read: the weights must be the ones registered,
+    # or the report (and the temperature the server applies) would be filed under this version
+    # for other weights. The model is built from these checked bytes, not the file read again.
+    weights = info.verified_weights_bytes()
     task = get_task(card.task)
     path, manifest = dataset_for(info, options.dataset)
     split, reader = split_reader(path, manifest, options.split)

@@ -40,8 +40,7 @@ from visionloop.export.report import (
     Precision,
 )
 from visionloop.registry import ModelRef, ModelVersionInfo, get_version, record_export
-from visionloop.registry.api import passing_export
-from visionloop.registry.export_record import write_export_report_text
+from visionloop.registry.export_record import passing_export, write_export_report_text
 from visionloop.registry.files import model_lock
 from visionloop.registry.history import now_iso
 from visionloop.registry.layout import EXPORT_REPORT_FILE, FAILED_EXPORT_REPORT_FILE, ONNX_FILE, export_dir
@@ -106,9 +105,10 @@ def export_model(
     split, reader = ds.eval_split()
     positions = list(range(len(reader) if max_samples is None else min(max_samples, len(reader))))
     task = ds.task
-    # verified_weights: the file must be the one registered, or the export would carry this
-    # version's name and weights_sha256 metadata for other weights.
-    model = task.export_module(task.load_model(card, info.verified_weights())).eval()
+    # verified_weights_bytes: the weights must be the ones registered, or the export would carry
+    # this version's name and weights_sha256 metadata for other weights; the model is built from
+    # the bytes that were checked, not from the file opened again.
+    model = task.export_module(task.load_model(card, info.verified_weights_bytes())).eval()
     # The task's parity limits for this precision (DEFAULT_PARITY holds a classifier's).
     default_diff, default_agree = task.parity_limits.get(
         precision, (DEFAULT_PARITY[precision].max_abs_diff, DEFAULT_PARITY[precision].min_top1_agreement)

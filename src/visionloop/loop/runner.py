@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from visionloop.core.errors import DataError, VisionloopError
-from visionloop.core.fsutil import link_or_copy
+from visionloop.core.fsutil import atomic_write_bytes
 from visionloop.core.settings import Settings
 from visionloop.loop.spec import LoopSpec
 from visionloop.loop.state import (
@@ -308,7 +308,7 @@ class _Steps:
 
     def _job(self) -> dict[str, Any]:
         """The round's job: the loop's train spec on the round's dataset, warm-started from the
-        champion's weights (linked where queue jobs may read them)."""
+        champion's weights (copied where queue jobs may read them)."""
         from visionloop.registry import CHAMPION, aliases, get_version
 
         doc = self.spec.train.model_dump(mode="json")
@@ -319,10 +319,12 @@ class _Steps:
             weights = self.settings.weights_dir / f"{self.spec.name}-round-{self.rnd.number}.safetensors"
             weights.parent.mkdir(parents=True, exist_ok=True)
             if not weights.exists():
-                # verified_weights: the round warm-starts from the champion's registered weights,
-                # not from whatever file replaced them (a link made by an earlier attempt of this
-                # round was checked when it was made).
-                link_or_copy(info.verified_weights(), weights)
+                # verified_weights_bytes: the round warm-starts from the champion's registered
+                # weights, not from whatever file replaced them. The copy is written from the
+                # bytes that were checked (a link, or a copy of the path, would be made after the
+                # check, from a file that could be swapped meanwhile), atomically: a file an
+                # earlier attempt of this round left is whole and was checked when it was made.
+                atomic_write_bytes(weights, info.verified_weights_bytes())
             doc["model"]["pretrained"] = str(weights)
             if doc["data"].get("normalize", "auto") == "auto":
                 # Keep the champion's normalisation: "auto" would switch to ImageNet's with weights.

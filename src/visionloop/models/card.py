@@ -333,8 +333,9 @@ class ModelCard(BaseModel):
     def eval_preprocess(self) -> EvalPreprocess:
         return eval_preprocess(self.defaults, self.alpha_background, self.resize)
 
-    def create_model(self, weights: Path | None = None) -> nn.Module:
-        """The architecture this card describes, with `weights` (a state dict file) loaded."""
+    def create_model(self, weights: Path | bytes | None = None) -> nn.Module:
+        """The architecture this card describes, with `weights` (a state dict file, or
+        safetensors bytes) loaded."""
         return registry.create_model(self.arch, self.num_classes, pretrained=weights, **self.model_kwargs)
 
     # ----------------------------------------------------------------- files

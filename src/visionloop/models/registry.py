@@ -121,10 +121,13 @@ def model_defaults(name: str) -> ModelDefaults:
     return d if isinstance(d, ModelDefaults) else d()
 
 
-def create_model(name: str, num_classes: int, *, pretrained: Path | None = None, **kwargs: Any) -> nn.Module:
+def create_model(
+    name: str, num_classes: int, *, pretrained: Path | bytes | None = None, **kwargs: Any
+) -> nn.Module:
     """Build `name` with a `num_classes`-way head; optionally load local weights.
 
-    `pretrained` is a `.safetensors`, `.pt` or `.pth` file (a state dict). When its head was
+    `pretrained` is a `.safetensors`, `.pt` or `.pth` file (a state dict), or safetensors
+    bytes already read (a registered version's checked weights). When its head was
     trained for a different number of classes, the head keeps its fresh initialisation and
     everything else is loaded; any other disagreement is an error that names the keys.
     """
@@ -147,7 +150,7 @@ def create_model(name: str, num_classes: int, *, pretrained: Path | None = None,
     if pretrained is not None:
         from visionloop.models.weights import load_pretrained
 
-        load_pretrained(model, Path(pretrained))
+        load_pretrained(model, pretrained if isinstance(pretrained, bytes) else Path(pretrained))
     return model
 
 

@@ -1,5 +1,9 @@
 """Model weights on disk: safetensors out; safetensors or weights-only `.pt`/`.pth` in.
 
+Loaders also take safetensors as bytes already in memory: a registered version's weights are
+read once, checked against the sha256 recorded at registration, and those very bytes are loaded
+(`registry.ModelVersionInfo.verified_weights_bytes`), never the path again.
+
 Nothing here unpickles arbitrary objects: `.pt` files are read with
 `torch.load(weights_only=True)`, so a file can carry tensors and plain containers but never
 code. Keys are normalised on both sides — the `module.` prefix of DDP and the `_orig_mod.`
@@ -23,7 +27,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from visionloop.core.errors import CheckpointError
-from visionloop.core.fsutil import atomic_write_bytes
+from visionloop.core.fsutil import TooLargeError, atomic_write_bytes, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,12 @@ TORCH_SUFFIXES = (".pt", ".pth")
 # Containers that training scripts commonly wrap a state dict in.
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict")
 _SHOW = 5  # keys named in an error message, per kind
+# The most bytes of safetensors read into memory at once (a weights file, a registered
+# version's weights). The largest architecture visionloop builds, torchvision's regnet_y_128gf
+# (ViT-H/14 is close), is about 645M parameters: 2.6 GB in fp32. 16 GiB is six times that, room
+# for a larger custom model, while a file past it is not a model this platform trains: loading
+# holds the bytes and the tensors made from them (twice the file) in memory at once.
+MAX_WEIGHTS_BYTES = 16 * 2**30
 
 
 class WeightsError(CheckpointError):
@@ -112,14 +122,18 @@ def save_weights(
     return path
 
 
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Read a state dict from `.safetensors`, or from a weights-only `.pt`/`.pth` file.
+def load_weights(source: Path | bytes) -> dict[str, torch.Tensor]:
+    """Read a state dict from `.safetensors`, or from a weights-only `.pt`/`.pth` file; or from
+    safetensors bytes already read (bytes are always safetensors).
 
     A `.pt` may hold the state dict itself or wrap it as `{"state_dict": ...}`,
     `{"model": ...}` or `{"model_state_dict": ...}` (extra entries such as an optimizer are
     ignored). Wrapper prefixes (`module.`, `_orig_mod.`) are stripped from the keys.
     """
-    path = Path(path)
+    if isinstance(source, bytes):
+        what = describe_weights(source)
+        return strip_wrapper_prefixes(_unwrap(_safetensors(source, what), what))
+    path = Path(source)
     if not path.is_file():
         raise WeightsError(
             f"weights file {path} does not exist; "
@@ -128,11 +142,14 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     suffix = path.suffix.lower()
     if suffix == SAFETENSORS_SUFFIX:
         try:
-            raw: Any = st_load(path.read_bytes())
-        except (SafetensorError, OSError) as e:
+            # read_capped: a FIFO put in its place after the is_file() above is refused, not
+            # waited on; a file past MAX_WEIGHTS_BYTES is refused before it fills the memory.
+            data = read_capped(path, MAX_WEIGHTS_BYTES, what="a weights file")
+        except (OSError, TooLargeError) as e:
             raise WeightsError(
                 f"{path} is not a readable safetensors file ({e}); is it truncated? Re-export it."
             ) from e
+        raw: Any = _safetensors(data, str(path))
     elif suffix in TORCH_SUFFIXES:
         raw = _torch_load(path)
     else:
@@ -140,7 +157,24 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
             f"{path.name}: unsupported weights format {suffix or '(no suffix)'}; "
             f"use {SAFETENSORS_SUFFIX} (preferred), .pt or .pth."
         )
-    return strip_wrapper_prefixes(_unwrap(raw, path))
+    return strip_wrapper_prefixes(_unwrap(raw, str(path)))
+
+
+def describe_weights(source: Path | bytes) -> str:
+    """How messages name weights: the file's path, or what the bytes are (never the bytes)."""
+    if isinstance(source, bytes):
+        return f"the safetensors weights given as bytes ({len(source)} bytes)"
+    return str(source)
+
+
+def _safetensors(data: bytes, what: str) -> dict[str, torch.Tensor]:
+    try:
+        raw: dict[str, torch.Tensor] = st_load(data)
+    except SafetensorError as e:
+        raise WeightsError(
+            f"{what} is not a readable safetensors file ({e}); is it truncated? Re-export it."
+        ) from e
+    return raw
 
 
 def _torch_load(path: Path) -> Any:
@@ -165,7 +199,7 @@ def _is_state_dict(obj: Any) -> bool:
     return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
 
 
-def _unwrap(raw: Any, path: Path) -> Mapping[str, torch.Tensor]:
+def _unwrap(raw: Any, what: str) -> Mapping[str, torch.Tensor]:
     if _is_state_dict(raw):
         return dict(raw)
     if isinstance(raw, Mapping):
@@ -174,10 +208,10 @@ def _unwrap(raw: Any, path: Path) -> Mapping[str, torch.Tensor]:
                 return dict(raw[key])
         shown = {str(k): type(v).__name__ for k, v in list(raw.items())[:8]}
         raise WeightsError(
-            f"{path} holds a dict without a state dict in it (top-level entries: {shown}). "
+            f"{what} holds a dict without a state dict in it (top-level entries: {shown}). "
             f"Expected tensors by parameter name, or one of them under {list(_WRAPPER_KEYS)}."
         )
-    raise WeightsError(f"{path} holds a {type(raw).__name__}, not a state dict of tensors.")
+    raise WeightsError(f"{what} holds a {type(raw).__name__}, not a state dict of tensors.")
 
 
 # --------------------------------------------------------------------------- pretrained
@@ -185,15 +219,16 @@ def _unwrap(raw: Any, path: Path) -> Mapping[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What `load_pretrained` did: loaded keys, and head keys kept at their fresh init."""
+    """What `load_pretrained` did: loaded keys, and head keys kept at their fresh init.
+    `path` is None for weights given as bytes."""
 
-    path: Path
+    path: Path | None
     loaded: tuple[str, ...]
     skipped: tuple[str, ...]
     head: str | None
 
     def summary(self) -> str:
-        text = f"loaded {len(self.loaded)} tensors from {self.path}"
+        text = f"loaded {len(self.loaded)} tensors from {self.path or 'the weights given as bytes'}"
         if self.skipped:
             text += f"; kept the new classifier head ({', '.join(self.skipped)})"
         return text
@@ -212,16 +247,17 @@ def find_classifier(model: nn.Module) -> str | None:
     return last
 
 
-def load_pretrained(model: nn.Module, path: Path, *, head: str | None = None) -> LoadReport:
-    """Load a local weights file into `model`, tolerating only a differently sized head.
+def load_pretrained(model: nn.Module, weights: Path | bytes, *, head: str | None = None) -> LoadReport:
+    """Load a local weights file (or safetensors bytes) into `model`, tolerating only a
+    differently sized head.
 
     Tensors of the classifier head (`head`, default `find_classifier(model)`) whose shapes
     differ from the file — a file trained for another number of classes — or that the file
     lacks are skipped and keep their initialisation. Any other missing, unexpected or
     mismatched key is an error, and then nothing is loaded.
     """
-    path = Path(path)
-    file_sd = load_weights(path)
+    path = None if isinstance(weights, bytes) else Path(weights)
+    file_sd = load_weights(weights if path is None else path)
     model_sd = model.state_dict()
     head = head if head is not None else find_classifier(model)
 
@@ -237,7 +273,9 @@ def load_pretrained(model: nn.Module, path: Path, *, head: str | None = None) ->
     bad_mismatched = [k for k in mismatched if not in_head(k)]
     if unexpected or bad_missing or bad_mismatched:
         raise WeightsError(
-            _explain_misfit(model, path, file_sd, model_sd, unexpected, bad_missing, bad_mismatched)
+            _explain_misfit(
+                model, describe_weights(weights), file_sd, model_sd, unexpected, bad_missing, bad_mismatched
+            )
         )
 
     to_load = {k: v for k, v in file_sd.items() if k not in mismatched}
@@ -255,7 +293,7 @@ def load_pretrained(model: nn.Module, path: Path, *, head: str | None = None) ->
 
 def _explain_misfit(
     model: nn.Module,
-    path: Path,
+    what: str,
     file_sd: Mapping[str, torch.Tensor],
     model_sd: Mapping[str, torch.Tensor],
     unexpected: list[str],
@@ -273,7 +311,7 @@ def _explain_misfit(
         ]
         parts.append(f"{len(mismatched)} with other shapes [{'; '.join(shapes[:_SHOW])}]")
     return (
-        f"{path} does not fit this {type(model).__name__}: {', '.join(parts)}. "
+        f"{what} does not fit this {type(model).__name__}: {', '.join(parts)}. "
         f"Likely cause: {_likely_cause(model_sd, unexpected, missing)} "
         "Nothing was loaded."
     )

@@ -9,6 +9,7 @@ renderings of these functions.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -16,19 +17,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from visionloop.core.errors import NotFoundError, VisionloopError
-from visionloop.core.fsutil import atomic_write_json
+from visionloop.core.fsutil import TooLargeError, atomic_write_json, read_capped
 from visionloop.core.settings import Settings, load_settings
 from visionloop.models.card import ModelCard
 from visionloop.registry import files, history, runsource
 from visionloop.registry import store as rstore
 from visionloop.registry.export_record import ExportReport, read_export_report
+from visionloop.registry.export_record import (
+    passing_export as passing_export,  # re-exported: it lived here before it moved beside the record
+)
 from visionloop.registry.layout import (
     ALIAS_HISTORY_FILE,
     CARD_FILE,
     EXPORT_REPORT_FILE,
     FAILED_EXPORT_REPORT_FILE,
     LINEAGE_FILE,
-    ONNX_FILE,
     WEIGHTS_FILE,
     ModelRef,
     check_alias,
@@ -76,27 +79,35 @@ class ModelVersionInfo:
     def weights(self) -> Path:
         return self.dir / WEIGHTS_FILE
 
-    def verified_weights(self) -> Path:
-        """The weights file, checked against the sha256 recorded at registration: a file
-        replaced by hand (another run's weights, a link, a folder) would otherwise be
-        exported under this version's name and lineage."""
+    def verified_weights_bytes(self) -> bytes:
+        """The weights' bytes, read once and checked against the sha256 recorded at
+        registration: a file replaced by hand (another run's weights, a link, a folder) would
+        otherwise be exported, evaluated or benchmarked under this version's name and lineage.
+
+        These bytes are what is loaded (`task.load_model(card, data)`): checking the file and
+        then handing a loader its path would leave a window between the check and the loader's
+        own read in which the file could be swapped. The read is bounded (MAX_WEIGHTS_BYTES, see
+        models.weights) and never waits on a FIFO put in the file's place."""
+        from visionloop.models.weights import MAX_WEIGHTS_BYTES
+
         path = self.weights
         again = (
             f"Restore it, or register the run again (`visionloop models register RUN --name {self.name}`)."
         )
         try:
-            sha = files.sha256_file(path)
+            data = read_capped(path, MAX_WEIGHTS_BYTES, what="a model's weights")
         except FileNotFoundError as e:
             raise RegistryError(f"{path} is missing: {self.ref} has no weights. {again}") from e
-        except OSError as e:
+        except (OSError, TooLargeError) as e:
             raise RegistryError(f"{self.ref}'s weights cannot be read: {e}. {again}") from e
+        sha = hashlib.sha256(data).hexdigest()
         registered = self.tags.get(rstore.WEIGHTS_SHA_TAG)
         if registered and sha != registered:
             raise RegistryError(
                 f"{path} is not the file registered as {self.ref} (sha256 {sha[:16]}..., registered "
                 f"{registered[:16]}...): it was changed or replaced after registration. {again}"
             )
-        return path
+        return data
 
     def lineage(self) -> dict[str, Any]:
         """lineage.json; {} when it is missing or unusable (readers show '-' for its fields).
@@ -136,26 +147,6 @@ class ModelVersionInfo:
                 if report is not None:
                     out[sub.name] = report
         return out
-
-
-def passing_export(folder: Path) -> Path | None:
-    """The model file of the export in `folder` if its report says it passed its gate and the
-    file has the size the gate measured; else None.
-
-    Cheap on purpose: `models show`, `models list`, bench's target and the server's resolver
-    ask it for every version and precision, and hashing a 45 MB file each time is not
-    acceptable. The size catches a truncated or half-copied file; a file replaced by another of
-    the same size is caught where its bytes are loaded to run (`read_passing_export`), which is
-    also the only place the check can be made without a window between check and use."""
-    report = read_export_report(folder / EXPORT_REPORT_FILE)
-    if report is None or not report.passed:
-        return None
-    model = folder / ONNX_FILE
-    try:
-        size = model.stat().st_size
-    except OSError:
-        return None
-    return model if report.size_bytes == size else None
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,13 @@ bytes once, checked against the sha256 the report recorded, handed to ONNX Runti
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from visionloop.core.errors import VisionloopError
-from visionloop.core.fsutil import NotRegularFileError, open_regular
+from visionloop.core.fsutil import NotRegularFileError, TooLargeError, read_capped
 from visionloop.registry.layout import EXPORT_REPORT_FILE, ONNX_FILE
 
 # A report is about 1 kB.
@@ -102,15 +101,33 @@ class ExportReport(BaseModel):
 def read_export_report(path: Path) -> ExportReport | None:
     """The record at `path`; None when it is missing, unreadable or not a valid record."""
     try:
-        # open_regular and a cap: a FIFO as export.json used to hang `models show`, the server
-        # and bench, all of which ask whether an export passed.
-        with open_regular(path) as f:
-            data = f.read(MAX_REPORT_BYTES + 1)
-        if len(data) > MAX_REPORT_BYTES:
-            return None
+        # read_capped: a FIFO as export.json used to hang `models show`, the server and bench,
+        # all of which ask whether an export passed.
+        data = read_capped(path, MAX_REPORT_BYTES, what="an export report")
         return ExportReport.model_validate_json(data)
-    except (OSError, ValidationError):
+    except (OSError, TooLargeError, ValidationError):
         return None
+
+
+def passing_export(folder: Path) -> Path | None:
+    """The model file of the export in `folder` if its report says it passed its gate and the
+    file has the size the gate measured; else None.
+
+    Cheap on purpose: `models show`, `models list`, bench's targets (a registered version or
+    a bare folder) and the server's resolver ask it for every version and precision, and
+    hashing a 45 MB file each time is not acceptable. The size catches a truncated or
+    half-copied file; a file replaced by another of the same size is caught where its bytes are
+    loaded to run (`read_passing_export`), which is also the only place the check can be made
+    without a window between check and use."""
+    report = read_export_report(folder / EXPORT_REPORT_FILE)
+    if report is None or not report.passed:
+        return None
+    model = folder / ONNX_FILE
+    try:
+        size = model.stat().st_size
+    except OSError:
+        return None
+    return model if report.size_bytes == size else None
 
 
 def write_export_report_text(report: ExportReport) -> str:
@@ -176,23 +193,20 @@ def read_passing_export(folder: Path, *, ref: str | None = None) -> bytes:
 
 
 def _read_onnx(model: Path, again: str) -> bytes:
-    """The file's bytes, at most MAX_ONNX_BYTES; open_regular: a FIFO, device or folder in its
+    """The file's bytes, at most MAX_ONNX_BYTES; read_capped: a FIFO, device or folder in its
     place is refused, not waited on or read for ever."""
     try:
-        with open_regular(model) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_ONNX_BYTES:
-                raise UnservableExportError(
-                    f"{model} is {size / 2**30:.1f} GiB, more than the {MAX_ONNX_BYTES // 2**30} GiB an "
-                    f"ONNX file can hold. {again}"
-                )
-            data = f.read(MAX_ONNX_BYTES + 1)
+        return read_capped(model, MAX_ONNX_BYTES, what="an ONNX model")
     except FileNotFoundError as e:
         raise UnservableExportError(f"{model} is missing. {again}") from e
     except NotRegularFileError as e:
         raise UnservableExportError(f"{e}. {again}") from e  # "<path> is a FIFO (named pipe), not a ..."
     except OSError as e:
         raise UnservableExportError(f"{model} cannot be read: {e.strerror or e}. {again}") from e
-    if len(data) > MAX_ONNX_BYTES:  # it grew since the fstat
-        raise UnservableExportError(f"{model} is over {MAX_ONNX_BYTES // 2**30} GiB. {again}")
-    return data
+    except TooLargeError as e:
+        if e.size is None:  # it grew since its size was read
+            raise UnservableExportError(f"{model} is over {MAX_ONNX_BYTES // 2**30} GiB. {again}") from e
+        raise UnservableExportError(
+            f"{model} is {e.size / 2**30:.1f} GiB, more than the {MAX_ONNX_BYTES // 2**30} GiB an "
+            f"ONNX file can hold. {again}"
+        ) from e

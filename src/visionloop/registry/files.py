@@ -14,7 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from visionloop.core.fsutil import UMASK, NotRegularFileError, fsync_dir, open_regular
+from visionloop.core.fsutil import (
+    UMASK,
+    NotRegularFileError,
+    TooLargeError,
+    fsync_dir,
+    open_regular,
+    read_capped,
+)
 
 _CHUNK = 1 << 20
 # Ceilings for the small JSON files beside a version (lineage, alias history, export and eval
@@ -36,16 +43,17 @@ def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
     4300-digit limit, nesting too deep to parse (RecursionError).
     """
     try:
-        with open_regular(path) as f:
-            data = f.read(max_bytes + 1)
+        data = read_capped(path, max_bytes, what="a registry JSON file")
     except FileNotFoundError:
         raise
     except NotRegularFileError as e:
         raise UnreadableFileError(str(e)) from e  # "<path> is a FIFO (named pipe), not a ..."
     except OSError as e:
         raise UnreadableFileError(f"{path}: {e.strerror or e}") from e
-    if len(data) > max_bytes:
-        raise UnreadableFileError(f"{path} is over {max_bytes // 2**20} MiB, far more than it should hold")
+    except TooLargeError as e:
+        raise UnreadableFileError(
+            f"{path} is over {max_bytes // 2**20} MiB, far more than it should hold"
+        ) from e
     try:
         return json.loads(data.decode("utf-8"))
     except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, a 5000-digit number

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from visionloop.core.errors import NotFoundError, VisionloopError
-from visionloop.core.fsutil import open_regular
+from visionloop.core.fsutil import TooLargeError, open_regular, read_capped
 from visionloop.core.safeyaml import load_untrusted
 from visionloop.core.settings import Settings
 from visionloop.models.card import ModelCard
@@ -164,16 +164,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     """spec.resolved.yaml, read like every user YAML (size limit, no aliases: core.safeyaml);
     {} when there is none."""
     try:
-        with open_regular(path) as f:
-            data = f.read(MAX_SPEC_BYTES + 1)
-        if len(data) > MAX_SPEC_BYTES:
-            raise RunFolderError(
-                f"{path} is over {MAX_SPEC_BYTES // 2**20} MiB, far more than a spec holds. "
-                "Restore the run's spec.resolved.yaml, then register again."
-            )
-        raw = load_untrusted(data.decode("utf-8"))
+        raw = load_untrusted(read_capped(path, MAX_SPEC_BYTES, what="a spec").decode("utf-8"))
     except FileNotFoundError:
         return {}
+    except TooLargeError as e:
+        raise RunFolderError(
+            f"{path} is over {MAX_SPEC_BYTES // 2**20} MiB, far more than a spec holds. "
+            "Restore the run's spec.resolved.yaml, then register again."
+        ) from e
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise RunFolderError(
             f"{path} cannot be read as the run's resolved spec ({e}). Restore it, or move it aside "

@@ -400,7 +400,7 @@ class Task(ABC):
         arch: str,
         class_names: Sequence[str],
         *,
-        pretrained: Path | None = None,
+        pretrained: Path | bytes | None = None,
         kwargs: Mapping[str, Any],
         image_size: int | None = None,
         pretrained_backbone: Path | None = None,
@@ -408,12 +408,15 @@ class Task(ABC):
         """The registered architecture `arch` with this task's head for `class_names`.
         `image_size` is the side of the square images it will see (`data.image_size`, the card's
         input size): a detector sizes its anchors or heatmap from it; a classifier may ignore it.
-        `pretrained` is a whole model's weights, `pretrained_backbone` a backbone's (a task
-        without a separate backbone refuses it)."""
+        `pretrained` is a whole model's weights (a file, or safetensors bytes already read),
+        `pretrained_backbone` a backbone's file (a task without a separate backbone refuses it)."""
 
-    def load_model(self, card: ModelCard, weights: Path | None) -> nn.Module:
+    def load_model(self, card: ModelCard, weights: Path | bytes | None) -> nn.Module:
         """The model a card describes with its trained `weights` (a safetensors or
-        `weights_only` state dict file) loaded, in eval mode: what export and bench run."""
+        `weights_only` state dict file, or safetensors bytes) loaded, in eval mode: what export,
+        eval and bench run. A registered version's weights come as the bytes its sha256 was
+        checked on (`ModelVersionInfo.verified_weights_bytes`), so what is loaded is what was
+        checked; a path would be opened again, after the check."""
         model = self.build_model(
             card.arch,
             card.class_names,

@@ -111,7 +111,7 @@ class ClassificationTask(Task):
         arch: str,
         class_names: Sequence[str],
         *,
-        pretrained: Path | None = None,
+        pretrained: Path | bytes | None = None,
         kwargs: Mapping[str, Any],
         image_size: int | None = None,
         pretrained_backbone: Path | None = None,

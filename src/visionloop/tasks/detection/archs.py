@@ -223,7 +223,7 @@ def build_detector(
     num_classes: int,
     *,
     image_size: int,
-    pretrained: Path | None = None,
+    pretrained: Path | bytes | None = None,
     weights_backbone: Path | None = None,
     **kwargs: Any,
 ) -> nn.Module:
@@ -257,15 +257,16 @@ def build_detector(
     if weights_backbone is not None:
         load_backbone(model, arch, Path(weights_backbone))
     if pretrained is not None:
-        from visionloop.models.weights import load_pretrained
+        from visionloop.models.weights import describe_weights, load_pretrained
 
-        report = load_pretrained(model, Path(pretrained), head=entry.head)
+        weights = pretrained if isinstance(pretrained, bytes) else Path(pretrained)
+        report = load_pretrained(model, weights, head=entry.head)
         if report.skipped:
             log.warning(
                 "%s: %s was trained for another number of classes; loaded all but the class head (%s), "
                 "which starts fresh: fine-tuning",
                 arch,
-                pretrained,
+                describe_weights(weights),
                 ", ".join(report.skipped),
             )
     return model

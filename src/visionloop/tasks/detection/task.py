@@ -245,7 +245,7 @@ class DetectionTask(Task):
         arch: str,
         class_names: Sequence[str],
         *,
-        pretrained: Path | None = None,
+        pretrained: Path | bytes | None = None,
         kwargs: Mapping[str, Any],
         image_size: int | None = None,
         pretrained_backbone: Path | None = None,
