@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from _hangkit import in_thread
 from visionloop.models import WeightsError, create_model, load_weights, save_weights
-from visionloop.models.weights import strip_wrapper_prefixes
+from visionloop.models.weights import _torch_load, strip_wrapper_prefixes
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -124,3 +126,16 @@ def test_save_replaces_an_existing_file(tmp_path: Path) -> None:
     save_weights({"w": torch.zeros(2)}, path)
     save_weights({"w": torch.ones(2)}, path)
     assert torch.equal(load_weights(path)["w"], torch.ones(2))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", ["w.pt", "w.pth"])
+def test_a_fifo_in_place_of_torch_weights_is_refused_not_waited_on(tmp_path: Path, name: str) -> None:
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    # load_weights checks is_file() first; the reader under it must refuse a FIFO too, since a
+    # swap after that check puts one there (torch.load(path) waited on it for ever).
+    got = in_thread(lambda: load_weights(fifo))
+    assert isinstance(got, WeightsError) and "does not exist" in str(got)
+    got = in_thread(lambda: _torch_load(fifo))
+    assert isinstance(got, WeightsError) and "FIFO" in str(got), got

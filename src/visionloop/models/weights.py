@@ -13,6 +13,7 @@ a bare one.
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 from collections.abc import Mapping
@@ -178,8 +179,16 @@ def _safetensors(data: bytes, what: str) -> dict[str, torch.Tensor]:
 
 
 def _torch_load(path: Path) -> Any:
+    # Read through read_capped as safetensors are: torch.load(path) would wait for ever on a
+    # FIFO put in the file's place and read a file of any size.
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        data = read_capped(path, MAX_WEIGHTS_BYTES, what="a weights file")
+    except (OSError, TooLargeError) as e:
+        raise WeightsError(
+            f"{path} is not a readable PyTorch file ({e}); is it truncated? Re-export it."
+        ) from e
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # weights_only refuses any class it does not know: typically torch.save(model).
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
