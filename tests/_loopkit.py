@@ -17,9 +17,10 @@ from visionloop.api.client import Client
 from visionloop.core.settings import load_settings
 from visionloop.data.manifest import read_manifest
 from visionloop.data.shards import ShardReader
-from visionloop.loop import runner, state
-from visionloop.loop.runner import REPORT_SUFFIX, advance
+from visionloop.loop import runner, state, steps
+from visionloop.loop.runner import advance
 from visionloop.loop.spec import LoopSpec
+from visionloop.loop.triggers import REPORT_SUFFIX
 
 
 class Crash(BaseException):
@@ -72,7 +73,10 @@ def drive_through_crashes(
             raise Crash()
         real_save(home, st)
 
-    monkeypatch.setattr(runner, "save_state", flaky_save)
+    # Both modules that save the state: the pass (`runner`) and the steps (`steps`: a step
+    # saves mid-way, e.g. once its queue job is submitted).
+    for module in (runner, steps):
+        monkeypatch.setattr(module, "save_state", flaky_save)
     try:
         deadline = time.monotonic() + deadline_s
         while True:
@@ -85,4 +89,5 @@ def drive_through_crashes(
                 return result, crashed
             time.sleep(0.3)
     finally:
-        monkeypatch.setattr(runner, "save_state", real_save)
+        for module in (runner, steps):
+            monkeypatch.setattr(module, "save_state", real_save)

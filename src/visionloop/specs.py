@@ -2,36 +2,38 @@
 
 A YAML spec validates into `TrainSpec`; a bad field gets an error that names the field, the
 value given and a valid example (`load_train_spec`). Specs are saved verbatim with every run.
+
+The error messages are worded in `visionloop.spec_errors`; reading, overriding and
+path-resolving a spec file is in `visionloop.spec_files`.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from visionloop.core.errors import SpecError
-from visionloop.core.fsutil import NotRegularFileError, NotTextError, TooLargeError, read_capped_text
-from visionloop.core.safeyaml import load_untrusted
 from visionloop.core.strictbools import StrictBools
+
+# `format_validation_error`, `parse_yaml_mapping` and `read_spec_text` are re-exported (`X as X`):
+# `visionloop.serve.config` imports them from here.
+from visionloop.spec_errors import format_validation_error as format_validation_error
+from visionloop.spec_files import apply_overrides, resolve_paths
+from visionloop.spec_files import parse_yaml_mapping as parse_yaml_mapping
+from visionloop.spec_files import read_spec_text as read_spec_text
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
-# A spec is a few lines of YAML: a file past this is not one (or is an attack on the reader).
-MAX_SPEC_BYTES = 1024 * 1024
 # Seeds go to torch, numpy and Python's random, and are combined with step counts: the range
 # every one of them takes.
 MAX_SEED = 2**32 - 1
 # Past these a run never ends, and its step counts overflow the job store's 64-bit integers.
 MAX_EPOCHS = 100_000
 MAX_STEPS = 10**12
-# The train spec's path fields that may be relative to the spec file's folder.
-PATH_FIELDS = (("data", "dataset"), ("model", "pretrained"), ("model", "pretrained_backbone"))
 
 
 def _no_nul(v: Path | None) -> Path | None:
@@ -410,170 +412,11 @@ class JobSpec(JobFields):
         return self
 
 
-# --------------------------------------------------------------------------- loading
-
-
-def example_for(model: type[BaseModel], loc: Sequence[int | str]) -> Any:
-    """The `examples` of the field at `loc`, walking nested spec models."""
-    current: Any = model
-    example: Any = None
-    for part in loc:
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return example
-        field = current.model_fields.get(str(part))
-        if field is None:
-            return None
-        example = field.examples[0] if field.examples else None
-        # `BudgetSpec | None`: the section's own fields have the examples.
-        models = [a for a in (field.annotation, *get_args(field.annotation)) if _is_model(a)]
-        current = models[0] if models else None
-    return example
-
-
-def _is_model(obj: Any) -> bool:
-    return isinstance(obj, type) and issubclass(obj, BaseModel)
-
-
-def fields_at(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
-    current: Any = model
-    for part in loc:
-        field = current.model_fields.get(str(part)) if _is_model(current) else None
-        if field is None or not (
-            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        ):
-            return []
-        current = field.annotation
-    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
-
-
-def format_validation_error(e: ValidationError, model: type[BaseModel], source: str) -> str:
-    lines = [f"{source} is not a valid {model.__name__}:"]
-    for err in e.errors():
-        loc = list(err["loc"])
-        dotted = ".".join(str(p) for p in loc) or "(top level)"
-        value = err.get("input")
-        if err["type"] == "extra_forbidden":
-            known = fields_at(model, loc[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f" Did you mean `{close[0]}`?" if close else f" Known fields here: {', '.join(known)}."
-            lines.append(f"  - {dotted}: unknown field.{hint}")
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        shown = "missing" if err["type"] == "missing" else f"got {shown_value(value)}"
-        line = f"  - {dotted}: {msg} ({shown})."
-        names = [p for p in loc if isinstance(p, str)]
-        example = example_for(model, names)
-        if example is not None and names:  # `betas.0`: the example is the field's, betas
-            line += f" Example: {names[-1]}: {yaml_inline(example)}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-MAX_SHOWN_CHARS = 200
-
-
-def shown_value(value: Any) -> str:
-    """`repr(value)` for an error message, cut short: a 100 kB string or a list of thousands
-    given where a number goes is named, not printed whole."""
-    text = repr(value)
-    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}... ({len(text):,} characters)"
-
-
-def yaml_inline(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
-
-
-class NotASectionError(Exception):
-    """`set_dotted` met a value where the dotted path needs a section; `key` is that value's key."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def set_dotted(doc: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set `a.b.c` in a nested mapping, making missing sections; raises NotASectionError when a
-    key on the way holds a value. Each caller words the error for where the path came from
-    (`--set`, a tune space)."""
-    keys = dotted.split(".")
-    node = doc
-    for k in keys[:-1]:
-        child = node.get(k)
-        if child is None:
-            child = node[k] = {}
-        if not isinstance(child, dict):
-            raise NotASectionError(k)
-        node = child
-    node[keys[-1]] = value
-
-
-def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply `key.sub=value` overrides (values parsed as YAML scalars) to a spec document."""
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise SpecError(f"--set expects key=value, e.g. --set optimizer.lr=0.01; got {item!r}.")
-        try:
-            value = load_untrusted(raw) if raw.strip() else None
-        except yaml.YAMLError as e:
-            raise SpecError(f"--set {item!r}: the value is not valid YAML ({e}).") from e
-        dotted = key.strip()
-        try:
-            set_dotted(doc, dotted, value)
-        except NotASectionError as e:
-            field = dotted.rsplit(".", 1)[-1]
-            raise SpecError(
-                f"--set {dotted}: `{e.key}` is a value, not a section, so it has no field `{field}`."
-            ) from None
-    return doc
-
-
-def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
-    """The YAML mapping in `text`. Parsed safely (no tags that build objects) and without
-    aliases (`core.safeyaml`: nine aliases of nine stand for 9**9 values)."""
-    try:
-        doc = load_untrusted(text)
-    except yaml.YAMLError as e:
-        raise SpecError(f"{source} is not valid YAML: {e}") from e
-    if doc is None:
-        raise SpecError(f"{source} is empty. A minimal train spec:\n{MINIMAL_TRAIN_SPEC}")
-    if not isinstance(doc, dict):
-        raise SpecError(
-            f"{source} must be a mapping of fields, got a {type(doc).__name__}. "
-            f"Example:\n{MINIMAL_TRAIN_SPEC}"
-        )
-    return doc
-
-
 def validate_train_spec(doc: Mapping[str, Any], source: str = "the spec") -> TrainSpec:
     try:
         return TrainSpec.model_validate(doc)
     except ValidationError as e:
         raise SpecError(format_validation_error(e, TrainSpec, source)) from e
-
-
-def read_spec_text(path: Path, *, what: str = "train spec", example: str | None = None) -> str:
-    """The file's text, or a SpecError that says what is wrong with the file; a missing file
-    gets a minimal example of `what` it should hold (a train spec's by default). Only a
-    regular file of at most MAX_SPEC_BYTES of UTF-8 is read: a FIFO would block the reader
-    forever, /dev/zero never ends."""
-    try:
-        return read_capped_text(path, MAX_SPEC_BYTES, what=f"a {what}")
-    except FileNotFoundError:
-        example = MINIMAL_TRAIN_SPEC if example is None else example
-        raise SpecError(f"{what} file {path} does not exist. A minimal {what}:\n{example}") from None
-    except NotRegularFileError as e:
-        kind = (e.strerror or "is not a regular file").split(";")[0]
-        raise SpecError(f"{what} file {path} {kind}; give the path of a YAML file.") from None
-    except OSError as e:
-        raise SpecError(f"cannot read {what} file {path}: {e.strerror or e}") from e
-    except TooLargeError:
-        raise SpecError(
-            f"{what} file {path} is larger than {MAX_SPEC_BYTES // 1024} KiB; a {what} is a few lines of "
-            "YAML. Is it the right file?"
-        ) from None
-    except NotTextError as e:
-        raise SpecError(f"{what} file {e}") from None
 
 
 def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpec, dict[str, Any]]:
@@ -586,48 +429,3 @@ def load_train_spec(path: Path, overrides: Sequence[str] = ()) -> tuple[TrainSpe
     doc = apply_overrides(parse_yaml_mapping(read_spec_text(path), str(path)), overrides)
     spec = validate_train_spec(doc, str(path))
     return resolve_paths(spec, path.parent), doc
-
-
-def resolve_paths(spec: TrainSpec, base: Path) -> TrainSpec:
-    def fix(p: Path) -> Path:
-        p = p.expanduser()
-        return p if p.is_absolute() else (base / p).resolve()
-
-    sections: dict[str, BaseModel] = {}
-    for section, key in PATH_FIELDS:
-        part = sections.get(section, getattr(spec, section))
-        value = getattr(part, key)
-        if value is not None:
-            sections[section] = part.model_copy(update={key: fix(value)})
-    return spec.model_copy(update=sections)
-
-
-def spec_paths(spec: BaseModel, prefix: str = "") -> list[tuple[str, Path]]:
-    """Every file-system path a spec holds, as (dotted field name, path), found by walking its
-    fields (so a path field added later is included): what a queue job may read."""
-    found: list[tuple[str, Path]] = []
-    for name in type(spec).model_fields:
-        value = getattr(spec, name)
-        dotted = f"{prefix}{name}"
-        if isinstance(value, Path):
-            found.append((dotted, value))
-        elif isinstance(value, BaseModel):
-            found.extend(spec_paths(value, f"{dotted}."))
-        elif isinstance(value, list | tuple):
-            found.extend((f"{dotted}[{i}]", v) for i, v in enumerate(value) if isinstance(v, Path))
-    return found
-
-
-def spec_to_yaml(spec: TrainSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
-
-
-MINIMAL_TRAIN_SPEC = """\
-data:
-  dataset: path/to/dataset     # a folder made by `visionloop data ingest`
-  batch_size: 64
-  image_size: 224
-model:
-  arch: resnet18               # `visionloop archs` lists the choices
-epochs: 10
-"""

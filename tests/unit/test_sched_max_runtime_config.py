@@ -48,7 +48,7 @@ def test_no_max_runtime_is_none() -> None:
 )
 def test_a_bad_max_runtime_is_refused_naming_the_field(given: Any, why: str) -> None:
     from visionloop.core.errors import SpecError
-    from visionloop.specs import format_validation_error
+    from visionloop.spec_errors import format_validation_error
 
     with pytest.raises(ValueError) as e:
         JobSpec.model_validate({"train": TRAIN, "max_runtime": given})

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from visionloop.core.errors import SpecError
-from visionloop.specs import apply_overrides, load_train_spec, validate_train_spec
+from visionloop.spec_files import apply_overrides
+from visionloop.specs import load_train_spec, validate_train_spec
 
 BASE = {"data": {"dataset": "ds"}, "model": {"arch": "small_cnn"}, "epochs": 3}
 

@@ -193,8 +193,8 @@ def test_weights_swapped_after_the_check_are_not_what_export_or_eval_loads(
 def test_the_loop_warm_starts_from_the_checked_bytes(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from visionloop.loop.runner import _Steps
     from visionloop.loop.spec import LoopSpec
+    from visionloop.loop.steps import RoundSteps
 
     info, a, b = _registered(settings, tmp_path)
     registry.set_alias("m", info.version, registry.CHAMPION, settings=settings)
@@ -210,7 +210,7 @@ def test_the_loop_warm_starts_from_the_checked_bytes(
     )
     rnd = SimpleNamespace(number=1, steps={"dataset": SimpleNamespace(outputs={"dataset": str(tmp_path)})})
     swapped = _swap_right_after_the_check(monkeypatch, info, b)
-    job = _Steps(spec, settings, cast(Any, None), cast(Any, rnd), cast(Any, None))._job()
+    job = RoundSteps(spec, settings, cast(Any, None), cast(Any, rnd), cast(Any, None))._job()
     assert swapped == [info.weights] and info.weights.read_bytes() == b
     placed = Path(job["train"]["model"]["pretrained"])
     assert placed.read_bytes() == a

@@ -78,9 +78,9 @@ def status_command(
     """Where the loop stands: its dataset version, what is waiting, each recent round's steps
     with what they made and why, and the latest events."""
     from visionloop.core.settings import load_settings
-    from visionloop.loop.runner import count_images, trigger, waiting_folders
     from visionloop.loop.spec import load_loop_spec
     from visionloop.loop.state import STEPS, load_state, read_events
+    from visionloop.loop.triggers import count_images, trigger, waiting_folders
 
     spec = load_loop_spec(spec_path)
     settings = load_settings()

@@ -180,7 +180,7 @@ def submit(
     as_json: bool = typer.Option(False, "--json", help="Print the job as JSON."),
 ) -> None:
     """Queue a training job. Prints its id; `visionloop jobs show ID` follows it."""
-    from visionloop.specs import apply_overrides, parse_yaml_mapping, read_spec_text
+    from visionloop.spec_files import apply_overrides, parse_yaml_mapping, read_spec_text
 
     if spot is not None and spot not in ("never", "allowed", "preferred"):
         raise typer.BadParameter(f"--spot must be never, allowed or preferred, not {spot!r}.")
@@ -216,8 +216,8 @@ def submit(
 
 def _absolute_paths(train_doc: dict[str, Any], base: Path) -> None:
     """The control plane cannot know what a relative path was relative to: resolve here
-    (every path field of the train spec, as `specs.resolve_paths` does for `visionloop train`)."""
-    from visionloop.specs import PATH_FIELDS
+    (every path field of the train spec, as `spec_files.resolve_paths` does for `visionloop train`)."""
+    from visionloop.spec_files import PATH_FIELDS
 
     for section, key in PATH_FIELDS:
         part = train_doc.get(section)

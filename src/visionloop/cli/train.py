@@ -56,7 +56,8 @@ def train(
 
     stop = StopRequest().install() if nproc_per_node == 1 else None
     from visionloop.core.settings import load_settings
-    from visionloop.specs import load_train_spec, read_spec_text
+    from visionloop.spec_files import read_spec_text
+    from visionloop.specs import load_train_spec
     from visionloop.train.rundir import spec_fingerprint
 
     settings = load_settings()

@@ -42,7 +42,8 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from visionloop.core.errors import SpecError
 from visionloop.core.safeyaml import load_untrusted
 from visionloop.core.strictbools import StrictBools
-from visionloop.specs import JobFields, TrainSpec, read_spec_text, resolve_paths, validate_train_spec
+from visionloop.spec_files import read_spec_text, resolve_paths
+from visionloop.specs import JobFields, TrainSpec, validate_train_spec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 # What a missing LOOP.yaml's error shows.

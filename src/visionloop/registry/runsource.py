@@ -17,7 +17,7 @@ from visionloop.core.settings import Settings
 from visionloop.models.card import ModelCard
 from visionloop.registry.files import UnreadableFileError, read_json
 from visionloop.registry.layout import CARD_FILE, SPEC_FILE, SPEC_RESOLVED_FILE, WEIGHTS_FILE
-from visionloop.specs import MAX_SPEC_BYTES
+from visionloop.spec_files import MAX_SPEC_BYTES
 
 
 class UnfinishedRunError(VisionloopError):

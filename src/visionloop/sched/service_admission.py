@@ -18,7 +18,9 @@ from visionloop.sched.executors.base import multi_node
 from visionloop.sched.placement import capacities
 from visionloop.sched.service_base import PlaneBase
 from visionloop.sched.store import Job
-from visionloop.specs import JobSpec, TrainSpec, format_validation_error, spec_paths
+from visionloop.spec_errors import format_validation_error
+from visionloop.spec_files import spec_paths
+from visionloop.specs import JobSpec, TrainSpec
 
 
 class SubmitError(VisionloopError):

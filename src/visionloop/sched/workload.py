@@ -33,7 +33,8 @@ from visionloop.core.fsutil import atomic_write_text
 from visionloop.sched.history import RuntimeProfile
 from visionloop.sched.records import Outcome
 from visionloop.sched.states import JobState
-from visionloop.specs import TrainSpec, spec_to_yaml
+from visionloop.spec_files import spec_to_yaml
+from visionloop.specs import TrainSpec
 from visionloop.train.signals import EXIT_PAUSED, EXIT_PREEMPTED
 
 

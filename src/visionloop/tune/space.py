@@ -19,7 +19,8 @@ import optuna
 from pydantic import ValidationError
 
 from visionloop.core.errors import SpecError
-from visionloop.specs import TrainSpec, format_validation_error
+from visionloop.spec_errors import format_validation_error
+from visionloop.specs import TrainSpec
 from visionloop.tune.dimensions import AnyDimension, Choice, FloatRange, IntRange, LogUniform, Uniform
 from visionloop.tune.rung_tpe import RungTPESampler
 from visionloop.tune.space_checks import with_params

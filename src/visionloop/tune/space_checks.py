@@ -21,14 +21,9 @@ from pydantic import (
 )
 
 from visionloop.core.errors import SpecError
-from visionloop.specs import (
-    NotASectionError,
-    TrainSpec,
-    example_for,
-    format_validation_error,
-    set_dotted,
-    yaml_inline,
-)
+from visionloop.spec_errors import example_for, format_validation_error, yaml_inline
+from visionloop.spec_files import NotASectionError, set_dotted
+from visionloop.specs import TrainSpec
 from visionloop.tasks.registry import get_task
 from visionloop.tune.dimensions import (
     DISTRIBUTION_EXAMPLES,

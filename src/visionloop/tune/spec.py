@@ -13,7 +13,7 @@ validate at every corner of the space (each range's ends, each choice), so that 
 fails on a spec the tuner made; a space that touches the model (`model.arch`, `model.kwargs.*`,
 `data.image_size`) is also built, on PyTorch's meta device, through the task's own
 `build_model`, which names the known architectures when one is not. Errors name the field,
-the value and a valid example, as for every spec (`visionloop.specs`).
+the value and a valid example, as for every spec (`visionloop.spec_errors`).
 
 The space's distributions are in `visionloop.tune.dimensions`, those checks in
 `visionloop.tune.space_checks`. None of the three imports Optuna, nor torch but for a space
@@ -38,21 +38,16 @@ from pydantic import (
 
 from visionloop.core.errors import SpecError
 from visionloop.core.safeyaml import load_untrusted
+from visionloop.spec_errors import example_for, fields_at, format_validation_error, shown_value, yaml_inline
+from visionloop.spec_files import read_spec_text, resolve_paths
 from visionloop.specs import (
     MAX_SEED,
     JobFields,
     JobSpec,
     TrainSpec,
     TrialFields,
-    example_for,
-    fields_at,
-    format_validation_error,
     load_train_spec,
-    read_spec_text,
-    resolve_paths,
-    shown_value,
     validate_train_spec,
-    yaml_inline,
 )
 from visionloop.tasks.registry import get_task
 from visionloop.tune.dimensions import (
@@ -314,7 +309,7 @@ def load_tune_spec(path: Path) -> tuple[TuneSpec, str]:
 
 
 def format_tune_error(e: ValidationError, source: str) -> str:
-    """specs.format_validation_error's style, for a TuneSpec: a space entry's distribution
+    """spec_errors.format_validation_error's style, for a TuneSpec: a space entry's distribution
     (the union's tag) is not repeated in the field's name, its example is a distribution's,
     and the cross-field checks (already complete sentences) print as they are."""
     lines = [f"{source} is not a valid TuneSpec:"]
