@@ -161,7 +161,11 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
         return _server_error(request, exc)
 
     @app.get("/v1/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
+        # On the event loop (no I/O: an attribute): every other route is a sync `def`, run in
+        # AnyIO's 40 worker threads, and a job store that stalls (a locked SQLite waits up to
+        # its 30 s busy timeout, a slow PostgreSQL as long) holds one thread per request. As
+        # a `def` too, the health check queued behind them once 40 were stuck.
         return {"status": "ok", "executor": plane.executor.name}
 
     @app.post("/v1/jobs", status_code=201)

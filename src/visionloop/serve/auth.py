@@ -59,7 +59,7 @@ def check(keys: KeyRing, scope: dict[str, Any]) -> ApiKey | Denied | None:
             "(`visionloop serve keys create NAME --models M` makes one)",
             CHALLENGE,
         )
-    key = keys.authenticate(token)
+    key = keys.lookup(token)  # no file I/O here: ServeApp reloads the keys in a worker thread
     if key is None:
         return Denied(401, "unknown or revoked API key", CHALLENGE)
     if path == METRICS_PATH and not key.all_models:

@@ -211,10 +211,13 @@ class Batcher:
         self._executing.add(task)
         task.add_done_callback(self._executing.discard)
 
-    def _infer(self, feeds: Arrays, rows: int) -> tuple[Arrays, dict[str, npt.NDArray[np.bool_]] | None]:
-        """In the inference thread: the batch's outputs, and which of its rows hold NaN or an
-        infinity (a pass over every float output: kept off the event loop)."""
-        outputs = self.model.run(feeds)
+    def _infer(
+        self, parts: list[Arrays], rows: int
+    ) -> tuple[Arrays, dict[str, npt.NDArray[np.bool_]] | None]:
+        """In the inference thread: the requests' inputs joined into one batch (`join_feeds`),
+        the batch's outputs, and which of its rows hold NaN or an infinity (a pass over every
+        float output): all of it off the event loop."""
+        outputs = self.model.run(join_feeds(parts))
         return outputs, nonfinite_rows(outputs, rows)
 
     async def _execute(self, batch: list[Job]) -> None:
@@ -224,14 +227,10 @@ class Batcher:
         for j in batch:
             j.queue_s = start - j.enqueued
             rows += j.rows
-        first = batch[0].feeds
-        if len(batch) == 1:
-            feeds = first
-        else:
-            feeds = {name: np.concatenate([j.feeds[name] for j in batch]) for name in first}
+        parts = [j.feeds for j in batch]
         self._running.update(batch)
         try:
-            outputs, bad = await loop.run_in_executor(self._pool, self._infer, feeds, rows)
+            outputs, bad = await loop.run_in_executor(self._pool, self._infer, parts, rows)
         except Exception as e:  # ORT's exception types are not public; report, never crash the loop
             log.exception("inference failed on a batch of %d rows", rows)
             for j in batch:
@@ -258,6 +257,16 @@ class Batcher:
                 self.observer(batch, outputs, rows, compute_s)
             except Exception:  # metrics or logging must never break answering
                 log.exception("batch observer failed")
+
+
+def join_feeds(parts: list[Arrays]) -> Arrays:
+    """The inputs of a batch's requests joined along the batch axis (one request: its own
+    arrays, no copy). Run in the inference thread: joining a batch of images is a copy of up
+    to max_batch_size images (64 at 224 x 224: 38 MB, 5 ms warm and 100 ms on fresh memory),
+    which on the event loop held every other request as long."""
+    if len(parts) == 1:
+        return parts[0]
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
 def nonfinite_rows(outputs: Arrays, rows: int) -> dict[str, npt.NDArray[np.bool_]] | None:

@@ -12,8 +12,9 @@ metadata: every key has it) and `routing` (changing canary, shadow or rollback t
 `serve.routing`'s endpoints, which check it).
 
 The server reloads the file when it changes (inode, mtime or size; checked at most every
-`poll_s`), so `visionloop serve keys revoke` takes effect without a restart. A file that
-cannot be read on reload denies every key (fail closed) until it can.
+`poll_s`, in a worker thread: a slow disk or a large file never holds the event loop), so
+`visionloop serve keys revoke` takes effect without a restart. A file that cannot be read on
+reload denies every key (fail closed) until it can.
 """
 
 from __future__ import annotations
@@ -230,6 +231,15 @@ class KeyRing:
         self._by_id = {k.id: k for k in keys}
         self._stamp = stamp
 
+    def reload_due(self) -> bool:
+        """Whether `maybe_reload` would look at the file now (`poll_s` has passed)."""
+        return time.monotonic() - self._checked >= self.poll_s
+
+    def maybe_reload(self) -> None:
+        """Reload the file if it changed (checked at most every `poll_s`). File I/O: the
+        server runs it in a worker thread (`serve.app.ServeApp`), never on the event loop."""
+        self._maybe_reload()
+
     def _maybe_reload(self) -> None:
         now = time.monotonic()
         if now - self._checked < self.poll_s:
@@ -238,7 +248,13 @@ class KeyRing:
             if now - self._checked < self.poll_s:
                 return
             self._checked = now
-            stamp = self._stat()
+            try:
+                stamp = self._stat()
+            except OSError as e:  # e.g. the folder's permissions changed: fail closed
+                log.error("cannot stat the API keys file %s (%s); every API key is refused", self.path, e)
+                self._by_id = {}
+                self._stamp = None
+                return
             if stamp == self._stamp:
                 return
             try:
@@ -251,8 +267,13 @@ class KeyRing:
                 log.info("API keys reloaded from %s: %d key(s)", self.path, len(self._by_id))
 
     def authenticate(self, key: str) -> ApiKey | None:
-        """The record of a valid key, or None."""
+        """The record of a valid key, or None, after reloading the file if it is due."""
         self._maybe_reload()
+        return self.lookup(key)
+
+    def lookup(self, key: str) -> ApiKey | None:
+        """The record of a valid key among those loaded, or None: no file I/O, so the event
+        loop may call it (a hash and a dict lookup)."""
         m = _KEY.fullmatch(key)
         if m is None:
             return None
