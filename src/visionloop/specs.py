@@ -18,13 +18,8 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from visionloop.core.errors import SpecError
 from visionloop.core.strictbools import StrictBools
-
-# `format_validation_error`, `parse_yaml_mapping` and `read_spec_text` are re-exported (`X as X`):
-# `visionloop.serve.config` imports them from here.
-from visionloop.spec_errors import format_validation_error as format_validation_error
-from visionloop.spec_files import apply_overrides, resolve_paths
-from visionloop.spec_files import parse_yaml_mapping as parse_yaml_mapping
-from visionloop.spec_files import read_spec_text as read_spec_text
+from visionloop.spec_errors import format_validation_error
+from visionloop.spec_files import apply_overrides, parse_yaml_mapping, read_spec_text, resolve_paths
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 

@@ -36,7 +36,8 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from visionloop.core.errors import SpecError
 from visionloop.core.strictbools import StrictBools
-from visionloop.specs import format_validation_error, parse_yaml_mapping, read_spec_text
+from visionloop.spec_errors import format_validation_error
+from visionloop.spec_files import parse_yaml_mapping, read_spec_text
 
 Precision = Literal["fp32", "fp16", "int8"]
 # What an error shows when the file is missing or empty (`visionloop bench --latency-budget`
