@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from visionloop.core.errors import TrainingError
+from visionloop.core.errors import CheckpointError, TrainingError
 from visionloop.core.settings import Settings, load_settings
 from visionloop.specs import TrainSpec
 from visionloop.train import dist
@@ -95,6 +95,7 @@ def train(
         if info.is_main:
             rd.lock()
             meta, _ = rd.prepare(spec_text, resolved)
+            rd.check_own_file(rd.log_file)
             handler = _attach_log_file(rd.log_file)
         meta = dist.broadcast_object(meta, info)
         assert meta is not None
@@ -204,7 +205,15 @@ def _resume(loop: Loop, info: dist.DistInfo, reporter: Reporter) -> int | None:
         return None
     if state is None:
         state = load_verified(Path(chosen))
-    loop.load_state_dict(state)
+    try:
+        loop.load_state_dict(state)
+    except CheckpointError as e:
+        # Verified, so not set aside: it may be another run's, or fine with the right spec.
+        where = Path(chosen)
+        raise CheckpointError(
+            f"cannot resume from {where}: {e} To resume from the checkpoint before it instead, move "
+            f"{where.name} out of {where.parent}."
+        ) from e
     reporter.message(f"resuming from {Path(chosen).name} (step {loop.pos.step})")
     log.info("resumed from %s at step %d", chosen, loop.pos.step)
     return loop.pos.step

@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import re
@@ -46,7 +47,7 @@ import torch
 
 from visionloop.core.errors import CheckpointError
 from visionloop.core.fsutil import UMASK as _UMASK
-from visionloop.core.fsutil import fsync_dir
+from visionloop.core.fsutil import NotRegularFileError, TooLargeError, fsync_dir, open_regular
 from visionloop.train import progress
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ MAGIC = b"VLCKPT2\n"
 FORMAT = 2
 _TAIL = struct.Struct("<I")
 _NAME = re.compile(r"^step-(\d{9,})\.ckpt$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _HASH_CHUNK = 16 << 20  # hashlib releases the GIL on large updates: training keeps running
 
 
@@ -201,17 +203,50 @@ def _read_trailer(f: Any, name: str) -> tuple[dict[str, Any], int]:
     f.seek(end - tail - n)
     try:
         trailer = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{name}: corrupt trailer ({e})") from e
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's depth
+        raise CheckpointError(f"{name}: corrupt trailer ({str(e)[:200]})") from e
     if not isinstance(trailer, dict) or trailer.get("format") != FORMAT:
         raise CheckpointError(f"{name}: unsupported checkpoint format {trailer!r:.80}")
-    return trailer, end - tail - n
+    return _checked_trailer(trailer, name), end - tail - n
+
+
+def _checked_trailer(trailer: dict[str, Any], name: str) -> dict[str, Any]:
+    """The trailer, its fields of the types the readers rely on (anything else is damage: a
+    string step or metric would fail retention's comparisons on the writer thread). A metric
+    that is not a finite number ranks no checkpoint as best: it is read as none."""
+    step, size, sha = trailer.get("step"), trailer.get("size"), trailer.get("sha256")
+    for field, value in (("step", step), ("size", size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{name}: the trailer's {field} is {value!r:.40}, not a count")
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        raise CheckpointError(f"{name}: the trailer's sha256 is {sha!r:.80}, not a checksum")
+    metric = trailer.get("metric")
+    if not (isinstance(metric, int | float) and not isinstance(metric, bool) and math.isfinite(metric)):
+        metric = None
+    return {**trailer, "metric": metric}
+
+
+def _open_checkpoint(path: Path) -> io.BufferedReader:
+    """Open a checkpoint file; anything but a regular file (a FIFO would hang the reader,
+    /dev/zero never ends) is a damaged checkpoint."""
+    try:
+        return open_regular(path)
+    except NotRegularFileError as e:
+        raise CheckpointError(f"{path.name} is not a checkpoint file ({e.strerror})") from e
 
 
 def read_header(path: Path) -> dict[str, Any]:
     """The trailer of a checkpoint file (cheap: reads only the end)."""
-    with open(path, "rb") as f:
+    with _open_checkpoint(path) as f:
         return _read_trailer(f, path.name)[0]
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory: a checkpoint is read whole, so no larger one can load."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not reported: no limit beyond the allocator's
+        return 1 << 62
 
 
 def load_verified(path: Path) -> dict[str, Any]:
@@ -224,14 +259,19 @@ def load_verified(path: Path) -> dict[str, Any]:
         from visionloop.train.sharded_checkpoint import load_verified_dir
 
         return load_verified_dir(path)
-    with open(path, "rb") as f:
+    with _open_checkpoint(path) as f:
         trailer, payload_len = _read_trailer(f, path.name)
+        if payload_len != trailer["size"]:  # before reading it: the size is all that is known
+            raise CheckpointError(
+                f"{path.name}: payload is {payload_len} bytes, the trailer says {trailer['size']}"
+            )
+        limit = memory_bytes()
+        if payload_len > limit:  # maybe genuine, from a bigger machine: never set aside for this
+            raise TooLargeError(path, limit, "a checkpoint on this machine (its memory)", payload_len)
         f.seek(0)
         payload = f.read(payload_len)
-    if payload_len != trailer["size"]:
-        raise CheckpointError(
-            f"{path.name}: payload is {payload_len} bytes, the trailer says {trailer['size']}"
-        )
+    if len(payload) != payload_len:  # cut short while being read
+        raise CheckpointError(f"{path.name}: truncated while being read")
     if hashlib.sha256(payload).hexdigest() != trailer["sha256"]:
         raise CheckpointError(f"{path.name}: checksum mismatch (the file is corrupt)")
     try:
@@ -328,6 +368,12 @@ class _ManagerBase(abc.ABC):
                 log.warning("checkpoint %s is unusable (%s); trying the previous one", path.name, e)
                 self._quarantine(path)
                 continue
+            except TooLargeError as e:
+                raise CheckpointError(
+                    f"cannot load checkpoint {path}: it is {(e.size or 0) / 2**30:.1f} GiB, more than this "
+                    f"machine's memory ({e.limit / 2**30:.1f} GiB). If it is genuine, resume on a machine "
+                    f"with more memory; if not, move it out of {self.dir} to resume from the previous one."
+                ) from e
             except (OSError, MemoryError) as e:
                 # Says nothing about the file (permissions, NFS, a smaller machine): never
                 # quarantine a possibly good checkpoint for it.

@@ -51,6 +51,13 @@ class Position:
     images_seen: int = 0
 
 
+_COUNTS = ("epoch", "batch", "step", "evals_done", "images_seen")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class Loop:
     """Runs steps and evaluations from a Position until done or asked to stop."""
 
@@ -222,12 +229,16 @@ class Loop:
             self.c.scheduler.load_state_dict(state["scheduler"])
             if state["scaler"] and self.scaler.is_enabled():
                 self.scaler.load_state_dict(state["scaler"])
-            self.pos = Position(**state["position"])
+            pos = Position(**state["position"])
         except (RuntimeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(
                 f"the checkpoint does not fit this run's model or optimizer ({str(e)[:300]}). It was "
                 f"written by another version of visionloop or another spec; train into a new --run-dir."
             ) from e
+        self._check_position(pos)
+        if not self.sharded:
+            self._check_weights_finite(state["model"])
+        self.pos = pos
         self._saved_step = self.pos.step
         if state.get("last_eval"):
             self.last_eval = EvalResult(metrics=dict(state["last_eval"]))
@@ -243,6 +254,38 @@ class Loop:
                 self.info.world_size,
             )
             rng_state.seed_everything(self.spec.seed + 1_000_003 * self.pos.step + self.info.rank)
+
+    def _check_position(self, pos: Position) -> None:
+        """A position this run can be at: the checkpoint's own spec hash matched, so anything
+        else (a step past the run's end, a negative count) is damage, not another run's."""
+        fields: dict[str, Any] = asdict(pos)
+        problem = next((f"{k} is {fields[k]!r:.40}" for k in _COUNTS if not _is_count(fields[k])), None)
+        best, spent = fields["best_metric"], fields["train_time_s"]
+        if problem is not None:
+            pass
+        elif pos.step > self.c.total_steps:
+            problem = f"its step {pos.step} is past this run's last, {self.c.total_steps}"
+        elif pos.batch >= self.sampler.steps_per_epoch:
+            problem = f"its batch {pos.batch} is past an epoch of {self.sampler.steps_per_epoch}"
+        elif not isinstance(fields["pending_eval"], bool):
+            problem = f"pending_eval is {fields['pending_eval']!r:.40}"
+        elif best is not None and not (isinstance(best, int | float) and not isinstance(best, bool)):
+            problem = f"best_metric is {best!r:.40}"
+        elif not (isinstance(spent, int | float) and math.isfinite(spent)):
+            problem = f"train_time_s is {spent!r:.40}"
+        if problem is not None:
+            raise CheckpointError(
+                f"the checkpoint's training position is impossible ({problem}); it is damaged."
+            )
+
+    def _check_weights_finite(self, model_state: Any) -> None:
+        """NaN or infinite weights cannot come from a run that checks its loss: damage (or a
+        tampered file), which training on would only spread to the final weights."""
+        for name, value in model_state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.isfinite().all():
+                raise CheckpointError(
+                    f"the checkpoint's weight {name} holds NaN or infinite values; it is damaged."
+                )
 
     def save_checkpoint(self, metric: float | None = None, *, block: bool = False) -> None:
         state = self.state_dict()

@@ -17,10 +17,12 @@ same in every field that affects the result.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import stat
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -30,7 +32,14 @@ from typing import IO, Any
 import yaml
 
 from visionloop.core.errors import TrainingError
-from visionloop.core.fsutil import atomic_write_json, atomic_write_text
+from visionloop.core.fsutil import (
+    NotRegularFileError,
+    TooLargeError,
+    atomic_write_json,
+    atomic_write_text,
+    read_capped_text,
+)
+from visionloop.core.safeyaml import load_untrusted
 
 # Fields that may change between a run and its resumption: they change how the run is
 # executed or recorded, not what it computes.
@@ -89,6 +98,11 @@ def spec_fingerprint(resolved: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()
 
 
+# run.json holds ids, a status, the final metrics and an error message of at most 2000 characters.
+MAX_META_BYTES = 1 << 20
+# spec.resolved.yaml is written by the trainer from a spec; read back when a resumed spec differs.
+MAX_RESOLVED_SPEC_BYTES = 16 << 20
+
 # What a run writes in its folder after run.json: a folder without run.json holding any of
 # them is not a new run's (`RunDir._refuse_foreign_files`).
 _RUN_OUTPUTS = ("final.safetensors", "model_card.json", "checkpoints", "eval")
@@ -110,7 +124,9 @@ class RunDir:
     def lock(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            f = open(self.path / ".lock", "a+")  # noqa: SIM115 (held open while training: it *is* the lock)
+            f = self._open_lock_file()
+        except TrainingError:
+            raise
         except OSError as e:
             reason = "it is a file" if self.path.is_file() else (e.strerror or str(e))
             raise TrainingError(
@@ -133,6 +149,36 @@ class RunDir:
         f.flush()
         self._lock_file = f
 
+    def _open_lock_file(self) -> IO[str]:
+        """`.lock`, opened for writing without following a link (the trainer writes its pid into
+        it: a `.lock` that links elsewhere, in a copied or crafted folder, must not have its
+        target overwritten) and refused unless it is a regular file (a FIFO, a device)."""
+        path = self.path / ".lock"
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise self._not_a_file(path, "a symbolic link") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._not_a_file(path, "not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "a+")
+
+    def check_own_file(self, path: Path) -> None:
+        """Refuse a file of the run's own (train.log) that is a link or not a regular file: the
+        trainer appends to it, and would write through a link or wait for ever on a FIFO."""
+        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            raise self._not_a_file(path, "a symbolic link" if path.is_symlink() else "not a regular file")
+
+    def _not_a_file(self, path: Path, kind: str) -> TrainingError:
+        return TrainingError(
+            f"{path} is {kind}; the trainer writes it as its own file. Remove it, then rerun "
+            f"(nothing else in {self.path} is changed)."
+        )
+
     @property
     def locked(self) -> bool:
         """True while this process holds the run directory's lock."""
@@ -146,15 +192,36 @@ class RunDir:
 
     # ------------------------------------------------------------------ metadata
     def read_meta(self) -> dict[str, Any] | None:
-        if not self.meta_file.is_file():
+        """run.json, or None if there is none. Anything else that is not a run's record (a FIFO,
+        a huge file, bytes that are not UTF-8 JSON, JSON that is no object or nests without end,
+        ids that are not strings) is a TrainingError naming the file and what to do: never None,
+        which would make the trainer start the run over and write a new record in its place."""
+        if not os.path.lexists(self.meta_file):
             return None
         try:
-            meta = json.loads(self.meta_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            meta = json.loads(read_capped_text(self.meta_file, MAX_META_BYTES, what="a run's run.json"))
+        except FileNotFoundError:
+            return None  # a dangling link: no record
+        except (NotRegularFileError, TooLargeError) as e:
+            raise self._damaged(str(e)) from e
+        except OSError as e:
             raise TrainingError(
-                f"{self.meta_file} is unreadable ({e}); this run directory is damaged."
+                f"{self.meta_file} is unreadable ({e}). Fix access to the run directory, then rerun."
             ) from e
-        return meta if isinstance(meta, dict) else None
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested past the parser's depth
+            raise self._damaged(f"not JSON: {str(e)[:200]}") from e
+        if not isinstance(meta, dict):
+            raise self._damaged(f"a JSON {type(meta).__name__}, not an object")
+        for key in ("uid", "spec_sha256", "status", "mlflow_run_id"):
+            if key in meta and not isinstance(meta[key], str):
+                raise self._damaged(f"its {key} is {meta[key]!r:.40}, not a string")
+        return meta
+
+    def _damaged(self, problem: str) -> TrainingError:
+        return TrainingError(
+            f"{self.meta_file} is damaged ({problem}). Restore it from a copy of the run directory "
+            f"to resume this run, or train into a new --run-dir (nothing in this one is changed)."
+        )
 
     def write_meta(self, meta: Mapping[str, Any]) -> None:
         atomic_write_json(self.meta_file, dict(meta))
@@ -188,6 +255,8 @@ class RunDir:
             )
             self.write_meta(meta)
             return meta, False
+        if not meta.get("uid"):
+            raise self._damaged("it records no uid")
         if meta.get("spec_sha256") != fingerprint:
             if not self._only_new_fields_at_their_defaults(resolved):
                 raise TrainingError(self._describe_spec_change(resolved))
@@ -225,25 +294,36 @@ class RunDir:
     def _only_new_fields_at_their_defaults(self, resolved: Mapping[str, Any]) -> bool:
         """Whether the spec differs from the one this run started with only in fields the
         old one did not have at all, each at the train spec's default."""
-        try:
-            old = dict(_flatten(yaml.safe_load((self.path / "spec.resolved.yaml").read_text()) or {}))
-        except (OSError, yaml.YAMLError):
+        old_spec = self._read_resolved()
+        if old_spec is None:
             return False
+        old = dict(_flatten(old_spec))
         new = dict(_flatten(resolved))
         changed = [k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k)]
         return bool(changed) and all(k not in old and _is_default(k, new.get(k)) for k in changed)
 
-    def _describe_spec_change(self, resolved: Mapping[str, Any]) -> str:
-        old_file = self.path / "spec.resolved.yaml"
-        changed: list[str] = []
+    def _read_resolved(self) -> Mapping[str, Any] | None:
+        """The spec.resolved.yaml the run started with, or None if it cannot be used (missing,
+        not a regular file, too big, not UTF-8, not YAML, aliases, not a mapping): only the
+        explanation of a refused spec change is poorer for it."""
         try:
-            old = dict(_flatten(yaml.safe_load(old_file.read_text()) or {}))
+            text = read_capped_text(
+                self.path / "spec.resolved.yaml", MAX_RESOLVED_SPEC_BYTES, what="a resolved spec"
+            )
+            doc = load_untrusted(text)
+        except (OSError, ValueError, yaml.YAMLError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def _describe_spec_change(self, resolved: Mapping[str, Any]) -> str:
+        changed: list[str] = []
+        old_spec = self._read_resolved()
+        if old_spec is not None:
+            old = dict(_flatten(old_spec))
             new = dict(_flatten(resolved))
             for key in sorted(set(old) | set(new)):
                 if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key):
-                    changed.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
-        except (OSError, yaml.YAMLError):
-            pass
+                    changed.append(f"{key}: {old.get(key)!r:.80} -> {new.get(key)!r:.80}")
         detail = ("\n  " + "\n  ".join(changed[:10])) if changed else ""
         return (
             f"{self.path} holds a run started with a different spec; resuming it would not reproduce "

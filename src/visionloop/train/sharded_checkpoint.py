@@ -34,6 +34,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import re
@@ -47,7 +48,14 @@ from typing import Any, ClassVar
 import torch
 
 from visionloop.core.errors import CheckpointError
-from visionloop.core.fsutil import atomic_write_bytes, fsync_dir
+from visionloop.core.fsutil import (
+    NotRegularFileError,
+    TooLargeError,
+    atomic_write_bytes,
+    fsync_dir,
+    open_regular,
+    read_capped,
+)
 from visionloop.train import dist
 from visionloop.train.checkpoint import CheckpointInfo, _ManagerBase
 
@@ -60,6 +68,11 @@ _NAME = re.compile(r"^step-(\d{9,})\.dcp$")
 _HASH_CHUNK = 16 << 20
 # What this module puts in DCP; everything else of the loop's state goes to trainer.pt.
 SHARDED_KEYS = ("model", "optimizer")
+# Read whole: DCP's metadata (sizes and offsets of every chunk) and the trainer state (position,
+# scheduler, RNG of every rank) are small beside the shards.
+MAX_METADATA_BYTES = 1 << 30
+MAX_TRAINER_STATE_BYTES = 1 << 30
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -104,25 +117,61 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's DCP metadata")
 
 
-def _safe_reader(directory: Path) -> Any:
+def _safe_reader(directory: Path, files: Mapping[str, int] | None = None) -> Any:
+    """A DCP reader of `directory` that unpickles nothing but DCP's metadata classes. With
+    `files` (name: size, from the verified manifest), the metadata may point only into those
+    files, within their sizes: a crafted one must not make DCP read outside the checkpoint
+    (`../../secret`, an absolute path) or from a file nobody verified (an extra FIFO)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                try:
-                    metadata = _MetadataUnpickler(f).load()
-                except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-                    raise CheckpointError(f"{directory.name}: unreadable DCP metadata ({e})") from e
+            try:
+                raw = read_capped(Path(self.path) / ".metadata", MAX_METADATA_BYTES, what="DCP metadata")
+            except (NotRegularFileError, TooLargeError) as e:
+                raise CheckpointError(f"{directory.name}: unusable DCP metadata ({e})") from e
+            try:
+                metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{directory.name}: unreadable DCP metadata ({e})") from e
+            except Exception as e:  # garbage makes the unpickler fail in many ways (KeyError, ...)
+                raise CheckpointError(
+                    f"{directory.name}: unreadable DCP metadata ({type(e).__name__}: {str(e)[:200]})"
+                ) from e
             if not isinstance(metadata, Metadata):
                 raise CheckpointError(f"{directory.name}: the DCP metadata is a {type(metadata).__name__}")
+            if files is not None:
+                _check_storage(directory, metadata, files)
             storage_meta = metadata.storage_meta or StorageMeta()
             storage_meta.load_id = self.load_id
             metadata.storage_meta = storage_meta
             return metadata
 
     return SafeReader(str(directory))
+
+
+def _check_storage(directory: Path, metadata: Any, files: Mapping[str, int]) -> None:
+    """Every chunk DCP's metadata names lies in a shard file of the manifest, within its size,
+    stored as written (no transforms: a compressed chunk could be a decompression bomb)."""
+    shards = {n: size for n, size in files.items() if n not in (".metadata", TRAINER_STATE, MANIFEST)}
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        raise CheckpointError(f"{directory.name}: the DCP metadata has no storage table")
+    for where in storage.values():
+        name = getattr(where, "relative_path", None)
+        offset, length = getattr(where, "offset", None), getattr(where, "length", None)
+        problem = None
+        if not isinstance(name, str) or name not in shards:
+            problem = f"points into {name!r:.80}, not a shard file of its manifest"
+        elif not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
+            problem = f"gives {name} a bad offset or length ({offset!r:.20}, {length!r:.20})"
+        elif offset + length > shards[name]:  # type: ignore[operator]
+            problem = f"reads past the end of {name}"
+        elif getattr(where, "transform_descriptors", None):
+            problem = f"asks for transforms {where.transform_descriptors!r:.80} of {name}"
+        if problem:
+            raise CheckpointError(f"{directory.name}: the DCP metadata {problem}; the checkpoint is damaged")
 
 
 def _safe_planner() -> Any:
@@ -156,9 +205,11 @@ def dcp_load(state: dict[str, Any], directory: Path) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load
 
     no_dist = not (tdist.is_available() and tdist.is_initialized())  # one process: said, not guessed
+    reader = _safe_reader(directory, _file_sizes(read_manifest(directory)))
+    reader.read_metadata()  # a damaged one is refused here in its own words, not as a DCP failure
     try:
         with _one_process_is_intended():
-            load(state, storage_reader=_safe_reader(directory), planner=_safe_planner(), no_dist=no_dist)
+            load(state, storage_reader=reader, planner=_safe_planner(), no_dist=no_dist)
     except CheckpointException as e:  # a BaseException: raised on every rank, with each one's failure
         raise CheckpointError(
             f"{directory.name}: its shards do not load into this run's model and optimizer "
@@ -192,7 +243,7 @@ def _first_failure(e: BaseException) -> str:
 def _sha256_file(path: Path) -> tuple[str, int]:
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
             size += len(chunk)
@@ -241,26 +292,42 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of a checkpoint directory (cheap: its files are not hashed here)."""
     path = directory / MANIFEST
     try:
-        raw = path.read_bytes()
+        raw = read_capped(path, 16 << 20, what="a checkpoint manifest")
     except FileNotFoundError as e:
         raise CheckpointError(f"{directory.name}: no {MANIFEST} (never completed)") from e
-    if len(raw) > 16 << 20:
-        raise CheckpointError(f"{directory.name}: {MANIFEST} is implausibly large")
+    except TooLargeError as e:
+        raise CheckpointError(f"{directory.name}: {MANIFEST} is implausibly large") from e
+    except NotRegularFileError as e:
+        raise CheckpointError(f"{directory.name}: {MANIFEST} {e.strerror}") from e
     try:
         manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{directory.name}: corrupt {MANIFEST} ({e})") from e
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's depth
+        raise CheckpointError(f"{directory.name}: corrupt {MANIFEST} ({str(e)[:200]})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{directory.name}: unsupported checkpoint format {manifest!r:.80}")
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files or TRAINER_STATE not in files:
         raise CheckpointError(f"{directory.name}: the manifest lists no DCP metadata or trainer state")
     for name, entry in files.items():
-        if "/" in name or name in ("", ".", "..") or not isinstance(entry, dict):
+        if "/" in name or "\0" in name or name in ("", ".", "..", MANIFEST) or not isinstance(entry, dict):
             raise CheckpointError(f"{directory.name}: the manifest names a bad file {name!r:.80}")
-    if not isinstance(manifest.get("step"), int):
+        size, sha = entry.get("size"), entry.get("sha256")
+        if not _is_count(size) or not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+            raise CheckpointError(f"{directory.name}: the manifest's entry for {name!r:.80} is garbled")
+    if not _is_count(manifest.get("step")):
         raise CheckpointError(f"{directory.name}: the manifest holds no step")
+    metric = manifest.get("metric")
+    if not (isinstance(metric, int | float) and not isinstance(metric, bool) and math.isfinite(metric)):
+        manifest["metric"] = None  # not a score: ranks no checkpoint as best
     return manifest
+
+
+def _file_sizes(manifest: Mapping[str, Any]) -> dict[str, int]:
+    return {name: int(entry["size"]) for name, entry in manifest["files"].items()}
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def verify(directory: Path) -> dict[str, Any]:
@@ -268,14 +335,20 @@ def verify(directory: Path) -> dict[str, Any]:
     manifest = read_manifest(directory)
     for name, entry in manifest["files"].items():
         path = directory / name
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise CheckpointError(f"{directory.name}: {name} is missing")
+        if path.is_symlink() or not path.is_file():  # DCP writes neither: nothing outside is read
+            raise CheckpointError(f"{directory.name}: {name} is not a regular file")
         size = path.stat().st_size
         if size != entry.get("size"):
             raise CheckpointError(
                 f"{directory.name}: {name} is {size} bytes, the manifest says {entry.get('size')}"
             )
-        if _sha256_file(path)[0] != entry.get("sha256"):
+        try:
+            digest = _sha256_file(path)[0]
+        except NotRegularFileError as e:  # replaced since the check above
+            raise CheckpointError(f"{directory.name}: {name} {e.strerror}") from e
+        if digest != entry.get("sha256"):
             raise CheckpointError(f"{directory.name}: checksum mismatch in {name} (the file is corrupt)")
     return manifest
 
@@ -287,8 +360,19 @@ def load_verified_dir(directory: Path) -> dict[str, Any]:
     m = _NAME.match(directory.name)
     if m and int(m.group(1)) != manifest["step"]:
         raise CheckpointError(f"{directory.name}: the manifest says step {manifest['step']}")
+    # DCP's metadata too (what it unpickles, where it points): a damaged one is found here, where
+    # the previous checkpoint can still be used, not when the shards are loaded.
+    _safe_reader(directory, _file_sizes(manifest)).read_metadata()
+    # Loaded from the very bytes checked here (verify hashed the file; it may have changed since).
+    entry = manifest["files"][TRAINER_STATE]
     try:
-        state = torch.load(directory / TRAINER_STATE, map_location="cpu", weights_only=True)
+        raw = read_capped(directory / TRAINER_STATE, MAX_TRAINER_STATE_BYTES, what="a trainer state")
+    except (NotRegularFileError, TooLargeError) as e:
+        raise CheckpointError(f"{directory.name}: unusable {TRAINER_STATE} ({e})") from e
+    if len(raw) != entry["size"] or hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{directory.name}: {TRAINER_STATE} changed while being read")
+    try:
+        state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{directory.name}: {TRAINER_STATE} does not unpickle ({e})") from e
     if not isinstance(state, dict):
