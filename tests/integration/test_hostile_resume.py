@@ -92,3 +92,40 @@ def test_a_fifo_train_log_is_refused_not_waited_on(tmp_path: Path, digits_datase
     (run / "train.log").unlink()
     done = train(validate_train_spec(doc), run, track=False)
     assert done.exit_code == 0 and done.step == 8
+
+
+def test_an_eval_report_folder_taken_by_a_file_stops_the_run_by_name_and_it_resumes(
+    tmp_path: Path, digits_dataset: Path
+) -> None:
+    doc, run = _stopped_run(tmp_path, digits_dataset)
+    planted = run / "eval" / "step-000000008"  # the final evaluation's
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_text("not a folder")
+    with pytest.raises(TrainingError, match=r"step-000000008 is not a folder.*Remove it, then rerun") as e:
+        train(validate_train_spec(doc), run, track=False)
+    assert "FileExistsError" not in str(e.value)
+    planted.unlink()
+    done = train(validate_train_spec(doc), run, track=False)
+    assert done.exit_code == 0 and done.step == 8
+    assert (run / "eval" / "step-000000008" / "report.json").is_file()
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+@pytest.mark.parametrize("name", ["checkpoints", "eval"])
+def test_a_checkpoints_or_eval_path_that_is_no_folder_is_refused_before_training(
+    tmp_path: Path, digits_dataset: Path, name: str, kind: str
+) -> None:
+    doc, run = _stopped_run(tmp_path, digits_dataset)
+    kept = tmp_path / "kept"
+    if (run / name).exists():
+        (run / name).rename(kept)  # what the run had, moved aside
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if kind == "file":
+        (run / name).write_text("x")
+    else:
+        (run / name).symlink_to(elsewhere)
+    with pytest.raises(TrainingError, match=rf"{name} is .*Remove it, then rerun"):
+        train(validate_train_spec(doc), run, track=False)
+    assert list(elsewhere.iterdir()) == []  # nothing written through the link
+    assert not (run / "final.safetensors").exists()

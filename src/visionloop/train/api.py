@@ -96,6 +96,7 @@ def train(
             rd.lock()
             meta, _ = rd.prepare(spec_text, resolved)
             rd.check_own_file(rd.log_file)
+            rd.check_own_dirs()
             handler = _attach_log_file(rd.log_file)
         meta = dist.broadcast_object(meta, info)
         assert meta is not None
