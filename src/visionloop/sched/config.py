@@ -104,13 +104,13 @@ from visionloop.core.fsutil import NotRegularFileError, NotTextError, TooLargeEr
 from visionloop.core.safetoml import TomlError, load_toml
 from visionloop.sched.config_scheduler import SchedulerTimings, parse_scheduler
 from visionloop.sched.config_values import MAX_GPUS, number, shown, where, whole_number
+from visionloop.sched.executors.ray_ids import PREFIX_PATTERN
 from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
 
 DEFAULT_TEAM = "default"
 DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"  # Ray's dashboard on a head node on this machine
 EXECUTOR_KINDS = ("local", "ray")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_RAY_PREFIX = re.compile(r"[a-z0-9][a-z0-9-]*")  # as RayExecutor checks it
 # ASCII only: str.isalnum() also takes "²", "٣" and look-alikes such as a Cyrillic "е", which
 # make two teams (or nodes) that print the same, and a name typed decomposed (e + U+0301)
 # would be refused where the composed one passed.
@@ -207,7 +207,7 @@ def _executor(section: Any, path: Path | None) -> ExecutorConfig:
             'e.g. address = "http://HEAD:8265" (8265 is the dashboard port, not the GCS port 6379).'
         )
     prefix = section.get("prefix", d.prefix)
-    if not isinstance(prefix, str) or not _RAY_PREFIX.fullmatch(prefix) or len(prefix) > 32:
+    if not isinstance(prefix, str) or not PREFIX_PATTERN.fullmatch(prefix) or len(prefix) > 32:
         raise ConfigError(
             f"{where(path, 'executor.prefix')} must be lower-case letters, digits and '-' (at most 32), "
             f'got {prefix!r} (e.g. prefix = "vl-detection").'

@@ -11,12 +11,13 @@ from visionloop.core.errors import ExecutorError
 from visionloop.sched.executors.base import Handle
 
 _ATTEMPT_DIR = re.compile(r"job-(\d+)[/\\]attempt-(\d+)[/\\]?$")
-_PREFIX = re.compile(r"[a-z0-9][a-z0-9-]*")
+# What a submission id may start with; sched/config.py checks `executor.prefix` with it too.
+PREFIX_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 
 def check_prefix(prefix: str) -> str:
     """`prefix`, if it can start a submission id; ExecutorError otherwise."""
-    if not _PREFIX.fullmatch(prefix):
+    if not PREFIX_PATTERN.fullmatch(prefix):
         raise ExecutorError(
             f"RayExecutor prefix {prefix!r} is invalid; use lower-case letters, digits and '-', e.g. 'vl'."
         )
