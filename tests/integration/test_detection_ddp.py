@@ -27,8 +27,8 @@ from visionloop.data.sampler import EvalBatchSampler
 from visionloop.models import ModelCard
 from visionloop.specs import validate_train_spec
 from visionloop.tasks import get_task
-from visionloop.tasks.base import EvalResult
 from visionloop.tasks.detection.evaluate import SCALARS, DetectionTaskEvaluator
+from visionloop.tasks.evaluation import EvalResult
 from visionloop.train.setup import open_split
 
 WORLD = 2

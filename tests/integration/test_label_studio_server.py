@@ -30,7 +30,7 @@ from visionloop.label.importer import import_annotations
 from visionloop.label.studio import ID_KEY
 from visionloop.label.studio_client import LabelStudio
 from visionloop.tasks import get_task
-from visionloop.tasks.base import ImageContext
+from visionloop.tasks.serving import ImageContext
 
 __all__ = ["label_studio", "onnx_model"]
 

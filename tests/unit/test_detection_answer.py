@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from visionloop.tasks.base import AnswerOptions, ImageContext
 from visionloop.tasks.detection import answer
+from visionloop.tasks.serving import AnswerOptions, ImageContext
 
 NAMES = ["cat", "dog", "bird"]
 

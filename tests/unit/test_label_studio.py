@@ -18,8 +18,8 @@ from visionloop.data.manifest import read_manifest
 from visionloop.label.qa import agreement, contradictions
 from visionloop.label.studio import ID_KEY, image_path, read_tasks
 from visionloop.tasks import get_task
-from visionloop.tasks.base import ImageContext
 from visionloop.tasks.labels import ImageLabels, LabelledImage
+from visionloop.tasks.serving import ImageContext
 
 CLS = get_task("classification")
 DET = get_task("detection")

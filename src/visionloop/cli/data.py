@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from visionloop.data.ingest import IngestOptions, IngestReport
     from visionloop.data.ingest_options import ProgressFn
     from visionloop.data.manifest import DatasetManifest
-    from visionloop.tasks.base import DatasetSummary, SummaryTable
+    from visionloop.tasks.summaries import DatasetSummary, SummaryTable
 
 app = typer.Typer(help="Build datasets from labelled images and inspect them.", no_args_is_help=True)
 

@@ -30,6 +30,13 @@ read back with `dataset_stats`). Shapes to keep in mind while implementing:
 - metrics may need every prediction before computing (mAP): the evaluator streams `update`
   calls and computes once, and its state crosses DDP ranks through `state`/`load_state`.
 
+The types these methods take and return live beside this module, each named for what it is:
+`tasks.evaluation` (`Evaluator`, `EvalResult`, `ErrorAnalysis`), `tasks.export_seams`
+(`ExportComparison`, `GateMeasurement`, `OutputScorer`, `EmbeddingLayer`), `tasks.serving`
+(`Arrays`, `Answer`, `AnswerOptions`, `ImageContext`), `tasks.summaries` (`DatasetSummary`,
+`SummaryTable`), `tasks.labels`, `tasks.drift_outputs` and `tasks.label_issues`; the package
+(`visionloop.tasks`) re-exports the common ones.
+
 This module imports neither torch nor numpy at run time: the inference server uses the serving
 half of the contract without either training library.
 """
@@ -39,17 +46,25 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from visionloop.core.errors import DataError
+from visionloop.tasks.evaluation import Evaluator
+from visionloop.tasks.export_seams import EmbeddingLayer, ExportComparison, OutputScorer
 from visionloop.tasks.labels import ImageLabels, LabelledImage
+from visionloop.tasks.serving import Answer, Arrays
+
+# Re-exported for serve/app.py and label/studio.py, which import these two from here: those
+# folders are other engineers' to edit for now, so the names stay importable from
+# `tasks.base` until they import them from their home, `tasks.serving`.
+from visionloop.tasks.serving import AnswerOptions as AnswerOptions
+from visionloop.tasks.serving import ImageContext as ImageContext
+from visionloop.tasks.summaries import DatasetSummary
 
 if TYPE_CHECKING:
     import numpy as np
-    import numpy.typing as npt
     import torch
     from pydantic import BaseModel
     from torch import nn
@@ -66,198 +81,6 @@ if TYPE_CHECKING:
 # (model outputs, targets) -> scalar loss. Outputs and targets are whatever the task's model
 # returns and its collate makes.
 LossFn = Callable[[Any, Any], "torch.Tensor"]
-Arrays = Mapping[str, "npt.NDArray[Any]"]
-# One image's answer: its items (top-k classes, detected boxes), each a JSON-safe dict.
-Answer = list[dict[str, Any]]
-
-
-@dataclass
-class EvalResult:
-    """Scalar metrics (logged as `val/<name>`), a JSON-safe report, and a one-line summary."""
-
-    metrics: dict[str, float]
-    report: dict[str, Any] = field(default_factory=dict)
-    summary: str = ""
-
-
-@dataclass(frozen=True)
-class ConfusedPair:
-    """A kind of mistake: `count` items of class `true` taken for `predicted` (`share`: of all
-    the items of `true`: images for a classifier, ground-truth boxes for a detector)."""
-
-    true: str
-    predicted: str
-    count: int
-    share: float
-
-
-@dataclass(frozen=True)
-class ErrorAnalysis:
-    """How a model is wrong on one pass: the most confused class pairs, worst first, and
-    counts per kind of error where a task has kinds (detection: classification, localisation,
-    both, duplicate, background, missed, as in TIDE, Bolya et al. 2020)."""
-
-    confused: tuple[ConfusedPair, ...] = ()
-    kinds: Mapping[str, int] = field(default_factory=dict)
-    definitions: Mapping[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "confused": [vars(p) for p in self.confused],
-            "kinds": dict(self.kinds),
-            "definitions": dict(self.definitions),
-        }
-
-
-def top_confused(
-    matrix: Sequence[Sequence[int]], class_names: Sequence[str], limit: int
-) -> tuple[ConfusedPair, ...]:
-    """The `limit` largest off-diagonal cells of `matrix[true][predicted]` (square over
-    `class_names`; extra rows or columns, such as a detector's background, are ignored)."""
-    n = len(class_names)
-    cells = []
-    for i in range(n):
-        support = sum(int(v) for v in matrix[i][: len(matrix[i])])
-        for j in range(n):
-            count = int(matrix[i][j])
-            if i != j and count > 0:
-                cells.append(ConfusedPair(class_names[i], class_names[j], count, count / max(support, 1)))
-    cells.sort(key=lambda p: (-p.count, -p.share, p.true, p.predicted))
-    return tuple(cells[:limit])
-
-
-class Evaluator(ABC):
-    """Accumulates one pass over an eval split, batch by batch (detectron2's reset / process /
-    evaluate): `reset()`, `update()` per batch, `compute()` once at the end.
-
-    Its state is one tensor so that DDP ranks can `all_reduce` (sum) it and every rank ends
-    with the exact whole-split result. A metric that needs all predictions (mAP) keeps them and
-    encodes them in `state` so that a sum over ranks concatenates them (e.g. zero-padded slots
-    per rank)."""
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Forget everything seen (the constructor calls it)."""
-
-    @abstractmethod
-    def update(self, outputs: Any, targets: Any, loss_sum: float) -> None:
-        """One batch: the model's outputs, the collated targets, and the batch's summed loss."""
-
-    @abstractmethod
-    def state(self) -> torch.Tensor: ...
-
-    @abstractmethod
-    def load_state(self, state: torch.Tensor) -> None: ...
-
-    @abstractmethod
-    def compute(self) -> EvalResult: ...
-
-    def write_artifacts(self, result: EvalResult, out_dir: Path) -> list[Path]:
-        """Write plots/tables for `result` under out_dir; return what was written."""
-        return []
-
-    def error_analysis(self, limit: int = 10) -> ErrorAnalysis | None:
-        """How the model was wrong over what was seen since `reset` (None: the task has no
-        analysis). `limit`: how many confused pairs at most."""
-        return None
-
-
-@dataclass(frozen=True)
-class GateMeasurement:
-    """An exported model against eager fp32 PyTorch on the same evaluation images.
-
-    `score` and `reference_score` are the task's gate metric as a fraction (top-1 accuracy for
-    classification, mAP for detection); the gate compares them in points (x 100).
-    `agreement` is the fraction of images whose post-processed answer is the same (top-1 class,
-    matched boxes); `max_abs_diff` the largest raw-output difference."""
-
-    metric: str
-    samples: int
-    score: float
-    reference_score: float
-    agreement: float
-    max_abs_diff: float
-
-    @property
-    def drop_points(self) -> float:
-        return (self.reference_score - self.score) * 100.0
-
-
-@dataclass(frozen=True)
-class AnswerOptions:
-    """What a client may ask of the image endpoint (query parameters, checked by the server):
-    `top_k` items at most, and only those scoring at least `score_threshold` (None: the
-    task's default for either: 5 classes, 100 boxes)."""
-
-    top_k: int | None = None
-    score_threshold: float | None = None
-
-
-@dataclass(frozen=True)
-class ImageContext:
-    """The image an answer is about: its upright size as sent (`width`, `height`, pixels), and
-    the model input's (`input_height`, `input_width`). A task that answers in image
-    coordinates (boxes) maps the model's input-frame outputs back with it."""
-
-    width: int
-    height: int
-    input_height: int
-    input_width: int
-
-
-class ExportComparison(ABC):
-    """Streams (eager outputs, exported outputs, targets) batch by batch; `result()` at the end.
-    Outputs are sequences of tensors in `Task.output_names` order."""
-
-    @abstractmethod
-    def update(
-        self, reference: Sequence[torch.Tensor], exported: Sequence[torch.Tensor], targets: Any
-    ) -> None: ...
-
-    @abstractmethod
-    def result(self) -> GateMeasurement: ...
-
-
-class OutputScorer(ABC):
-    """The gate metric over host arrays (what a benchmark's runner returns), batch by batch."""
-
-    @abstractmethod
-    def update(self, outputs: Sequence[npt.NDArray[Any]], targets: Any) -> None: ...
-
-    @abstractmethod
-    def compute(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class SummaryTable:
-    """A plain table the CLI renders (cells are plain text, no markup)."""
-
-    title: str
-    columns: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-    footer: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class DatasetSummary:
-    """What `visionloop data ingest` and `data info` show of a dataset beyond its image counts:
-    words after "Ingested N images" (`headline`, e.g. "with 1,234 boxes"), labelled lines
-    under it (`lines`, e.g. ("background", "12 images with no box (kept)")), and a table that
-    replaces the per-class image counts (`table`; None keeps them)."""
-
-    headline: str = ""
-    lines: tuple[tuple[str, str], ...] = ()
-    table: SummaryTable | None = None
-
-
-@dataclass(frozen=True)
-class EmbeddingLayer:
-    """Where a model's per-image embedding is read (`Task.embedding_layer`): the input or the
-    output of `module`, a submodule of the exported module. A 4-D tensor there is averaged
-    over its spatial dimensions; a dict, list or tuple gives its last tensor."""
-
-    module: nn.Module
-    read: Literal["input", "output"] = "input"
 
 
 class Task(ABC):

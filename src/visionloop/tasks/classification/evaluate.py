@@ -11,15 +11,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from visionloop.tasks.base import (
-    ErrorAnalysis,
-    EvalResult,
-    Evaluator,
-    ExportComparison,
-    GateMeasurement,
-    OutputScorer,
-)
 from visionloop.tasks.classification.metrics import ConfusionMatrix
+from visionloop.tasks.evaluation import ErrorAnalysis, EvalResult, Evaluator
+from visionloop.tasks.export_seams import ExportComparison, GateMeasurement, OutputScorer
 
 MAX_CLASSES_AS_METRICS = 50  # above this, per-class numbers go to the JSON report only
 
@@ -72,7 +66,7 @@ class ClassificationEvaluator(Evaluator):
         return EvalResult(metrics=metrics, report=details, summary=summary)
 
     def error_analysis(self, limit: int = 10) -> ErrorAnalysis:
-        from visionloop.tasks.base import top_confused
+        from visionloop.tasks.evaluation import top_confused
 
         return ErrorAnalysis(confused=top_confused(self.cm.matrix.cpu().tolist(), self.class_names, limit))
 

@@ -10,8 +10,8 @@ from typing import Any
 from xml.sax.saxutils import quoteattr
 
 from visionloop.core.errors import DataError
-from visionloop.tasks.base import ImageContext
 from visionloop.tasks.labels import ImageLabels, LabelledImage
+from visionloop.tasks.serving import ImageContext
 
 FROM_NAME = "label"
 TO_NAME = "image"

@@ -14,21 +14,13 @@ import numpy as np
 import numpy.typing as npt
 
 from visionloop.core.errors import SpecError
-from visionloop.tasks.base import (
-    Answer,
-    AnswerOptions,
-    Arrays,
-    EmbeddingLayer,
-    Evaluator,
-    ExportComparison,
-    ImageContext,
-    LossFn,
-    OutputScorer,
-    Task,
-)
+from visionloop.tasks.base import LossFn, Task
 from visionloop.tasks.classification import answer
 from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
+from visionloop.tasks.evaluation import Evaluator
+from visionloop.tasks.export_seams import EmbeddingLayer, ExportComparison, OutputScorer
 from visionloop.tasks.registry import register_task
+from visionloop.tasks.serving import Answer, AnswerOptions, Arrays, ImageContext
 
 if TYPE_CHECKING:
     import torch

@@ -25,8 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from visionloop.models.card import letterbox_scale
-from visionloop.tasks.base import Answer, AnswerOptions, Arrays, ImageContext
 from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
+from visionloop.tasks.serving import Answer, AnswerOptions, Arrays, ImageContext
 
 DEFAULT_SCORE_THRESHOLD = 0.25
 NMS_IOU = 0.5

@@ -20,15 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from visionloop.tasks.base import (
-    ErrorAnalysis,
-    EvalResult,
-    Evaluator,
-    ExportComparison,
-    GateMeasurement,
-    OutputScorer,
-)
 from visionloop.tasks.detection.metrics import DetectionEvaluator, DetectionReport, slot_state_for_sum
+from visionloop.tasks.evaluation import ErrorAnalysis, EvalResult, Evaluator
+from visionloop.tasks.export_seams import ExportComparison, GateMeasurement, OutputScorer
 
 # Post-processing of raw (fixed-shape, pre-NMS) outputs before mAP: COCO's evaluation wants
 # low-scoring detections too (they add recall), so the threshold is low.
@@ -139,8 +133,8 @@ class DetectionTaskEvaluator(Evaluator):
         )
 
     def error_analysis(self, limit: int = 10) -> ErrorAnalysis:
-        from visionloop.tasks.base import top_confused
         from visionloop.tasks.detection.metrics import ERROR_KINDS
+        from visionloop.tasks.evaluation import top_confused
 
         kinds = self.inner.error_kinds()
         return ErrorAnalysis(

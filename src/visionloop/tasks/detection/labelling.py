@@ -15,8 +15,8 @@ from xml.sax.saxutils import quoteattr
 
 from visionloop.core.errors import DataError
 from visionloop.core.fsutil import atomic_write_text
-from visionloop.tasks.base import ImageContext
 from visionloop.tasks.labels import ImageLabels, LabelledImage
+from visionloop.tasks.serving import ImageContext
 
 FROM_NAME = "label"
 TO_NAME = "image"

@@ -24,22 +24,13 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from visionloop.core.errors import SpecError, TrainingError
-from visionloop.tasks.base import (
-    Answer,
-    AnswerOptions,
-    Arrays,
-    DatasetSummary,
-    EmbeddingLayer,
-    Evaluator,
-    ExportComparison,
-    ImageContext,
-    LossFn,
-    OutputScorer,
-    SummaryTable,
-    Task,
-)
+from visionloop.tasks.base import LossFn, Task
 from visionloop.tasks.drift_outputs import DriftOutputs, UncertaintyInputs
+from visionloop.tasks.evaluation import Evaluator
+from visionloop.tasks.export_seams import EmbeddingLayer, ExportComparison, OutputScorer
 from visionloop.tasks.registry import register_task
+from visionloop.tasks.serving import Answer, AnswerOptions, Arrays, ImageContext
+from visionloop.tasks.summaries import DatasetSummary, SummaryTable
 
 if TYPE_CHECKING:
     import numpy as np
