@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import TooLargeError, human_bytes, read_capped
 from visionloop.label.phash import phash_bytes
 from visionloop.label.pool import Pool, SelectionError
 from visionloop.serve.protocol import ProtocolError
@@ -128,6 +129,17 @@ class Scorer:
         return outputs
 
 
+def _read_image(path: Path) -> bytes:
+    """The file's bytes, at most MAX_FILE_BYTES. Opened as a regular file only and read with
+    the cap: a file swapped for a FIFO after listing is refused (an OSError) instead of hanging
+    the scoring, and one grown past the cap after its size was seen is refused (a DataError)
+    having read no more than the cap."""
+    try:
+        return read_capped(path, MAX_FILE_BYTES, what="an image to score")
+    except TooLargeError:
+        raise DataError(f"larger than {human_bytes(MAX_FILE_BYTES)}") from None
+
+
 def score_folder(
     ref: str,
     source: Path,
@@ -170,9 +182,7 @@ def score_folder(
     for n, path in enumerate(files, 1):
         name = str(path.relative_to(source))
         try:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                raise DataError(f"larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB")
-            data = path.read_bytes()
+            data = _read_image(path)
             x = scorer.decode(data)
             h = phash_bytes(data, name=name)
         except (OSError, DataError, ValueError, ProtocolError) as e:

@@ -34,12 +34,13 @@ from visionloop.serve.protocol import (
     HEADER_LENGTH,
     InferRequest,
     ProtocolError,
+    encode_cost,
     encode_infer_response,
     parse_header_length,
     parse_infer_request,
 )
 from visionloop.serve.source import ModelSource
-from visionloop.serve.state import INLINE_PARSE_BYTES, Server
+from visionloop.serve.state import INLINE_ENCODE_BYTES, INLINE_PARSE_BYTES, Server
 from visionloop.tasks import get_task, list_tasks
 from visionloop.tasks.base import AnswerOptions, ImageContext
 
@@ -436,7 +437,11 @@ async def _infer(server: Server, request: Request, name: str, version: str | Non
     else:
         req = parse_infer_request(body, header_length, sv.model.inputs, sv.model.outputs, cfg.max_batch_size)
     result = await server.run(sv, req, shadow)
-    out, hl = encode_infer_response(sv.name, sv.version, req.id, result.outputs, req.outputs, sv.labels)
+    encode = (sv.name, sv.version, req.id, result.outputs, req.outputs, sv.labels)
+    if encode_cost(result.outputs, req.outputs) >= INLINE_ENCODE_BYTES:  # a large one: off the loop
+        out, hl = await server.parse(encode_infer_response, *encode)
+    else:
+        out, hl = encode_infer_response(*encode)
     server.count(sv, "infer", started)
     if hl is None:
         return Response(out, media_type=JSON)

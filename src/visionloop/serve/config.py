@@ -146,7 +146,11 @@ class ServeConfig(StrictBools):
         0, ge=0, le=256, examples=[2], description="images decoded at once; 0 = min(4, CPUs)"
     )
     max_concurrent_parses: int = Field(
-        0, ge=0, le=256, examples=[2], description="large bodies parsed at once; 0 = min(4, CPUs)"
+        0,
+        ge=0,
+        le=256,
+        examples=[2],
+        description="large bodies parsed (or responses encoded) at once; 0 = min(4, CPUs)",
     )
     intra_op_threads: int = Field(0, ge=0, le=256, examples=[2], description="ONNX Runtime threads; 0 = auto")
 

@@ -42,6 +42,11 @@ T = TypeVar("T")
 # a thread hop's cost at the ~2,700 small requests/s the server answers; a larger body's parse
 # grows with its size (10 ns/byte for orjson alone), so it leaves the loop.
 INLINE_PARSE_BYTES = 64 * 1024
+# Responses whose encoding costs less than this (`protocol.encode_cost`: bytes of a JSON FP32
+# tensor, 0.36 ms for 64 KiB) are encoded on the event loop; costlier ones (a segmentation
+# map, a detector's raw tensors, embeddings: megabytes, tens of ms) in the parse pool. Before,
+# every response was encoded on the loop, and one dense output stalled every other request.
+INLINE_ENCODE_BYTES = 64 * 1024
 # The slowest a body may come, on average, once `head_timeout_s` has passed: 32 MiB (the
 # default max_body_bytes) in 8.5 minutes; a link slower than this is not one to serve from.
 MIN_BODY_RATE = 64 * 1024
@@ -182,8 +187,9 @@ class Server:
         return body
 
     async def parse(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in the parse pool: what a large body's parse costs, it costs a worker
-        thread, not the event loop (health checks and small requests are answered meanwhile)."""
+        """`fn(*args)` in the parse pool: what a large body's parse (or a large response's
+        encoding) costs, it costs a worker thread, not the event loop (health checks and small
+        requests are answered meanwhile)."""
         return await asyncio.get_running_loop().run_in_executor(self._parses, fn, *args)
 
     async def decode(self, body: bytes, content_type: str, sv: ServedVersion) -> DecodedImage:
