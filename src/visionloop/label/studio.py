@@ -80,7 +80,7 @@ def export_tasks(
     from visionloop.core.settings import load_settings
     from visionloop.label.scoring import Scorer
     from visionloop.serve.protocol import ProtocolError
-    from visionloop.tasks.base import AnswerOptions, ImageContext
+    from visionloop.tasks.serving import AnswerOptions, ImageContext
 
     settings = settings or load_settings()
     scorer = Scorer(model, settings, precision)

@@ -42,7 +42,7 @@ from visionloop.serve.protocol import (
 from visionloop.serve.source import ModelSource
 from visionloop.serve.state import INLINE_ENCODE_BYTES, INLINE_PARSE_BYTES, Server
 from visionloop.tasks import get_task, list_tasks
-from visionloop.tasks.base import AnswerOptions, ImageContext
+from visionloop.tasks.serving import AnswerOptions, ImageContext
 
 log = logging.getLogger(__name__)
 

@@ -54,13 +54,7 @@ from visionloop.core.errors import DataError
 from visionloop.tasks.evaluation import Evaluator
 from visionloop.tasks.export_seams import EmbeddingLayer, ExportComparison, OutputScorer
 from visionloop.tasks.labels import ImageLabels, LabelledImage
-from visionloop.tasks.serving import Answer, Arrays
-
-# Re-exported for serve/app.py and label/studio.py, which import these two from here: those
-# folders are other engineers' to edit for now, so the names stay importable from
-# `tasks.base` until they import them from their home, `tasks.serving`.
-from visionloop.tasks.serving import AnswerOptions as AnswerOptions
-from visionloop.tasks.serving import ImageContext as ImageContext
+from visionloop.tasks.serving import Answer, AnswerOptions, Arrays, ImageContext
 from visionloop.tasks.summaries import DatasetSummary
 
 if TYPE_CHECKING:
