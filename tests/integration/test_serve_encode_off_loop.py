@@ -11,16 +11,15 @@ stays on the loop (no thread hop for the common case).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
 import visionloop.serve.app as app_module
+from _slowkit import SlowStep
 from visionloop.models.card import ModelCard
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.protocol import RequestedOutput, encode_cost, encode_infer_response
@@ -31,7 +30,6 @@ from visionloop.serve.state import INLINE_ENCODE_BYTES
 NAME = "dense"
 IN, SMALL, BIG = "INPUT__0", "small", "big"
 REPEATS = 2**17  # BIG: the 12 input values repeated, 12 x 2**17 FP32 = 6 MiB per row
-SLOW_S = 3.0  # how long the slow encoding takes: far longer than a health check on loopback
 
 CARD = ModelCard(
     arch="small_cnn",
@@ -80,29 +78,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServe
     cfg = ServeConfig(model=NAME, port=0, prediction_log=False)
     with BackgroundServer(cfg, src) as s:
         yield s
-
-
-class SlowStep:
-    """Wraps a function: records the thread of every call; the first call that `when(*args)`
-    accepts sets `started`, sleeps SLOW_S, runs the real function, then sets `ended`."""
-
-    def __init__(self, real: Callable[..., Any], when: Callable[..., bool]) -> None:
-        self.real = real
-        self.when = when
-        self.threads: list[threading.Thread] = []
-        self.started = threading.Event()
-        self.ended = threading.Event()
-
-    def __call__(self, *args: Any) -> Any:
-        self.threads.append(threading.current_thread())
-        if self.started.is_set() or not self.when(*args):
-            return self.real(*args)
-        self.started.set()
-        try:
-            time.sleep(SLOW_S)
-            return self.real(*args)
-        finally:
-            self.ended.set()
 
 
 def _asks_for(name: str) -> Callable[..., bool]:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -23,34 +21,12 @@ import pytest
 import visionloop.serve.batcher as batcher_module
 import visionloop.serve.keys as keys_module
 from _servekit import NAME, ServeKit, infer_body, serve_kit
+from _slowkit import SlowStep
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.keys import KeyRing, KeyStore
 from visionloop.serve.server import BackgroundServer
 
 __all__ = ["serve_kit"]
-
-SLOW_S = 3.0  # how long each slow step takes: far longer than a health check on loopback
-
-
-class SlowStep:
-    """Wraps a function: the first call that `when(*args)` accepts sets `started`, sleeps
-    SLOW_S, runs the real function, then sets `ended`."""
-
-    def __init__(self, real: Callable[..., Any], when: Callable[..., bool] = lambda *a: True) -> None:
-        self.real = real
-        self.when = when
-        self.started = threading.Event()
-        self.ended = threading.Event()
-
-    def __call__(self, *args: Any) -> Any:
-        if self.started.is_set() or not self.when(*args):
-            return self.real(*args)
-        self.started.set()
-        try:
-            time.sleep(SLOW_S)
-            return self.real(*args)
-        finally:
-            self.ended.set()
 
 
 def _health_during(step: SlowStep, url: str) -> bool:
