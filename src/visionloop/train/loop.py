@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -516,7 +514,7 @@ class Loop:
                 self.tracker.log_metrics({f"val/{k}": v for k, v in result.metrics.items()}, step=pos.step)
                 self.tracker.log_metrics({"epoch": float(pos.epoch)}, step=pos.step)
             out_dir = self.c.run_dir.eval_dir / f"step-{pos.step:09d}"
-            if os.path.lexists(out_dir) and not stat.S_ISDIR(os.lstat(out_dir).st_mode):
+            if self.c.run_dir.taken_by_other(out_dir):
                 # Something put there by hand: the evaluation is done, but has nowhere to go.
                 raise TrainingError(
                     f"{out_dir} is not a folder, so this evaluation's report cannot be written there. "

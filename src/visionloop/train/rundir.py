@@ -173,11 +173,17 @@ class RunDir:
         if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
             raise self._not_a_file(path, "a symbolic link" if path.is_symlink() else "not a regular file")
 
+    @staticmethod
+    def taken_by_other(path: Path) -> bool:
+        """True when something other than a plain folder (a file, a FIFO, a link) is at `path`,
+        where the trainer keeps a folder of its own."""
+        return os.path.lexists(path) and not stat.S_ISDIR(os.lstat(path).st_mode)
+
     def check_own_dirs(self) -> None:
         """Refuse checkpoints/ or eval/ that is not a plain folder (a file, a FIFO, a link): the
         run would start, train until its first save or evaluation, and fail there."""
         for path in (self.checkpoints, self.eval_dir):
-            if os.path.lexists(path) and not stat.S_ISDIR(os.lstat(path).st_mode):
+            if self.taken_by_other(path):
                 kind = "a symbolic link" if path.is_symlink() else "not a folder"
                 raise TrainingError(
                     f"{path} is {kind}; the trainer keeps its {path.name} there. Remove it, then rerun "
