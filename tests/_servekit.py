@@ -28,6 +28,19 @@ from visionloop.serve.source import StaticSource
 NAME = "digits"
 
 
+# A card for the tiny hand-built ONNX graphs that take FP32 [batch, 3, 2, 2] (12 values): the
+# datatype and event-loop tests serve their graphs under it.
+FLAT_CARD = ModelCard(
+    arch="small_cnn",
+    num_classes=12,
+    class_names=[f"c{i}" for i in range(12)],
+    input_size=(3, 2, 2),
+    mean=(0.0, 0.0, 0.0),
+    std=(1.0, 1.0, 1.0),
+    crop_pct=1.0,
+)
+
+
 @dataclass(frozen=True)
 class ServeKit:
     root: Path

@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from _servekit import metric
-from visionloop.models.card import ModelCard
+from _servekit import FLAT_CARD, metric
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.runtime import DATATYPES
 from visionloop.serve.server import BackgroundServer
@@ -38,16 +37,6 @@ INTEGERS = [dt for dt, d in DATATYPES.items() if d.kind in "iu"]
 FLOATS = [dt for dt, d in DATATYPES.items() if d.kind == "f"]
 NONFINITE = "nonfinite"  # FP32 [batch, 3, 2, 2] → log(x) flattened: -inf at 0, NaN below
 SHADOWED = "shadowed"  # v1 flattens its input (champion); v2 is NONFINITE's graph (shadow)
-
-CARD = ModelCard(
-    arch="small_cnn",
-    num_classes=12,
-    class_names=[f"c{i}" for i in range(12)],
-    input_size=(3, 2, 2),
-    mean=(0.0, 0.0, 0.0),
-    std=(1.0, 1.0, 1.0),
-    crop_pct=1.0,
-)
 
 
 def _model_name(datatype: str) -> str:
@@ -97,14 +86,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServe
     src = StaticSource()
     for dt in DATATYPES:
         _identity(tmp / f"{dt}.onnx", dt)
-        src.add(_model_name(dt), 1, tmp / f"{dt}.onnx", CARD)
+        src.add(_model_name(dt), 1, tmp / f"{dt}.onnx", FLAT_CARD)
         src.set_alias(_model_name(dt), "champion", 1)
     _image_model(tmp / "log.onnx", log=True)
     _image_model(tmp / "flatten.onnx", log=False)
-    src.add(NONFINITE, 1, tmp / "log.onnx", CARD)
+    src.add(NONFINITE, 1, tmp / "log.onnx", FLAT_CARD)
     src.set_alias(NONFINITE, "champion", 1)
-    src.add(SHADOWED, 1, tmp / "flatten.onnx", CARD)
-    src.add(SHADOWED, 2, tmp / "log.onnx", CARD)
+    src.add(SHADOWED, 1, tmp / "flatten.onnx", FLAT_CARD)
+    src.add(SHADOWED, 2, tmp / "log.onnx", FLAT_CARD)
     src.set_alias(SHADOWED, "champion", 1)
     src.set_alias(SHADOWED, "challenger", 2)
     names = [_model_name(dt) for dt in DATATYPES]

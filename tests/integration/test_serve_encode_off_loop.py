@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import visionloop.serve.app as app_module
+from _servekit import FLAT_CARD
 from _slowkit import SlowStep
-from visionloop.models.card import ModelCard
 from visionloop.serve.config import ServeConfig
 from visionloop.serve.protocol import RequestedOutput, encode_cost, encode_infer_response
 from visionloop.serve.server import BackgroundServer
@@ -30,16 +30,6 @@ from visionloop.serve.state import INLINE_ENCODE_BYTES
 NAME = "dense"
 IN, SMALL, BIG = "INPUT__0", "small", "big"
 REPEATS = 2**17  # BIG: the 12 input values repeated, 12 x 2**17 FP32 = 6 MiB per row
-
-CARD = ModelCard(
-    arch="small_cnn",
-    num_classes=12,
-    class_names=[f"c{i}" for i in range(12)],
-    input_size=(3, 2, 2),
-    mean=(0.0, 0.0, 0.0),
-    std=(1.0, 1.0, 1.0),
-    crop_pct=1.0,
-)
 
 
 def _dense_model(path: Path) -> None:
@@ -73,7 +63,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServe
     tmp = tmp_path_factory.mktemp("dense")
     _dense_model(tmp / "dense.onnx")
     src = StaticSource()
-    src.add(NAME, 1, tmp / "dense.onnx", CARD)
+    src.add(NAME, 1, tmp / "dense.onnx", FLAT_CARD)
     src.set_alias(NAME, "champion", 1)
     cfg = ServeConfig(model=NAME, port=0, prediction_log=False)
     with BackgroundServer(cfg, src) as s:
