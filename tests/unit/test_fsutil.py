@@ -4,6 +4,7 @@ reader), and name the file, the limit and what to do in their errors."""
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from collections.abc import Callable
@@ -13,12 +14,15 @@ import pytest
 
 from _hangkit import in_thread
 from visionloop.core.fsutil import (
+    LongLine,
     NotRegularFileError,
     NotTextError,
     TooLargeError,
+    capped_lines,
     human_bytes,
     read_capped,
     read_capped_text,
+    tail_lines,
 )
 
 LIMIT = 64 * 1024
@@ -130,3 +134,68 @@ def test_the_errors_survive_a_process_pool(tmp_path: Path) -> None:
 )
 def test_limits_are_shown_exactly_in_binary_units(n: int, shown: str) -> None:
     assert human_bytes(n) == shown
+
+
+# ----------------------------------------------------------------------------- logs, line by line
+
+
+class _CountingReader(io.BytesIO):
+    """Records the most bytes one `readline` returned, to show what a reader held at once."""
+
+    most = 0
+
+    def readline(self, size: int | None = -1, /) -> bytes:
+        line = super().readline(size)
+        self.most = max(self.most, len(line))
+        return line
+
+
+def test_lines_within_the_limit_come_whole_with_their_numbers() -> None:
+    data = b"a\n" + b"x" * 8 + b"\n\nlast, no newline"
+    got = list(capped_lines(io.BytesIO(data), 16))
+    assert got == [(1, b"a\n"), (2, b"x" * 8 + b"\n"), (3, b"\n"), (4, b"last, no newline")]
+
+
+def test_the_limit_counts_the_line_without_its_newline() -> None:
+    exact, over = b"y" * 8 + b"\n", b"z" * 9 + b"\n"
+    got = list(capped_lines(io.BytesIO(exact + over + exact), 8))
+    assert got == [(1, exact), (2, LongLine(10)), (3, exact)]
+    assert list(capped_lines(io.BytesIO(b"q" * 9), 8)) == [(1, LongLine(9))]  # the last, unended
+
+
+def test_a_long_line_is_skipped_without_being_held_and_the_next_is_read() -> None:
+    # A crash can leave megabytes of NULs without a newline in a log: the reader holds at most
+    # the limit plus one byte of it, or the skipping block, and goes on after it.
+    junk = b"\0" * (3 << 20)
+    f = _CountingReader(b"ok\n" + junk + b"\nafter\n")
+    got = list(capped_lines(f, 64))
+    assert got == [(1, b"ok\n"), (2, LongLine(len(junk) + 1)), (3, b"after\n")]
+    assert f.most <= 1 << 20
+
+
+def _log(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "x.log"
+    path.write_bytes(data)
+    return path
+
+
+def test_the_tail_of_a_log_is_its_last_lines(tmp_path: Path) -> None:
+    path = _log(tmp_path, b"".join(b"line %d\n" % i for i in range(100)))
+    assert tail_lines(path, 3) == ["line 97", "line 98", "line 99"]
+    assert tail_lines(path, 1000) == [f"line {i}" for i in range(100)]
+    assert tail_lines(path, 0) == []
+    assert tail_lines(_log(tmp_path, b""), 5) == []
+
+
+def test_the_tail_reads_only_the_end_and_drops_the_line_the_window_cut(tmp_path: Path) -> None:
+    # The last line is 5 bytes: a 13-byte window starts inside the line before it.
+    path = _log(tmp_path, b"0123456789\n" * 1000 + b"end\xff\n")
+    assert tail_lines(path, 10, max_bytes=13) == ["end\ufffd"]  # not "3456789"; bad UTF-8 replaced
+    assert tail_lines(path, 2, max_bytes=1 << 20) == ["0123456789", "end\ufffd"]
+
+
+def test_the_tail_of_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
+    fifo = tmp_path / "control-plane.log"
+    os.mkfifo(fifo)
+    got = in_thread(lambda: tail_lines(fifo, 15))
+    assert isinstance(got, NotRegularFileError), got

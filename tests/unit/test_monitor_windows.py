@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -169,8 +170,15 @@ def test_the_window_log_round_trips_and_skips_what_it_cannot_read(tmp_path: Path
     with open(path, "ab") as f:
         f.write(b'{"schema": 1, "model": "m"}\n')  # torn
         f.write(b"not json\n")
+        f.write(b"\0" * (8 << 20) + b"\n")  # a crash's NULs: skipped a block at a time, never held
     append_window(tmp_path, w)
-    assert list(read_windows(tmp_path, "m")) == [w, w]
+    tracemalloc.start()
+    try:
+        assert list(read_windows(tmp_path, "m")) == [w, w]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes held"
     assert list(read_windows(tmp_path, "other")) == []
     with pytest.raises(WindowRecordError, match="newer visionloop"):
         WindowRecord.from_json({**w.to_json(), "schema": 99})

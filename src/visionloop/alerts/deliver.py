@@ -28,10 +28,13 @@ from typing import Any
 import httpx
 
 from visionloop.alerts.records import Notification
+from visionloop.core.fsutil import LongLine, capped_lines
 
 log = logging.getLogger(__name__)
 
 LOG_FILE = "log.jsonl"
+# A line of the alert log longer than this was not written by it (an event is a few KiB).
+MAX_EVENT_BYTES = 1 << 20
 MAX_PER_MESSAGE = 20
 MAX_RETRY_AFTER_S = 30.0
 _COLOURS = {"resolved": "#2eb886", "critical": "#d62728", "warning": "#ff9f0e", "info": "#1f77b4"}
@@ -57,11 +60,13 @@ class AlertLog:
         """Every event, oldest first; a torn last line is skipped."""
         if not self.path.is_file():
             return
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
+        with open(self.path, "rb") as f:
+            for _, line in capped_lines(f, MAX_EVENT_BYTES):
+                if isinstance(line, LongLine):
+                    continue  # not an event this log wrote: never held whole
                 try:
                     doc = json.loads(line)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, UnicodeDecodeError):
                     continue
                 if isinstance(doc, dict):
                     yield doc

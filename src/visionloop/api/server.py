@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from visionloop.api.client import ADMIN_TOKEN_FILE, STATE_FILE, server_state
 from visionloop.core.errors import ConfigError, VisionloopError
-from visionloop.core.fsutil import atomic_write_text
+from visionloop.core.fsutil import atomic_write_text, tail_lines
 from visionloop.core.httpproto import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, bounded_protocol
 from visionloop.core.settings import Settings
 from visionloop.sched.config import ClusterConfig, load_cluster_config
@@ -275,7 +275,10 @@ def detach(
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            try:
+                tail = tail_lines(log_path, 15)  # appended to across starts: its end only
+            except OSError as e:
+                tail = [f"(its log {log_path} could not be read: {e})"]
             raise VisionloopError(f"the control plane exited with {proc.returncode}:\n" + "\n".join(tail))
         try:
             if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:

@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from visionloop.cli.console import err, out
+from visionloop.core.fsutil import LongLine, capped_lines, open_regular
 
 if TYPE_CHECKING:
     from visionloop.data.ingest import IngestOptions, IngestReport
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 app = typer.Typer(help="Build datasets from labelled images and inspect them.", no_args_is_help=True)
 
 _SPLITS = ("train", "val", "test")
+# A line of rejected.jsonl or duplicates.jsonl is a path and a reason: far below this.
+_MAX_SIDE_LINE_BYTES = 64 * 1024
 
 
 def _parse_rgb(value: str) -> tuple[int, int, int]:
@@ -279,21 +282,24 @@ def _print_summary(report: IngestReport) -> None:
     _line(f"      and point a train spec at it:  data: {{dataset: {where}}}")
 
 
-def _read_jsonl(path: Path) -> list[dict[str, object]]:
-    """Rows of a JSON-lines side file; unreadable lines are skipped (it is informational)."""
-    rows: list[dict[str, object]] = []
+def _iter_jsonl(path: Path) -> Iterator[dict[str, object]]:
+    """Rows of a JSON-lines side file; unreadable lines are skipped (it is informational).
+    Read line by line, a FIFO or folder in its place refused rather than waited on, and a
+    line longer than ingest writes skipped without being held whole."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        f = open_regular(path)
     except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+        return
+    with f:
+        for _, line in capped_lines(f, _MAX_SIDE_LINE_BYTES):
+            if isinstance(line, LongLine):
+                continue
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(row, dict):
+                yield row
 
 
 def _summary_table(m: DatasetManifest) -> Table:
@@ -390,16 +396,19 @@ def info_command(
     if lineage is not None:
         out.print(lineage)
 
-    rejected = _read_jsonl(dataset / REJECTED_NAME)
     if m.rejected:
+        by_reason: Counter[str] = Counter()
+        example: dict[str, str] = {}  # the first of each reason
+        for r in _iter_jsonl(dataset / REJECTED_NAME):
+            reason = str(r.get("reason"))
+            by_reason[reason] += 1
+            example.setdefault(reason, str(r.get("message", r.get("path"))))
         t = Table(
             title=f"rejected: {m.rejected:,} ({escape(str(dataset / REJECTED_NAME))})", title_justify="left"
         )
         t.add_column("reason")
         t.add_column("count", justify="right")
         t.add_column("example", overflow="fold")
-        by_reason = Counter(str(r.get("reason")) for r in rejected)
-        example = {str(r.get("reason")): str(r.get("message", r.get("path"))) for r in reversed(rejected)}
         for reason, n in sorted(by_reason.items(), key=lambda kv: (-kv[1], kv[0])):
             t.add_row(escape(reason), f"{n:,}", escape(example[reason]))
         out.print(t)
@@ -407,9 +416,10 @@ def info_command(
         out.print("rejected: none")
 
     if m.duplicates:
-        dups = _read_jsonl(dataset / DUPLICATES_NAME)
-        conflicts = sum(1 for d in dups if d.get("labels_conflict"))
-        dropped = any(d.get("dropped") for d in dups)
+        conflicts, dropped = 0, False
+        for d in _iter_jsonl(dataset / DUPLICATES_NAME):
+            conflicts += bool(d.get("labels_conflict"))
+            dropped = dropped or bool(d.get("dropped"))
         out.print(
             f"duplicates: {m.duplicates:,} byte-identical files ({conflicts} with conflicting labels), "
             f"{'dropped' if dropped else 'kept'}; see {escape(str(dataset / DUPLICATES_NAME))}"

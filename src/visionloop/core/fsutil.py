@@ -6,7 +6,8 @@ the new content survives a power cut (the directory entry is synced too).
 And safe reads: `open_regular` opens a file a user handed in, refusing a FIFO, device,
 socket or folder named like one (a FIFO would hang the reader, /dev/zero never ends);
 `read_capped` (bytes) and `read_capped_text` (strict UTF-8) read such a file whole, refusing
-one past a size limit with `TooLargeError`.
+one past a size limit with `TooLargeError`. `capped_lines` reads a log line by line with at
+most one line's limit in memory, and `tail_lines` the end of a log of any size.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, BinaryIO, Literal
 
 
 def fsync_dir(path: Path) -> None:
@@ -227,3 +229,48 @@ def read_capped_text(
         return data.decode(encoding)
     except UnicodeDecodeError as e:
         raise NotTextError(path, e) from None
+
+
+# ----------------------------------------------------------------------------- logs, line by line
+
+_SKIP_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class LongLine:
+    """A line of a log past its reader's limit, read past a block at a time, never held whole
+    (a crash can leave gigabytes of NULs without a newline). `size` counts its bytes."""
+
+    size: int
+
+
+def capped_lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | LongLine]]:
+    """The lines of `f` with their numbers (from 1), each with its newline where it has one.
+    A line of more than `limit` bytes (the newline not counted) comes as a `LongLine`, so a
+    reader can count it as skipped: at most `limit + 1` bytes of any line are in memory."""
+    number = 0
+    while line := f.readline(limit + 1):
+        number += 1
+        body = len(line) - line.endswith(b"\n")
+        if body <= limit:
+            yield number, line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n") and (line := f.readline(_SKIP_BLOCK)):
+            size += len(line)
+        yield number, LongLine(size)
+
+
+def tail_lines(path: str | os.PathLike[str], lines: int, *, max_bytes: int = 1 << 20) -> list[str]:
+    """The last `lines` lines of the regular file `path`, from at most its last `max_bytes`
+    (a log grows without bound: reading it whole to show its end could exhaust memory). Bytes
+    that are not UTF-8 are replaced; a first line cut by the window is dropped. Raises what
+    `open_regular` raises."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        start = max(0, size - max_bytes)
+        f.seek(start)
+        data = f.read(max_bytes)
+    if start > 0:
+        data = data.partition(b"\n")[2]  # the first line began before the window
+    return data.decode("utf-8", "replace").splitlines()[-lines:] if lines > 0 else []

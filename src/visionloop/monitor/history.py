@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from visionloop.core.fsutil import LongLine, capped_lines
 from visionloop.registry.layout import check_name
 
 SCHEMA_VERSION = 1
@@ -124,8 +125,8 @@ def read_windows(home: Path, model: str) -> Iterator[WindowRecord]:
     if not path.exists():
         return
     with open(path, "rb") as f:
-        for line in f:
-            if not line.strip() or len(line) > MAX_LINE_BYTES:
+        for _, line in capped_lines(f, MAX_LINE_BYTES):
+            if isinstance(line, LongLine) or not line.strip():
                 continue
             try:
                 yield WindowRecord.from_json(orjson.loads(line))

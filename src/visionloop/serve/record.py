@@ -26,9 +26,11 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, cast
+from typing import Any, Literal, cast
 
 import orjson
+
+from visionloop.core.fsutil import LongLine, capped_lines
 
 SCHEMA_VERSION = 3
 Role = Literal["primary", "challenger", "shadow"]
@@ -195,37 +197,19 @@ class ReadStats:
             self.first_error = where
 
 
-def _skip_line(f: BinaryIO) -> int:
-    """Read past the rest of the current line, at most a block in memory; the bytes skipped."""
-    skipped = 0
-    while block := f.readline(1 << 20):
-        skipped += len(block)
-        if block.endswith(b"\n"):
-            break
-    return skipped
-
-
 def read_records(path: Path, stats: ReadStats | None = None) -> Iterator[PredictionRecord]:
     """The records of one log file in order. Lines that are not records (torn by a crash,
     too long, from another program) are skipped and counted in `stats`, never fatal: a log
     is evidence, and one bad line must not hide the rest."""
     stats = stats if stats is not None else ReadStats()
     with open(path, "rb") as f:
-        number = 0
-        while line := f.readline(MAX_LINE_BYTES + 1):
-            number += 1
-            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-                # Over the limit: counted, and the rest of it skipped a block at a time (a
-                # crash can leave gigabytes of NULs without a newline; reading the line whole
-                # to measure it held all of them in memory).
-                size = len(line) + _skip_line(f)
-                stats.skip(f"{path}:{number}: line of {size} bytes (at most {MAX_LINE_BYTES})")
+        for number, line in capped_lines(f, MAX_LINE_BYTES):
+            if isinstance(line, LongLine):  # counted, never held whole
+                stats.skip(f"{path}:{number}: line of {line.size} bytes (at most {MAX_LINE_BYTES})")
                 continue
             if not line.strip():
                 continue
             try:
-                if len(line) > MAX_LINE_BYTES:
-                    raise RecordError(f"line of {len(line)} bytes (at most {MAX_LINE_BYTES})")
                 record = PredictionRecord.from_json(orjson.loads(line))
             except (RecordError, orjson.JSONDecodeError) as e:
                 stats.skip(f"{path}:{number}: {e}")
