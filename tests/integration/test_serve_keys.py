@@ -5,6 +5,7 @@ and keys created and revoked while the server runs (no restart)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -234,3 +235,34 @@ def test_no_keys_beyond_loopback_is_refused(serve_kit: ServeKit, tmp_path: Path)
     ring = resolve_keys(settings)
     assert ring is not None and len(ring) == 1  # a key exists: keys are on
     assert resolve_keys(settings, insecure_no_auth=True) is None
+
+
+def test_a_keys_file_that_is_a_fifo_not_utf8_or_huge_is_refused_in_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server reads the keys file at start and whenever it changes, and `serve keys` on
+    every call. A FIFO in its place waited for a writer forever (the server never started);
+    bytes that are not UTF-8 were a UnicodeDecodeError traceback."""
+    from _hangkit import in_thread
+    from visionloop.serve import keys as keys_module
+
+    store = KeyStore(tmp_path / "home")
+    store.create("reader", ["digits"])
+    path = store.path
+    path.unlink()
+    os.mkfifo(path)
+    got = in_thread(lambda: KeyRing(path))
+    assert isinstance(got, ConfigError), got
+    assert str(got).startswith(f"cannot read the API keys file {path}: ") and "FIFO" in str(got)
+
+    path.unlink()
+    path.write_bytes(b'{"version": 1, "keys": []}\xff\n')
+    with pytest.raises(ConfigError) as e:
+        store.keys()
+    assert f"the API keys file {path} is damaged (not UTF-8" in str(e.value)
+    assert "visionloop serve keys create" in str(e.value)
+
+    monkeypatch.setattr(keys_module, "MAX_KEYS_FILE_BYTES", 64)
+    path.write_text('{"version": 1, "keys": []}' + " " * 64)
+    with pytest.raises(ConfigError, match="larger than 64 bytes, the limit for an API keys file"):
+        store.keys()

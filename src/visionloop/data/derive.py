@@ -64,7 +64,7 @@ from visionloop.data.manifest import (
 )
 from visionloop.data.metadata import canonical_line, load_metadata, metadata_version
 from visionloop.data.publish import building, publish
-from visionloop.data.shardcheck import INDEX_NAME, check_dataset, check_shard_index
+from visionloop.data.shardcheck import INDEX_NAME, check_dataset, check_shard_index, load_shard_index
 from visionloop.data.shards import Record, ShardReader, ShardWriter, extra_fields, make_record
 from visionloop.tasks import Task, get_task
 
@@ -144,9 +144,7 @@ def _records(reader: ShardReader) -> Iterator[Record]:
 
 def _index_doc(shard_dir: Path) -> dict[str, Any]:
     """A shard folder's index.json, once `check_shard_index` has accepted it."""
-    check_shard_index(shard_dir)
-    doc: dict[str, Any] = json.loads((shard_dir / INDEX_NAME).read_text())
-    return doc
+    return load_shard_index(shard_dir)[1]
 
 
 class _SplitWriter:

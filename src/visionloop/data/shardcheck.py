@@ -266,6 +266,12 @@ def _check_chunks(index_file: Path, chunks: Any) -> list[int]:
 def check_shard_index(shard_dir: Path) -> ShardIndex:
     """Check `shard_dir/index.json` against what `ShardWriter` writes; raise DataError if it is
     anything else. Reads the index and stats each chunk file; reads no chunk."""
+    return load_shard_index(shard_dir)[0]
+
+
+def load_shard_index(shard_dir: Path) -> tuple[ShardIndex, dict[str, Any]]:
+    """`check_shard_index`, and the index document it checked, parsed from the same bytes (a
+    second read could find another file, or a FIFO, in its place)."""
     index_file = Path(shard_dir) / INDEX_NAME
     raw = _read_capped(index_file)
     digest = hashlib.sha256(raw).hexdigest()
@@ -276,16 +282,17 @@ def check_shard_index(shard_dir: Path) -> ShardIndex:
     if not isinstance(index, dict):
         raise _refuse(index_file, f"it holds {type(index).__name__}, not an object")
     if index == {"chunks": [], "config": None}:  # ShardWriter's empty split
-        return ShardIndex(chunk_sizes=[], digest=digest)
+        return ShardIndex(chunk_sizes=[], digest=digest), index
     keys = set(index)
     if keys != {"chunks", "config", "updated_at"}:
         raise _refuse(index_file, f"it has fields {sorted(keys)} (expected chunks, config, updated_at)")
     if not isinstance(index["updated_at"], str):
         raise _refuse(index_file, f"updated_at {_short(index['updated_at'])} is not a string")
     layout = _check_config(index_file, index["config"])
-    return ShardIndex(
+    checked = ShardIndex(
         chunk_sizes=_check_chunks(index_file, index["chunks"]), digest=digest, fields=layout.fields
     )
+    return checked, index
 
 
 class RefusedSerializer:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from visionloop.core.errors import ConfigError, NotFoundError
-from visionloop.core.fsutil import atomic_write_text, ensure_private_dir
+from visionloop.core.fsutil import TooLargeError, atomic_write_text, ensure_private_dir, read_capped_text
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ PREFIX: Final = "vlk_"
 READ: Final = "read"
 ROUTING: Final = "routing"
 ALL_MODELS: Final = "*"
+# Thousands of keys fit in this; the server and every `serve keys` call read it whole.
+MAX_KEYS_FILE_BYTES = 16 * 2**20
 _KEY = re.compile(r"vlk_(?P<id>[0-9a-f]{8})_[A-Za-z0-9_-]{43}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -109,20 +111,26 @@ def _digest(salt: bytes, key: str) -> str:
 
 def _read(path: Path) -> list[ApiKey]:
     """The keys in `path` ([] if it does not exist); raises ConfigError if it is unreadable."""
+    damaged = (
+        f"the API keys file {path} is damaged ({{}}); move it away and create the keys again with "
+        "`visionloop serve keys create`."
+    )
     try:
-        text = path.read_text(encoding="utf-8")
+        # Capped, and a FIFO in its place refused: the server reads it at start and on change.
+        text = read_capped_text(path, MAX_KEYS_FILE_BYTES, what="an API keys file")
     except FileNotFoundError:
         return []
     except OSError as e:
         raise ConfigError(f"cannot read the API keys file {path}: {e}") from e
+    except TooLargeError as e:
+        raise ConfigError(f"{e}: it holds only API key records (a few hundred bytes each)") from e
+    except UnicodeDecodeError as e:  # NotTextError
+        raise ConfigError(damaged.format(f"not UTF-8: {e.reason} at byte {e.start}")) from e
     try:
         doc = json.loads(text)
         return [ApiKey.from_json(k) for k in doc["keys"]]
     except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(
-            f"the API keys file {path} is damaged ({type(e).__name__}: {e}); move it away and "
-            "create the keys again with `visionloop serve keys create`."
-        ) from e
+        raise ConfigError(damaged.format(f"{type(e).__name__}: {e}")) from e
 
 
 class KeyStore:
