@@ -149,3 +149,32 @@ def test_bad_input_is_named(pool: tuple[ModelKit, Path], tmp_path: Path) -> None
         env=kit.env(),
     )  # fmt: skip
     assert r.returncode != 0 and "is not empty" in r.stderr
+
+
+def test_export_skips_a_fifo_and_inlines_the_bytes_it_scored(
+    pool: tuple[ModelKit, Path], tmp_path: Path
+) -> None:
+    """`label export --out`: each chosen image is read once, capped, and a FIFO in the folder is
+    skipped with the reason (stat then read_bytes waited on it forever). The task's inline image
+    is the very bytes the pre-annotation was made on."""
+    import base64
+    import os
+
+    kit, src = pool
+    folder = tmp_path / "chosen"
+    folder.mkdir()
+    good = (src / "val-00.png").read_bytes()
+    (folder / "a.png").write_bytes(good)
+    os.mkfifo(folder / "pipe.png")
+    selection = tmp_path / "selection.json"
+    chosen = [{"id": "a.png"}, {"id": "pipe.png"}]
+    selection.write_text(json.dumps({"model": kit.name, "source": str(folder), "chosen": chosen}))
+    out = tmp_path / "tasks"
+    r = cli("label", "export", str(selection), "--out", str(out), env=kit.env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    said = " ".join(r.stderr.split())
+    assert "skipped pipe.png:" in said and "FIFO" in said, said
+    (task,) = json.loads((out / "tasks.json").read_text())
+    assert task["data"]["image"] == "data:image/png;base64," + base64.b64encode(good).decode("ascii")
+    (prediction,) = task["predictions"]
+    assert prediction["model_version"] == kit.ref and 0 < prediction["score"] <= 1

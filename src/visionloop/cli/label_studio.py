@@ -103,9 +103,9 @@ def export_command(
         raise DataError(f"{selection} names no model or folder; give --model and --images")
     ids = [c["id"] for c in doc["chosen"]]
 
-    def url(image_id: str, path: Path) -> str:
+    def url(image_id: str, path: Path, data: bytes) -> str:
         if image_url is None:
-            return data_uri(path)
+            return data_uri(path, data)
         return image_url.replace("{path}", quote(image_id.replace("\\", "/")))
 
     err.print(f"pre-annotating {len(ids)} images with {escape(ref)} ...")

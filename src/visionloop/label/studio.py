@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import DataError
-from visionloop.core.fsutil import TooLargeError, read_capped
+from visionloop.core.fsutil import TooLargeError, human_bytes, read_capped
 
 ID_KEY = "visionloop_id"
 MAX_EXPORT_BYTES = 512 * 1024 * 1024  # a Label Studio export read from a file or a server
@@ -60,10 +60,12 @@ def image_path(source: Path, image_id: str) -> Path:
     return path
 
 
-def data_uri(path: Path) -> str:
-    """The image inline, as a `data:` URL: Label Studio shows it with no storage set up."""
+def data_uri(path: Path, data: bytes) -> str:
+    """The image `data` (read from `path`) inline, as a `data:` URL: Label Studio shows it with
+    no storage set up. The bytes that were scored, not the file read again: what a labeller
+    sees is what the pre-annotation was made on."""
     kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-    return f"data:{kind};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
+    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def export_tasks(
@@ -71,12 +73,13 @@ def export_tasks(
     source: Path,
     ids: Sequence[str],
     *,
-    image_url: Callable[[str, Path], str],
+    image_url: Callable[[str, Path, bytes], str],
     settings: Any = None,
     precision: str = "fp32",
 ) -> Exported:
     """One Label Studio task per image id (a path under `source`), each with the model's
-    prediction as a pre-annotation, scored the way the server scores it."""
+    prediction as a pre-annotation, scored the way the server scores it. `image_url` gives a
+    task's image URL from its id, path and the bytes that were scored."""
     from visionloop.core.settings import load_settings
     from visionloop.label.scoring import Scorer
     from visionloop.serve.protocol import ProtocolError
@@ -88,13 +91,13 @@ def export_tasks(
     config = scorer.task.labelling_config(names)
     tasks: list[dict[str, Any]] = []
     skipped: list[tuple[str, str]] = []
-    pending: list[tuple[str, Path, Any]] = []
+    pending: list[tuple[str, Path, bytes, Any]] = []
 
     def flush() -> None:
         if not pending:
             return
-        outputs = scorer.run([d.input for _, _, d in pending])
-        for row, (image_id, path, decoded) in enumerate(pending):
+        outputs = scorer.run([d.input for _, _, _, d in pending])
+        for row, (image_id, path, data, decoded) in enumerate(pending):
             one = {k: v[row : row + 1] for k, v in outputs.items()}
             _, _, in_h, in_w = decoded.input.shape
             context = ImageContext(decoded.size[0], decoded.size[1], int(in_h), int(in_w))
@@ -102,7 +105,7 @@ def export_tasks(
             result, score = scorer.task.pre_annotation(served, context)
             tasks.append(
                 {
-                    "data": {"image": image_url(image_id, path), ID_KEY: image_id},
+                    "data": {"image": image_url(image_id, path, data), ID_KEY: image_id},
                     "predictions": [{"model_version": scorer.info.ref, "score": score, "result": result}],
                 }
             )
@@ -111,13 +114,16 @@ def export_tasks(
     for image_id in dict.fromkeys(ids):  # once each, in the given order
         try:
             path = image_path(source, image_id)
-            if path.stat().st_size > MAX_IMAGE_BYTES:
-                raise DataError(f"larger than {MAX_IMAGE_BYTES // (1024 * 1024)} MiB")
-            decoded = scorer.decode_sized(path.read_bytes())
+            # Once, capped, a FIFO refused (stat's size then read_bytes waited on one forever).
+            data = read_capped(path, MAX_IMAGE_BYTES, what="an image to label")
+            decoded = scorer.decode_sized(data)
+        except TooLargeError:
+            skipped.append((image_id, f"larger than {human_bytes(MAX_IMAGE_BYTES)}"))
+            continue
         except (OSError, DataError, ValueError, ProtocolError) as e:
             skipped.append((image_id, str(e)))
             continue
-        pending.append((image_id, path, decoded))
+        pending.append((image_id, path, data, decoded))
         if len(pending) == _BATCH:
             flush()
     flush()
