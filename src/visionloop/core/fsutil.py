@@ -233,7 +233,7 @@ def read_capped_text(
 
 # ----------------------------------------------------------------------------- logs, line by line
 
-_SKIP_BLOCK = 1 << 20
+_SKIP_BLOCK = 64 * 1024  # readline joins its pieces: a few blocks are alive at once
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import ExecutorError, VisionloopError
+from visionloop.core.fsutil import LongLine, capped_lines, open_regular
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle
 from visionloop.sched.progress import CheckpointEvent, EvalEvent, PaceEvent
 from visionloop.sched.service_base import PlaneBase, log
@@ -38,6 +39,8 @@ _TAIL_BYTES = 64 * 1024
 # its trials' intermediate values from. A file in the control plane's own home rather than a
 # table: advisory progress, bounded in size, and the schema's models are not this module's.
 EVALS_FILE = "evals.jsonl"
+# A recorded evaluation is one progress line (at most 4 KiB) as JSON: far below this.
+MAX_EVAL_LINE_BYTES = 64 * 1024
 # A read of a job's progress records at most this many new evaluations (the newest), and a
 # job's evaluations file stops growing at this size: a job flooding its log with made-up
 # evaluations costs a bounded write.
@@ -85,14 +88,17 @@ def read_evals(path: Path) -> Iterator[EvalEvent]:
     crash) is skipped. The same step can appear twice (a control-plane restart reads the
     job's log again from its start): readers keep the first."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        f = open_regular(path)
     except FileNotFoundError:
         return
-    for line in text.splitlines():
-        try:
-            yield EvalEvent.from_doc(json.loads(line))
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            continue
+    with f:  # line by line: a tuner reads it after every evaluation, for studies of any length
+        for _, line in capped_lines(f, MAX_EVAL_LINE_BYTES):
+            if isinstance(line, LongLine):
+                continue
+            try:
+                yield EvalEvent.from_doc(json.loads(line))
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+                continue
 
 
 def _tail(executor: Executor, handle: Handle | None, lines: int) -> str:
