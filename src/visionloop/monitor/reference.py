@@ -22,8 +22,10 @@ is the share of requests with confidence >= t.
 
 from __future__ import annotations
 
+import io
 import json
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,12 +35,24 @@ import numpy as np
 import numpy.typing as npt
 
 from visionloop.core.errors import DataError, NotFoundError
-from visionloop.core.fsutil import atomic_write_bytes, atomic_write_json
+from visionloop.core.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    human_bytes,
+    read_capped,
+    read_capped_text,
+)
 from visionloop.tasks.drift_outputs import EMBEDDING_OUTPUT
 
 REFERENCE_DIR = "monitor"
 ARRAYS_FILE = "reference.npz"
 META_FILE = "reference.json"
+# What a stored reference may take: its files on disk, and its arrays once expanded (an .npz is a
+# zip: a small one could expand to more than the machine holds). A reference of the default
+# 2,000-image cap takes a few MB; these leave room for any cap a user sets.
+MAX_META_BYTES = 16 * 2**20
+MAX_ARRAYS_FILE_BYTES = 2**30
+MAX_ARRAYS_BYTES = 4 * 2**30
 DEFAULT_MAX_IMAGES = 2000
 _BATCH = 32
 
@@ -130,15 +144,29 @@ def save_reference(version_dir: Path, ref: Reference) -> Path:
     return out
 
 
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a reference's .npz, read once, refused before expanding when their sizes
+    (as the zip declares them, which also bounds what it yields) exceed MAX_ARRAYS_BYTES."""
+    raw = read_capped(path, MAX_ARRAYS_FILE_BYTES, what="a reference's arrays")
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        expanded = sum(info.file_size for info in zf.infolist())
+    if expanded > MAX_ARRAYS_BYTES:
+        raise ValueError(
+            f"{path.name} would expand to {human_bytes(expanded)}, more than {human_bytes(MAX_ARRAYS_BYTES)}"
+        )
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
 def load_reference(version_dir: Path) -> Reference:
     """The stored reference; NotFoundError saying how to build it, DataError if damaged."""
     out = reference_dir(version_dir)
     if not (out / META_FILE).exists():
         raise NotFoundError(f"no monitoring reference in {out}")
     try:
-        meta = json.loads((out / META_FILE).read_text())
-        with np.load(out / ARRAYS_FILE, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
+        # Capped reads, a FIFO refused: the registry can sit on storage a whole team writes.
+        meta = json.loads(read_capped_text(out / META_FILE, MAX_META_BYTES, what="a reference's metadata"))
+        arrays = _read_arrays(out / ARRAYS_FILE)
         image = {
             k.removeprefix("image."): v.astype(np.float32)
             for k, v in arrays.items()
@@ -164,7 +192,7 @@ def load_reference(version_dir: Path) -> Reference:
             created=float(meta["created"]),
             embeddings=arrays.get("embeddings"),
         )
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, MemoryError, zipfile.BadZipFile) as e:
         raise DataError(
             f"the monitoring reference in {out} is damaged ({e}); rebuild it with "
             "`visionloop monitor MODEL --rebuild-reference`."
