@@ -46,7 +46,8 @@ def _saved(version_dir: Path) -> Path:
         atc_threshold=0.6,
     )
     save_reference(version_dir, ref)
-    assert np.array_equal(load_reference(version_dir).outputs, probs)  # round-trips as it is
+    loaded = load_reference(version_dir).outputs
+    assert loaded is not None and np.array_equal(loaded, probs)  # round-trips as it is
     return reference_dir(version_dir)
 
 
