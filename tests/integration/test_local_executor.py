@@ -24,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from _hangkit import in_thread
 from visionloop.core.errors import ExecutorError
 from visionloop.sched import shim
+from visionloop.sched.executors import local as local_executor
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.local import LocalExecutor, gpu_type
 from visionloop.sched.view import Gpu
@@ -417,3 +419,18 @@ def test_a_log_replaced_by_a_link_or_a_fifo_is_refused_not_followed(
     os.mkfifo(log)
     with pytest.raises(ExecutorError, match="is not a regular file; it is not read"):
         log_text(ex, handle)  # refused at once: before, this blocked until a writer came
+    # The end of the log in a start failure's message: the link's target is not shown either.
+    log.unlink()
+    log.symlink_to(secret)
+    shown = local_executor._tail(log)
+    assert "vl-admin-secret" not in shown and "is a symbolic link; it is not read" in shown
+    # Its status files too: a FIFO as exit.json blocked every poll of the control plane.
+    ended = Path(handle["attempt_dir"]) / shim.EXIT_JSON
+    ended.unlink()
+    os.mkfifo(ended)
+    got = in_thread(lambda: ex.poll(handle))
+    assert isinstance(got, ExecutorError) and "is not a regular file" in str(got), got
+    ended.unlink()
+    ended.symlink_to(secret)
+    got = in_thread(lambda: ex.poll(handle))
+    assert isinstance(got, ExecutorError) and "vl-admin-secret" not in str(got), got

@@ -77,7 +77,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import psutil
 
@@ -94,6 +94,8 @@ DEFAULT_START_TIMEOUT_S = 30.0
 # kills the shim too. The shim notices within ~50 ms.
 KILL_RECORD_WAIT_S = 2.0
 READ_CHUNK = 64 * 1024
+# shim.json and exit.json hold a few hundred bytes; past this, not what the shim wrote.
+MAX_STATUS_BYTES = 1 << 20
 
 
 class LocalExecutor:
@@ -349,21 +351,11 @@ class LocalExecutor:
     def read_log(self, handle: Handle, offset: int = 0) -> Iterator[bytes]:
         """The log from byte `offset` to its current end, in chunks; nothing if there is no log
         yet. A follower remembers offset + bytes received and calls again."""
-        path = self._attempt_dir(handle) / shim.LOG
-        # Not a link (the job's process could make its log point at the admin token) and not
-        # a FIFO (opening one blocks the server's thread until a writer comes): a regular file.
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            f = _open_attempt_file(self._attempt_dir(handle) / shim.LOG, "log")
         except FileNotFoundError:
             return
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise ExecutorError(f"the log {path} is a symbolic link; it is not read.") from e
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise ExecutorError(f"the log {path} is not a regular file; it is not read.")
-        with os.fdopen(fd, "rb") as f:
+        with f:
             f.seek(max(offset, 0))
             while chunk := f.read(READ_CHUNK):
                 yield chunk
@@ -488,11 +480,31 @@ def _sweep(token: str, sig: signal.Signals, spare: int | None = None) -> int:
     return found
 
 
+def _open_attempt_file(path: Path, what: str) -> BinaryIO:
+    """An attempt folder's file, opened for reading only if it is a regular file and not a
+    symbolic link: the job's process writes in that folder, and could make its log point at the
+    admin token, or put a FIFO where the control plane's thread would wait on it for ever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ExecutorError(f"the {what} {path} is a symbolic link; it is not read.") from e
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ExecutorError(f"the {what} {path} is not a regular file; it is not read.")
+    return os.fdopen(fd, "rb")
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     """The file's JSON object, or None if it does not exist (yet). Files are written
     atomically, so a present file is complete."""
     try:
-        data = json.loads(path.read_bytes())
+        with _open_attempt_file(path, "status file") as f:
+            raw = f.read(MAX_STATUS_BYTES + 1)
+        if len(raw) > MAX_STATUS_BYTES:
+            raise ValueError(f"larger than {MAX_STATUS_BYTES} bytes; the shim writes a few hundred")
+        data = json.loads(raw)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -510,11 +522,14 @@ def _mtime(path: Path) -> float | None:
 
 
 def _tail(path: Path, limit: int = 4000) -> str:
+    """The end of an attempt's log, for an error message: its last `limit` bytes only."""
     try:
-        data = path.read_bytes()
-    except OSError:
-        return "(no output)"
-    text = data[-limit:].decode("utf-8", errors="replace").rstrip()
+        with _open_attempt_file(path, "log") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
+            data = f.read(limit)
+    except (OSError, ExecutorError) as e:
+        return "(no output)" if isinstance(e, FileNotFoundError) else f"(its output is not shown: {e})"
+    text = data.decode("utf-8", errors="replace").rstrip()
     return text or "(no output)"
 
 
