@@ -434,3 +434,20 @@ def test_a_log_replaced_by_a_link_or_a_fifo_is_refused_not_followed(
     ended.symlink_to(secret)
     got = in_thread(lambda: ex.poll(handle))
     assert isinstance(got, ExecutorError) and "vl-admin-secret" not in str(got), got
+
+
+def test_a_job_that_links_its_log_elsewhere_does_not_get_the_shim_to_write_there(
+    ex: LocalExecutor, launched: Callable[..., Handle], tmp_path: Path
+) -> None:
+    """The shim writes its own lines (how the job ended) into the log. It opened the log by
+    name for each line, so a job that replaced its log by a link had the shim append to the
+    link's target (any file the control plane's user can write: the job store, a config)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched\n")
+    log = tmp_path / "a0" / shim.LOG  # the first launch's attempt folder
+    code = "import os, signal, sys; os.unlink(sys.argv[1]); os.symlink(sys.argv[2], sys.argv[1]); "
+    handle = launched(py(code + "os.kill(os.getpid(), signal.SIGTERM)", str(log), str(victim)))
+    assert handle["attempt_dir"] == str(log.parent)
+    status = wait_done(ex, handle)
+    assert status.exit_code == 128 + signal.SIGTERM
+    assert victim.read_text() == "untouched\n"

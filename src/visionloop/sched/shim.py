@@ -147,11 +147,21 @@ class Shim:
         self.child: subprocess.Popen[bytes] | None = None
         self.pending: list[int] = []  # signals that arrived before the child existed
         self.reaped = False
+        self._log: int | None = None  # the log, opened once before the job starts
+
+    def log_fd(self) -> int:
+        """The log's descriptor, opened once, before the job exists: the job's process writes in
+        this folder and could replace the log by a link to another file (which the shim would
+        then append to) or a FIFO (which would block the shim's writes for ever)."""
+        if self._log is None:
+            self._log = os.open(
+                self.dir / LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+            )
+        return self._log
 
     def say(self, text: str) -> None:
         # One write per line: the child appends to the same file (O_APPEND keeps lines whole).
-        with open(self.dir / LOG, "ab") as f:
-            f.write(f"[visionloop shim] {text}\n".encode())
+        os.write(self.log_fd(), f"[visionloop shim] {text}\n".encode())
 
     def forward(self, signum: int, _frame: FrameType | None) -> None:
         # Runs between bytecodes of the main thread: no locks, nothing that can block, and no
@@ -188,24 +198,24 @@ class Shim:
             "child_pgid": None,
         }
         self.beat()
-        with open(self.dir / LOG, "ab") as log:  # the child gets its own copy of the descriptor
-            try:
-                self.child = subprocess.Popen(
-                    self.command,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    process_group=0,  # the child leads its own group: kill() takes its whole tree
-                    preexec_fn=_pdeathsig(me),  # safe: the shim has no other thread
-                    # close_fds (the default) keeps the lock away from the job: the lock
-                    # means "the shim is alive", and nothing else.
-                )
-            except OSError as e:
-                missing = isinstance(e, FileNotFoundError | NotADirectoryError)
-                code = EXIT_NOT_FOUND if missing else EXIT_NOT_EXECUTABLE
-                self.say(f"cannot run {self.command[0]!r}: {e.strerror or e} (exit {code})")
-                atomic_write_json(self.dir / SHIM_JSON, info)
-                return self.finish(code, error=str(e))
+        log = self.log_fd()  # the child gets its own copy of the descriptor
+        try:
+            self.child = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                process_group=0,  # the child leads its own group: kill() takes its whole tree
+                preexec_fn=_pdeathsig(me),  # safe: the shim has no other thread
+                # close_fds (the default) keeps the lock away from the job: the lock
+                # means "the shim is alive", and nothing else.
+            )
+        except OSError as e:
+            missing = isinstance(e, FileNotFoundError | NotADirectoryError)
+            code = EXIT_NOT_FOUND if missing else EXIT_NOT_EXECUTABLE
+            self.say(f"cannot run {self.command[0]!r}: {e.strerror or e} (exit {code})")
+            atomic_write_json(self.dir / SHIM_JSON, info)
+            return self.finish(code, error=str(e))
         pid = self.child.pid
         info.update(
             child_pid=pid,
