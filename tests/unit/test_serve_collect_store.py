@@ -444,3 +444,32 @@ def test_every_sighting_reads_back_as_a_prediction_record(tmp_path: Path) -> Non
     (back,) = img.sightings
     assert back == det
     assert re.fullmatch(r"[0-9a-f]{64}", img.sha256) and img.sha256 == hashlib.sha256(_png(1)).hexdigest()
+
+
+def test_a_fifo_for_a_sidecar_is_skipped_by_the_reader_and_replaced_by_the_writer(tmp_path: Path) -> None:
+    """The store is read, not trusted: a FIFO where a sidecar goes blocked `read_collected` (and
+    `label select --from-collected`) until a writer came, and blocked the server's collecting
+    thread for ever when the same image was kept again."""
+    from _hangkit import in_thread
+
+    c = _collector(tmp_path)
+    try:
+        c.offer(_png(10), _record(confidence=0.8))
+        c.offer(_png(200), _record(confidence=0.7))
+        c.flush()
+        sha = hashlib.sha256(_png(10)).hexdigest()
+        sidecar = c.dir / sha[:2] / f"{sha}.json"
+        sidecar.unlink()
+        os.mkfifo(sidecar)
+        stats = ReadStats()
+        got = in_thread(lambda: [i.sha256 for i in read_collected(c.dir, stats)])
+        assert got == [hashlib.sha256(_png(200)).hexdigest()]
+        assert stats.bad == 1 and str(sidecar) in str(stats.first_error) and "FIFO" in str(stats.first_error)
+        # Kept again: the writer starts that sidecar over (as for a damaged one), never waits.
+        again = _record(confidence=0.6)
+        c.offer(_png(10), again)
+        assert in_thread(lambda: c.flush()) is None
+    finally:
+        c.close()
+    images = {i.sha256: i for i in read_collected(c.dir)}
+    assert [s.to_json() for s in images[sha].sightings] == [again.to_json()]

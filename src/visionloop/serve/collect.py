@@ -42,7 +42,7 @@ from typing import Any, Literal, cast
 
 import orjson
 
-from visionloop.core.fsutil import atomic_write_bytes, ensure_private_dir
+from visionloop.core.fsutil import atomic_write_bytes, ensure_private_dir, open_regular
 from visionloop.serve.config import CollectConfig
 from visionloop.serve.metrics import ServeMetrics
 from visionloop.serve.predlog import flush_writer, stop_writer
@@ -171,8 +171,8 @@ def _parse_sidecar(raw: bytes, path: Path) -> tuple[dict[str, Any], CollectedIma
 
 
 def _read_sidecar(path: Path) -> tuple[dict[str, Any], CollectedImage]:
-    with open(path, "rb") as f:
-        raw = f.read(MAX_SIDECAR_BYTES + 1)  # bounded: a store is read, not trusted
+    with open_regular(path) as f:  # a FIFO refused, not waited on: a store is read, not trusted
+        raw = f.read(MAX_SIDECAR_BYTES + 1)  # bounded
     return _parse_sidecar(raw, path)
 
 
@@ -339,7 +339,7 @@ class Collector:
                 old_size = sidecar.stat().st_size
                 try:
                     doc, _ = _read_sidecar(sidecar)
-                except RecordError as e:  # rewritten from this sighting on; its history is lost
+                except (OSError, RecordError) as e:  # rewritten from this sighting on; its history is lost
                     log.warning("collect: %s was damaged (%s); starting it again", sidecar, e)
             if doc is None:
                 doc = {
