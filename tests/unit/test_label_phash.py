@@ -5,7 +5,9 @@ search checked against a brute-force one."""
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,6 +137,21 @@ def test_what_is_not_an_image_says_so(tmp_path: object) -> None:
         phash_bytes(data[: len(data) // 3], name="cut.jpg")
     with pytest.raises(DataError, match="cannot be read"):
         phash_file("/nonexistent/x.jpg")
+
+
+def test_a_fifo_or_a_file_past_any_image_size_is_refused_unread(tmp_path: Path) -> None:
+    from _hangkit import in_thread
+
+    fifo = tmp_path / "stream.jpg"
+    os.mkfifo(fifo)
+    got = in_thread(lambda: phash_file(fifo))
+    assert isinstance(got, DataError) and "is a FIFO (named pipe)" in str(got), got
+    big = tmp_path / "big.jpg"
+    big.write_bytes(jpeg_of(photo(1)) + b"\0" * 2048)  # past 8 bytes a pixel of 16 pixels, + 64 MiB
+    with open(big, "r+b") as f:
+        f.truncate(16 * 8 + 64 * 2**20 + 1)
+    with pytest.raises(DataError, match="larger than"):
+        phash_file(big, max_pixels=16)
 
 
 def test_hash_of_a_file_equals_hash_of_its_bytes(tmp_path: object) -> None:

@@ -329,3 +329,17 @@ def test_the_detection_task_keeps_no_input_image_with_a_result() -> None:
     assert set(kept[0]) == {"boxes", "scores", "labels"} and targets[0]["image_id"] == 3
     assert "image_id" not in task.repeated_targets(targets, 1)[0]
     assert task.repeated_targets(targets, 0) is targets
+
+
+def test_a_fifo_for_the_metadata_file_is_refused_without_waiting(tmp_path: Path) -> None:
+    from _hangkit import in_thread
+
+    ds, m = _written(tmp_path)
+    path = ds / "metadata" / "val.jsonl"
+    path.unlink()
+    os.mkfifo(path)  # a dataset folder is handed in: before, training or `eval --slices` waited here
+    got = in_thread(lambda: load_metadata(ds, m, "val"))
+    assert isinstance(got, DataError), got
+    assert f"{path} cannot be read (is a FIFO (named pipe)" in str(got) and "visionloop data ingest" in str(
+        got
+    )

@@ -118,3 +118,15 @@ def test_a_line_past_the_limit_is_skipped_without_holding_it_in_memory(tmp_path:
     assert (stats.read, stats.bad) == (2, 2)
     assert stats.first_error == f"{path}:2: line of {24 * 2**20 + 1} bytes (at most {MAX_LINE_BYTES})"
     assert peak < 4 * 2**20, f"{peak} bytes held"
+
+
+def test_a_fifo_among_the_logs_is_counted_not_waited_on(tmp_path: Path) -> None:
+    import os
+
+    from _hangkit import in_thread
+
+    fifo = tmp_path / "predictions.jsonl.1"
+    os.mkfifo(fifo)
+    stats = ReadStats()
+    assert in_thread(lambda: list(read_records(fifo, stats))) == []
+    assert stats.bad == 1 and "FIFO" in str(stats.first_error)

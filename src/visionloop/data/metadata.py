@@ -44,6 +44,7 @@ from types import TracebackType
 from typing import IO, cast
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import open_regular
 from visionloop.data.manifest import (
     MAX_METADATA_COLUMNS,
     METADATA_DIR,
@@ -356,7 +357,11 @@ def load_metadata(dataset_dir: Path, manifest: DatasetManifest, split: str) -> l
     if size > count * MAX_LINE_BYTES:
         raise DataError(f"{path} is larger than {count} lines of metadata can be; {fix}.")
     rows: list[Metadata] = []
-    with open(path, "rb") as f:
+    try:
+        f = open_regular(path)  # a dataset folder is handed in: a FIFO there must not hang training
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); {fix}.") from None
+    with f:
         while True:
             raw = f.readline(MAX_LINE_BYTES + 1)
             if not raw:

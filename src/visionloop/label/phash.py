@@ -51,6 +51,7 @@ import numpy.typing as npt
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from visionloop.core.errors import DataError
+from visionloop.core.fsutil import TooLargeError, read_capped
 from visionloop.data.imageio import DECODABLE_FORMATS, UnsupportedModeError, to_rgb
 from visionloop.data.manifest import ImagePolicy
 
@@ -143,8 +144,10 @@ def phash_bytes(data: bytes, *, max_pixels: int = MAX_PIXELS, name: str = "the i
 def phash_file(path: str | PathLike[str], *, max_pixels: int = MAX_PIXELS) -> int:
     """`phash_bytes` of a file, named in any error."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        # Capped as ingest caps a file (no image within max_pixels is bigger); a FIFO refused.
+        data = read_capped(path, max_pixels * 8 + 64 * 2**20, what="an image")
+    except TooLargeError as e:
+        raise DataError(str(e)) from None
     except OSError as e:
         raise DataError(f"{path} cannot be read ({e.strerror or e}); check that it exists") from None
     return phash_bytes(data, max_pixels=max_pixels, name=str(path))

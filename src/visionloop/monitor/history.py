@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from visionloop.core.fsutil import LongLine, capped_lines
+from visionloop.core.fsutil import LongLine, capped_lines, open_regular
 from visionloop.registry.layout import check_name
 
 SCHEMA_VERSION = 1
@@ -124,7 +124,7 @@ def read_windows(home: Path, model: str) -> Iterator[WindowRecord]:
     path = windows_path(home, model)
     if not path.exists():
         return
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO is refused, not waited on
         for _, line in capped_lines(f, MAX_LINE_BYTES):
             if isinstance(line, LongLine) or not line.strip():
                 continue

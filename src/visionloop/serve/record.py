@@ -30,7 +30,7 @@ from typing import Any, Literal, cast
 
 import orjson
 
-from visionloop.core.fsutil import LongLine, capped_lines
+from visionloop.core.fsutil import LongLine, capped_lines, open_regular
 
 SCHEMA_VERSION = 3
 Role = Literal["primary", "challenger", "shadow"]
@@ -202,7 +202,12 @@ def read_records(path: Path, stats: ReadStats | None = None) -> Iterator[Predict
     too long, from another program) are skipped and counted in `stats`, never fatal: a log
     is evidence, and one bad line must not hide the rest."""
     stats = stats if stats is not None else ReadStats()
-    with open(path, "rb") as f:
+    try:
+        f = open_regular(path)  # a FIFO among the logs is skipped, not waited on
+    except OSError as e:
+        stats.skip(f"{path}: {e}")
+        return
+    with f:
         for number, line in capped_lines(f, MAX_LINE_BYTES):
             if isinstance(line, LongLine):  # counted, never held whole
                 stats.skip(f"{path}:{number}: line of {line.size} bytes (at most {MAX_LINE_BYTES})")
