@@ -20,6 +20,7 @@ from visionloop.core.fsutil import (
     TooLargeError,
     capped_lines,
     human_bytes,
+    json_objects,
     read_capped,
     read_capped_text,
     tail_lines,
@@ -199,3 +200,19 @@ def test_the_tail_of_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     got = in_thread(lambda: tail_lines(fifo, 15))
     assert isinstance(got, NotRegularFileError), got
+
+
+def test_json_objects_yields_the_objects_and_skips_every_other_line() -> None:
+    data = b"\n".join(
+        [
+            b'{"a": 1}',
+            b"[1, 2]",  # not an object
+            b'{"torn": ',
+            b'{"bad": "\xff"}',  # not UTF-8
+            b"[" * 100_000 + b"]" * 100_000,  # nested past the parser's recursion limit
+            b'{"b": 2}',
+        ]
+    )
+    assert list(json_objects(io.BytesIO(data), 100_000 * 2)) == [{"a": 1}, {"b": 2}]
+    long = b'{"long": "' + b"x" * 200 + b'"}\n{"c": 3}'
+    assert list(json_objects(io.BytesIO(long), 64)) == [{"c": 3}]  # the line past the limit skipped

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from visionloop.alerts.records import Notification
-from visionloop.core.fsutil import LongLine, capped_lines
+from visionloop.core.fsutil import json_objects
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +61,7 @@ class AlertLog:
         if not self.path.is_file():
             return
         with open(self.path, "rb") as f:
-            for _, line in capped_lines(f, MAX_EVENT_BYTES):
-                if isinstance(line, LongLine):
-                    continue  # not an event this log wrote: never held whole
-                try:
-                    doc = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    continue
-                if isinstance(doc, dict):
-                    yield doc
+            yield from json_objects(f, MAX_EVENT_BYTES)
 
 
 # ----------------------------------------------------------------------------- the webhook

@@ -7,7 +7,6 @@ instant.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from visionloop.cli.console import err, out
-from visionloop.core.fsutil import LongLine, capped_lines, open_regular
+from visionloop.core.fsutil import json_objects, open_regular
 
 if TYPE_CHECKING:
     from visionloop.data.ingest import IngestOptions, IngestReport
@@ -291,15 +290,7 @@ def _iter_jsonl(path: Path) -> Iterator[dict[str, object]]:
     except OSError:
         return
     with f:
-        for _, line in capped_lines(f, _MAX_SIDE_LINE_BYTES):
-            if isinstance(line, LongLine):
-                continue
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if isinstance(row, dict):
-                yield row
+        yield from json_objects(f, _MAX_SIDE_LINE_BYTES)
 
 
 def _summary_table(m: DatasetManifest) -> Table:

@@ -274,3 +274,18 @@ def tail_lines(path: str | os.PathLike[str], lines: int, *, max_bytes: int = 1 <
     if start > 0:
         data = data.partition(b"\n")[2]  # the first line began before the window
     return data.decode("utf-8", "replace").splitlines()[-lines:] if lines > 0 else []
+
+
+def json_objects(f: BinaryIO, limit: int) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file, one a line, in order. A line that is not one (torn
+    by a crash, past `limit` bytes, not UTF-8, too deeply nested, a list) is skipped: for files
+    read as a record of what happened, where one bad line must not hide the rest."""
+    for _, line in capped_lines(f, limit):
+        if isinstance(line, LongLine):
+            continue
+        try:
+            doc = json.loads(line)
+        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            continue
+        if isinstance(doc, dict):
+            yield doc

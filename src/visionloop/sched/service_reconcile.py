@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from visionloop.core.errors import ExecutorError, VisionloopError
-from visionloop.core.fsutil import LongLine, capped_lines, open_regular
+from visionloop.core.fsutil import json_objects, open_regular
 from visionloop.sched.executors.base import AttemptStatus, Executor, Handle
 from visionloop.sched.progress import CheckpointEvent, EvalEvent, PaceEvent
 from visionloop.sched.service_base import PlaneBase, log
@@ -92,12 +92,10 @@ def read_evals(path: Path) -> Iterator[EvalEvent]:
     except FileNotFoundError:
         return
     with f:  # line by line: a tuner reads it after every evaluation, for studies of any length
-        for _, line in capped_lines(f, MAX_EVAL_LINE_BYTES):
-            if isinstance(line, LongLine):
-                continue
+        for doc in json_objects(f, MAX_EVAL_LINE_BYTES):
             try:
-                yield EvalEvent.from_doc(json.loads(line))
-            except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+                yield EvalEvent.from_doc(doc)
+            except (ValueError, TypeError, KeyError, AttributeError):
                 continue
 
 
