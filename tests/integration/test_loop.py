@@ -222,3 +222,42 @@ def test_the_cli_as_a_user_runs_it_and_bad_specs_are_named(digits_dataset: Path,
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, (name, r.stderr)
     # Nothing was made for them: only the good loop has a state.
     assert sorted(p.name for p in (load_settings().home / "loops").iterdir()) == ["digits-loop"]
+
+
+def test_a_full_team_queue_makes_the_train_step_wait_not_fail(
+    registered_model: ModelKit,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The team may queue one job and has one waiting (no scheduler: nothing starts). The
+    round's train step is refused a place in the queue: the round waits, saying why, instead
+    of failing; once there is room the next pass submits its job."""
+    kit = registered_model.copy_home(tmp_path / "home")
+    monkeypatch.setenv("VISIONLOOP_HOME", str(kit.home))
+    monkeypatch.setenv("VISIONLOOP_TRACKING_URI", kit.settings.tracking_uri)
+    dataset = tmp_path / "digits"
+    shutil.copytree(kit.dataset, dataset)
+    jobs = {"allowed_roots": [str(tmp_path)], "max_queued_per_team": 1}
+    config = cluster_config(inventory=ONE_GPU, teams=TEAMS, jobs=jobs)
+    spec = _spec(tmp_path, dataset, max_drop=100.0)
+    settings = load_settings()
+    (tmp_path / "incoming").mkdir()
+    labelled_folder(dataset, tmp_path / "incoming" / "round-a", 24, seed=1)
+    with (
+        fresh_database("sqlite", tmp_path) as url,
+        control_plane(url, config, run_scheduler=False) as cp,
+        Client(cp.url, cp.admin_token) as client,
+    ):
+        blocker = client.submit({"train": spec_doc(dataset, epochs=1), "team": "vision"})
+        result = advance(spec, settings, lambda: Client(cp.url, cp.admin_token))
+        assert result.stopped == "waiting", result.reason
+        rnd = result.state.rounds[-1]
+        assert rnd.outcome is None and rnd.steps["train"].status == "waiting"
+        assert "team 'vision' already has 1 job waiting" in rnd.steps["train"].reason
+        assert "job" not in rnd.steps["train"].outputs
+        client.cancel(int(blocker["id"]))
+        result = advance(spec, settings, lambda: Client(cp.url, cp.admin_token))
+        rnd = result.state.rounds[-1]
+        assert result.stopped == "waiting" and rnd.steps["train"].status == "waiting"
+        queued = client.job(int(rnd.steps["train"].outputs["job"]))["job"]
+        assert queued["state"] == "queued" and queued["team"] == "vision"

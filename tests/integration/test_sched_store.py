@@ -24,12 +24,12 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError
 
 from _dbkit import BACKENDS, fresh_database, submit_doc
-from visionloop.core.errors import ConfigError, NotFoundError, StoreError
+from visionloop.core.errors import ConfigError, NotFoundError, QueueFullError, StoreError
 from visionloop.core.settings import load_settings
 from visionloop.sched import db
 from visionloop.sched.records import pace_end
 from visionloop.sched.states import JobState, TransitionError, allowed
-from visionloop.sched.store import GONE_REASON, ConflictError, Job, Store, default_url
+from visionloop.sched.store import GONE_REASON, ConflictError, Job, Store, TeamQueueFullError, default_url
 from visionloop.sched.view import Gpu
 from visionloop.sched.workload import CommandContext
 from visionloop.specs import JobSpec
@@ -219,6 +219,72 @@ def test_an_idempotency_key_returns_the_same_job(store: Store) -> None:
     with pytest.raises(ConflictError, match=r"key-1.*different spec.*new key"):
         submit(store, "b", key="key-1")
     assert len(store.list_jobs()) == 4
+
+
+def _submit_capped(s: Store, key: str | None = None, team: str = "vision", limit: int = 3) -> Job:
+    from visionloop.specs import JobSpec
+
+    doc = spec_doc("capped")
+    job: Job = s.submit(
+        doc, JobSpec.model_validate(doc), team=team, priority_rank=50, run_dir=None,
+        idempotency_key=key, now=10.0, max_queued=limit,
+    )  # fmt: skip
+    return job
+
+
+def test_a_team_at_its_queue_limit_is_refused_and_nothing_is_queued(store: Store) -> None:
+    first = _submit_capped(store, key="k0")
+    _submit_capped(store)
+    third = _submit_capped(store)
+    with pytest.raises(TeamQueueFullError) as e:
+        _submit_capped(store, key="k-new")
+    assert str(e.value) == (
+        "team 'vision' already has 3 jobs waiting, the most a team may have queued ([jobs] "
+        "max_queued_per_team = 3 in cluster.toml); nothing was submitted. Submit again once some "
+        "have started, or cancel some with `visionloop jobs cancel ID`."
+    )
+    assert isinstance(e.value, QueueFullError) and (e.value.queued, e.value.limit) == (3, 3)
+    assert len(store.list_jobs()) == 3  # nothing half-made
+    assert _submit_capped(store, key="k0") == first  # a retry of a queued job still gets it
+    store.upsert_team("detection", 1, now=1.0)
+    assert _submit_capped(store, team="detection").team == "detection"  # per team
+    # A job that starts (or is cancelled) leaves the queue: room for one more, and only one.
+    store.start_attempt(first.id, "local", [GPUS[0]], now=12.0)
+    store.transition(third.id, JobState.CANCELLED, "by hand", now=13.0)
+    _submit_capped(store)
+    _submit_capped(store)
+    with pytest.raises(TeamQueueFullError):
+        _submit_capped(store)
+    assert _submit_capped(store, limit=4).state == JobState.QUEUED.value  # the limit is the caller's
+
+
+def test_racing_submits_never_pass_a_teams_queue_limit(db_url: str, tmp_path: Path) -> None:
+    """Twenty threads, each with its own Store (own connections), submit five jobs each to a
+    team allowed ten: exactly ten are queued. Without the team row's lock, PostgreSQL's
+    transactions each counted nine and all inserted."""
+    threads, limit = 20, 10
+    barrier = threading.Barrier(threads, timeout=120)
+    with Store.open(db_url, runs_dir=tmp_path) as s:
+        s.upsert_team("vision", 4, now=1.0)
+
+    def client(t: int) -> tuple[int, int]:
+        with Store.open(db_url, runs_dir=tmp_path) as s:
+            barrier.wait()
+            ok = full = 0
+            for _ in range(5):
+                try:
+                    _submit_capped(s, limit=limit)
+                    ok += 1
+                except TeamQueueFullError:
+                    full += 1
+            return ok, full
+
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(client, range(threads)))
+    assert sum(ok for ok, _ in results) == limit
+    assert sum(full for _, full in results) == threads * 5 - limit
+    with Store.open(db_url, runs_dir=tmp_path) as s:
+        assert len(s.list_jobs()) == limit
 
 
 # --------------------------------------------------------------------------- transitions

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from optuna.trial import TrialState
 
-from _cpkit import CP, TEAMS, cluster_config, control_plane
+from _cpkit import CP, TEAMS, cluster_config, control_plane, job_roots
 from _cpkit import train_doc as _train
 from _dbkit import fresh_database
 from visionloop.api.client import Client
@@ -188,3 +188,47 @@ def test_a_tuner_that_died_between_ask_submit_and_record_neither_loses_nor_repea
         assert len(_jobs(cp)) == 2
         tuner.run(poll_s=0.2, should_stop=_within(300))
     _check_finished(cp, url, spec)
+
+
+def test_a_trial_refused_for_a_full_queue_is_submitted_later_as_the_same_trial(
+    tmp_path: Path, digits_dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The team may queue 2 jobs and already has one waiting (no scheduler here: nothing
+    starts). The study's first trial fills the queue; its second is refused with a 429. The
+    tuner says so, waits, and once the other job is cancelled submits that trial: one job for
+    each trial, none lost, none twice."""
+    import visionloop.tune.tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module, "QUEUE_FULL_WAIT_S", 0.2)
+    jobs = {"allowed_roots": job_roots(), "max_queued_per_team": 2}
+    cfg = cluster_config(inventory=TWO_GPUS, teams=TEAMS, jobs=jobs)
+    spec = validate_tune_spec(tune_doc(digits_dataset, trials=2, concurrency=2), "tune.yaml")
+    said: list[str] = []
+    with (
+        fresh_database("sqlite", tmp_path) as url,
+        control_plane(url, cfg, run_scheduler=False) as cp,
+        Client(cp.url, cp.admin_token) as client,
+    ):
+        blocker = client.submit({"train": _train(digits_dataset), "team": "vision"})
+        study = create_or_load(spec, url)
+
+        def full(why: str) -> None:
+            said.append(why)
+            client.cancel(int(blocker["id"]))  # room for one more
+
+        def both_submitted() -> bool:
+            trials = load(spec.name, url).get_trials()
+            return len(trials) == 2 and all(JOB_ATTR in t.user_attrs for t in trials)
+
+        deadline = time.monotonic() + 120
+        Tuner(spec, study, client).run(
+            poll_s=0.1,
+            on_queue_full=full,
+            should_stop=lambda: both_submitted() or time.monotonic() > deadline,
+        )
+        assert both_submitted()
+        made = [j for j in _jobs(cp) if j["id"] != blocker["id"]]
+    assert len(said) == 1 and "team 'vision' already has 2 jobs waiting" in said[0], said
+    trials = load(spec.name, url).get_trials()
+    assert sorted(t.user_attrs[JOB_ATTR] for t in trials) == sorted(j["id"] for j in made)
+    assert Counter(j["name"] for j in made) == Counter(f"{spec.name}-t{t.number}" for t in trials)

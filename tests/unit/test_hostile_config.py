@@ -118,6 +118,18 @@ def _cluster_error(tmp_path: Path, text: str | bytes) -> str:
             "jobs.allowed_roots must be a non-empty list of folders, got ['/data\\x00x'] "
             '(e.g. allowed_roots = ["/data/detection"]).',
         ),
+        (
+            "[jobs]\nmax_queued_per_team = -1",
+            "jobs.max_queued_per_team must be a whole number >= 0, got -1 (e.g. max_queued_per_team = 2000).",
+        ),
+        (
+            "[jobs]\nmax_queued_per_team = true",
+            "jobs.max_queued_per_team must be a whole number >= 0, got True",
+        ),
+        (
+            "[jobs]\nmax_queued_per_team = 100000000",
+            "jobs.max_queued_per_team must be at most 10000000, got 100000000",
+        ),
         # Before: accepted, failing at the first request.
         (
             '[executor]\nkind = "ray"\naddress = "http://head:99999"',
@@ -429,3 +441,11 @@ def test_an_alert_config_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
             f"cannot read the alert config {tmp_path / 'alerts.toml'}: is a FIFO (named pipe), not a "
             "regular file; remove it or replace it."
         )
+
+
+def test_the_queue_limit_defaults_to_two_thousand_and_zero_means_none() -> None:
+    from visionloop.sched.config import parse_cluster_config
+
+    assert parse_cluster_config({}).max_queued_per_team == 2000
+    assert parse_cluster_config({"jobs": {"max_queued_per_team": 5}}).max_queued_per_team == 5
+    assert parse_cluster_config({"jobs": {"max_queued_per_team": 0}}).max_queued_per_team is None

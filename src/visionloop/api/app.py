@@ -40,7 +40,7 @@ from visionloop.sched.records import Attempt, Job
 from visionloop.sched.service import ControlPlane, SubmitError
 from visionloop.sched.service_reconcile import EVALS_FILE, read_evals
 from visionloop.sched.states import JobState, TransitionError
-from visionloop.sched.store.base import ConflictError
+from visionloop.sched.store.base import ConflictError, TeamQueueFullError
 from visionloop.sched.view import planned_runtime
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ MAX_JOB_ID = 2**31 - 1
 MAX_OFFSET = 2**53
 # How many problems an error answer lists; the rest are counted.
 MAX_PROBLEMS = 20
+# A submit refused for a full queue: try again after this long (jobs start within cycles).
+QUEUE_FULL_RETRY_S = 30
 
 # A job id in a path: any integer parses (an id no job can have answers 404 like a missing one).
 JobId = Annotated[int, Path(description="a job id, from `visionloop jobs list`")]
@@ -150,6 +152,14 @@ def create_app(plane: ControlPlane, *, run_scheduler: bool = True) -> FastAPI:
             status = exc.status
         if isinstance(exc, ConflictError):
             status = 409  # a reused idempotency key, or a change that raced another
+        elif isinstance(exc, TeamQueueFullError):
+            # Too many requests: the team's queue is at its limit. Retry-After tells a client
+            # (a tuning study, a script) to come back rather than give up.
+            return JSONResponse(
+                {"detail": short_detail(str(exc))},
+                status_code=429,
+                headers={"Retry-After": str(QUEUE_FULL_RETRY_S)},
+            )
         elif isinstance(exc, StoreError) and isinstance(exc.__cause__, DBAPIError):
             # The database failed, not the caller: its text names the store's URL, which is
             # for the operator's log, not for every team's token.

@@ -14,7 +14,13 @@ from typing import Any
 
 import httpx
 
-from visionloop.core.errors import ConfigError, ControlPlaneUnreachableError, NotFoundError, VisionloopError
+from visionloop.core.errors import (
+    ConfigError,
+    ControlPlaneUnreachableError,
+    NotFoundError,
+    QueueFullError,
+    VisionloopError,
+)
 from visionloop.core.settings import Settings
 
 STATE_FILE = "control-plane.json"
@@ -28,6 +34,10 @@ class ApiError(VisionloopError):
         super().__init__(detail)
         self.status = status
         self.exit_code = 2 if 400 <= status < 500 else 1
+
+
+class QueueFullApiError(ApiError, QueueFullError):
+    """429: the team's queue is at its limit; the same request can succeed later."""
 
 
 def server_state(settings: Settings) -> dict[str, Any] | None:
@@ -111,6 +121,8 @@ class Client:
                 detail = json.dumps(detail)
             if r.status_code == 404:
                 raise NotFoundError(detail)
+            if r.status_code == 429:
+                raise QueueFullApiError(r.status_code, detail)
             raise ApiError(r.status_code, detail)
         return r
 

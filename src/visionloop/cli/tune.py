@@ -56,7 +56,7 @@ def run(
     from visionloop.core.settings import load_settings
     from visionloop.tune.spec import load_tune_spec
     from visionloop.tune.study import create_or_load
-    from visionloop.tune.tuner import Progress, Tuner
+    from visionloop.tune.tuner import QUEUE_FULL_WAIT_S, Progress, Tuner
 
     settings = load_settings()
     tune_spec, _ = load_tune_spec(spec)
@@ -75,17 +75,24 @@ def run(
             err.print(line)
         if p.stopped and p.stopped != shown.get("stopped"):
             err.print(f"no new trial starts: {p.stopped}")
-        shown.update(line=line, stopped=p.stopped or "", away="")
+        shown.update(line=line, stopped=p.stopped or "", away="", full="")
 
     def on_unreachable(why: str) -> None:
         if not shown.get("away"):  # once per outage
             err.print(f"{escape(why)} Waiting for it; the study goes on when it answers (Ctrl-C stops).")
         shown["away"] = "yes"
 
+    def on_queue_full(why: str) -> None:
+        if not shown.get("full"):  # once until a pass goes through
+            err.print(f"{escape(why)} The study tries again every {QUEUE_FULL_WAIT_S:.0f} s (Ctrl-C stops).")
+        shown["full"] = "yes"
+
     with client:
         tuner = Tuner(tune_spec, study, client)
         try:
-            tuner.run(poll_s=poll_s, on_pass=on_pass, on_unreachable=on_unreachable)
+            tuner.run(
+                poll_s=poll_s, on_pass=on_pass, on_unreachable=on_unreachable, on_queue_full=on_queue_full
+            )
         except KeyboardInterrupt:
             err.print("stopped; the trials' jobs go on. Run the same command again to continue the study.")
             raise typer.Exit(130) from None

@@ -19,6 +19,14 @@ class ControlPlaneUnreachableError(ConfigError):
     caller that loops, such as the tuner, waits and tries again."""
 
 
+class QueueFullError(VisionloopError):
+    """A submission refused because the team's queue is at its limit: nothing was queued, and
+    the same submission can succeed once some of the team's jobs have started. A caller that
+    loops, such as the tuner, waits and tries again."""
+
+    exit_code = 2
+
+
 class SpecError(VisionloopError):
     """A user-facing spec document failed validation."""
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from visionloop.core.errors import DataError, VisionloopError
+from visionloop.core.errors import DataError, QueueFullError, VisionloopError
 from visionloop.core.fsutil import atomic_write_bytes
 from visionloop.core.settings import Settings
 from visionloop.loop.spec import LoopSpec
@@ -113,7 +113,11 @@ class RoundSteps:
             if "job" not in rec.outputs:
                 body = self._job()
                 key = f"loop:{self.spec.name}:round:{self.rnd.number}"
-                job = client.submit(body, idempotency_key=key)
+                try:
+                    job = client.submit(body, idempotency_key=key)
+                except QueueFullError as e:  # the team's queue is at its limit: the next pass submits again
+                    rec.reason = str(e)
+                    return "waiting"
                 rec.outputs["job"] = int(job["id"])
                 save_state(self.settings.home, self.state)  # the job is known before anything else happens
                 record_event(

@@ -47,6 +47,7 @@ priority classes.
     allowed_roots = ["/data/shared"]  # every path in a job spec must lie under one of these;
                              # default: the home's datasets/ and weights/
     env_allow = ["HF_HOME"]  # extra variables passed from the control plane's environment
+    max_queued_per_team = 2000  # a team's submits past this many waiting jobs get a 429; 0: no limit
 
     [[teams]]
     name = "detection"
@@ -85,6 +86,12 @@ LANGUAGE, LC_*, TZ, TMPDIR, VIRTUAL_ENV, the visionloop variables the job needs
 (CUDA_VISIBLE_DEVICES, ...), plus the names in `[jobs] env_allow`. Nothing else of the control
 plane's environment (VISIONLOOP_DB_URL, cloud credentials) reaches a job.
 
+**How much a team may queue.** A team with `[jobs] max_queued_per_team` jobs waiting (2,000 by
+default; Slurm's `MaxSubmitJobs`) has further submissions refused, with the count and what to
+do, until some start or are cancelled: a runaway script cannot bury the other teams' jobs or
+slow the scheduling cycle, which is measured at 10,000 waiting jobs. A tuning study waits
+and submits again.
+
 Switch executors only with no job running: `up` refuses to start while jobs have open
 attempts on another executor (it could not find their processes, and would run them twice).
 """
@@ -110,6 +117,9 @@ from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
 DEFAULT_TEAM = "default"
 DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"  # Ray's dashboard on a head node on this machine
 EXECUTOR_KINDS = ("local", "ray")
+# Five busy teams at the default stay within the 10,000 waiting jobs the cycle is measured at.
+DEFAULT_MAX_QUEUED_PER_TEAM = 2000
+MAX_QUEUED_PER_TEAM = 10_000_000
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # ASCII only: str.isalnum() also takes "²", "٣" and look-alikes such as a Cyrillic "е", which
 # make two teams (or nodes) that print the same, and a name typed decomposed (e + U+0301)
@@ -149,6 +159,8 @@ class ClusterConfig:
     team_roots: Mapping[str, tuple[Path, ...]] = field(default_factory=dict)
     # Extra variable names passed from the control plane's environment to every job.
     env_allow: tuple[str, ...] = ()
+    # A team's submissions past this many waiting jobs are refused (None: no limit).
+    max_queued_per_team: int | None = DEFAULT_MAX_QUEUED_PER_TEAM
 
     def roots_for(self, team: str) -> tuple[Path, ...] | None:
         """The folders `team`'s jobs may use (None: the defaults, the home's datasets/ and
@@ -265,10 +277,10 @@ def _roots(v: Any, what: str, path: Path | None) -> tuple[Path, ...]:
     return roots
 
 
-def _jobs(section: Any, path: Path | None) -> tuple[tuple[Path, ...] | None, tuple[str, ...]]:
+def _jobs(section: Any, path: Path | None) -> tuple[tuple[Path, ...] | None, tuple[str, ...], int | None]:
     if not isinstance(section, dict):
         raise ConfigError(f'{where(path, "[jobs]")} must be a table, e.g. [jobs] env_allow = ["HF_HOME"].')
-    _known(section, "[jobs]", ("allowed_roots", "env_allow"), path)
+    _known(section, "[jobs]", ("allowed_roots", "env_allow", "max_queued_per_team"), path)
     roots = None
     if "allowed_roots" in section:
         roots = _roots(section["allowed_roots"], "jobs.allowed_roots", path)
@@ -278,7 +290,16 @@ def _jobs(section: Any, path: Path | None) -> tuple[tuple[Path, ...] | None, tup
             f"{where(path, 'jobs.env_allow')} must be a list of environment variable names, got "
             f'{shown(names)} (e.g. env_allow = ["HF_HOME", "WANDB_MODE"]).'
         )
-    return roots, tuple(dict.fromkeys(names))
+    limit = whole_number(
+        section,
+        "max_queued_per_team",
+        DEFAULT_MAX_QUEUED_PER_TEAM,
+        path,
+        2000,
+        maximum=MAX_QUEUED_PER_TEAM,
+        section="jobs",
+    )
+    return roots, tuple(dict.fromkeys(names)), limit or None
 
 
 def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> ClusterConfig:
@@ -308,7 +329,7 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
             _name(k, "priorities", path, "batch = 30"): whole_number(raw, k, None, path, 50, maximum=MAX_RANK)
             for k in raw
         }
-    allowed_roots, env_allow = _jobs(doc.get("jobs", {}), path)
+    allowed_roots, env_allow, max_queued = _jobs(doc.get("jobs", {}), path)
     teams: list[Team] = []
     team_roots: dict[str, tuple[Path, ...]] = {}
     for entry in _tables(doc, "teams", 'name = "detection"', path):
@@ -387,6 +408,7 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
         allowed_roots=allowed_roots,
         team_roots=team_roots,
         env_allow=env_allow,
+        max_queued_per_team=max_queued,
     )
 
 

@@ -71,14 +71,18 @@ def whole_number(
     path: Path | None,
     example: int,
     maximum: int = MAX_GPUS,
+    section: str | None = None,
 ) -> int:
+    """`entry[key]` (or `default`), a whole number from 0 to `maximum`; named `section.key` in
+    errors when a section is given."""
     v = entry.get(key, default)
+    name = f"{section}.{key}" if section else key
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ConfigError(
-            f"{where(path, key)} must be a whole number >= 0, got {shown(v)} (e.g. {key} = {example})."
+            f"{where(path, name)} must be a whole number >= 0, got {shown(v)} (e.g. {key} = {example})."
         )
     if v > maximum:
         raise ConfigError(
-            f"{where(path, key)} must be at most {maximum}, got {shown(v)} (e.g. {key} = {example})."
+            f"{where(path, name)} must be at most {maximum}, got {shown(v)} (e.g. {key} = {example})."
         )
     return v

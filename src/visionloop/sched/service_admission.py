@@ -123,6 +123,7 @@ class AdmissionMixin(PlaneBase):
             run_dir=None,
             idempotency_key=idempotency_key,
             now=self.clock(),
+            max_queued=self.config.max_queued_per_team,
         )
 
     def _check_fits(self, job: JobSpec) -> None:

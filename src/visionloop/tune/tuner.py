@@ -57,7 +57,7 @@ from typing import Any, Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from visionloop.core.errors import ControlPlaneUnreachableError, SpecError
+from visionloop.core.errors import ControlPlaneUnreachableError, QueueFullError, SpecError
 from visionloop.core.settings import load_settings
 from visionloop.sched.progress import EvalEvent
 from visionloop.specs import TrialFields
@@ -78,6 +78,8 @@ PROMOTIONS_ATTR = "promotions"  # how many times asha promoted it (for `tune sho
 STOPPED_ATTR = "visionloop_stopped"
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+# A pass that found its team's queue full waits at least this long (the API's Retry-After).
+QUEUE_FULL_WAIT_S = 30.0
 ENDED_JOB_STATES = ("succeeded", "failed", "cancelled", "pruned")
 
 
@@ -151,6 +153,7 @@ class Tuner:
         on_pass: Callable[[Progress], None] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
         on_unreachable: Callable[[str], None] | None = None,
+        on_queue_full: Callable[[str], None] | None = None,
     ) -> Progress:
         """Pass after pass until the study is over (or `should_stop()`). A control plane that
         does not answer (restarting, say) is waited for: a pass cut off midway is safe to
@@ -165,6 +168,17 @@ class Tuner:
                 if should_stop():
                     raise
                 time.sleep(max(poll_s, 1.0))
+                continue
+            except QueueFullError as e:
+                # The team's queue is at its limit: the trial stays asked but unsubmitted (the
+                # next pass submits it, as after a crash) once the team's jobs have started.
+                wait = max(poll_s, QUEUE_FULL_WAIT_S)
+                log.warning("the team's queue is full, submitting again in %.0f s: %s", wait, e)
+                if on_queue_full is not None:
+                    on_queue_full(str(e))
+                if should_stop():
+                    raise
+                time.sleep(wait)
                 continue
             if on_pass is not None:
                 on_pass(progress)

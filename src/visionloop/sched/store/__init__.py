@@ -26,7 +26,7 @@ from visionloop.sched.records import (
     Transition,
 )
 from visionloop.sched.store.attempts import AttemptsMixin
-from visionloop.sched.store.base import ConflictError, default_url
+from visionloop.sched.store.base import ConflictError, TeamQueueFullError, default_url
 from visionloop.sched.store.inventory import GONE_REASON, InventoryMixin
 from visionloop.sched.store.jobs import JobsMixin
 from visionloop.sched.store.ledger import LedgerMixin
@@ -52,6 +52,7 @@ __all__ = [
     "Outcome",
     "Principal",
     "Store",
+    "TeamQueueFullError",
     "TeamRecord",
     "TokenRecord",
     "Transition",

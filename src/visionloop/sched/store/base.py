@@ -38,7 +38,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
-from visionloop.core.errors import ConfigError, NotFoundError, StoreError, VisionloopError
+from visionloop.core.errors import ConfigError, NotFoundError, QueueFullError, StoreError, VisionloopError
 from visionloop.core.settings import Settings, load_settings
 from visionloop.sched import db
 from visionloop.sched.db import AttemptRow, JobRow, TransitionRow
@@ -51,6 +51,22 @@ class ConflictError(StoreError):
     different job. Re-read and decide again."""
 
     exit_code = 3
+
+
+class TeamQueueFullError(StoreError, QueueFullError):
+    """The store refused a submission: its team already has as many jobs waiting as the
+    cluster allows a team (`[jobs] max_queued_per_team`). The API answers 429."""
+
+    exit_code = 2
+
+    def __init__(self, team: str, queued: int, limit: int) -> None:
+        super().__init__(
+            f"team {team!r} already has {queued:,} job{'' if queued == 1 else 's'} waiting, the most a "
+            "team may have queued "
+            f"([jobs] max_queued_per_team = {limit:,} in cluster.toml); nothing was submitted. Submit "
+            "again once some have started, or cancel some with `visionloop jobs cancel ID`."
+        )
+        self.team, self.queued, self.limit = team, queued, limit
 
 
 def default_url(settings: Settings) -> str:

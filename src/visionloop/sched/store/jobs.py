@@ -29,6 +29,7 @@ from visionloop.sched.store.base import (
     _LIGHT_COLUMNS,
     ConflictError,
     StoreBase,
+    TeamQueueFullError,
     _job,
     _job_from_values,
     _plain_json,
@@ -62,9 +63,12 @@ class JobsMixin(StoreBase):
         run_dir: Path | None,
         idempotency_key: str | None,
         now: float,
+        max_queued: int | None = None,
     ) -> Job:
         """Queue a job. With an idempotency key, a retried submit returns the job the first
         one created (never a duplicate), and a key reused for a different spec is refused.
+        With `max_queued`, a team that already has that many jobs queued is refused
+        (TeamQueueFullError); a retry of a job it queued before still gets that job.
 
         The id is allocated inside the transaction, so the default run folder
         `<runs_dir>/job-<id>` is stored with the job in the same commit."""
@@ -123,11 +127,22 @@ class JobsMixin(StoreBase):
                     found = self._by_key(s, team, idempotency_key, doc)
                     if found is not None:
                         return found
-                if s.get(TeamRow, team) is None:
+                # The team's row locked (PostgreSQL; SQLite's write lock is already the whole
+                # database's): two submits of one team count its queue one after the other, so
+                # the limit is never passed by a race.
+                if s.get(TeamRow, team, with_for_update=max_queued is not None) is None:
                     raise NotFoundError(
                         f"no team {team!r}; an admin creates it with "
                         f"`visionloop admin team set {team} --nominal N`."
                     )
+                if max_queued is not None:
+                    queued = s.execute(
+                        select(func.count())
+                        .select_from(JobRow)
+                        .where(JobRow.team == team, JobRow.state == JobState.QUEUED.value)
+                    ).scalar_one()
+                    if queued >= max_queued:
+                        raise TeamQueueFullError(team, queued, max_queued)
                 # Parameters apart from the statements, so SQLAlchemy compiles each one once.
                 values["id"] = s.execute(insert(jobs).returning(jobs.c.id), values).scalar_one()
                 if run_dir is None:
