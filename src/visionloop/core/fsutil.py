@@ -7,7 +7,8 @@ And safe reads: `open_regular` opens a file a user handed in, refusing a FIFO, d
 socket or folder named like one (a FIFO would hang the reader, /dev/zero never ends);
 `read_capped` (bytes) and `read_capped_text` (strict UTF-8) read such a file whole, refusing
 one past a size limit with `TooLargeError`. `capped_lines` reads a log line by line with at
-most one line's limit in memory, and `tail_lines` the end of a log of any size.
+most one line's limit in memory, `json_objects` the objects of a JSON-lines file that way, and
+`tail_lines` the end of a log of any size.
 """
 
 from __future__ import annotations
