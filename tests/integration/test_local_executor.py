@@ -27,7 +27,7 @@ import pytest
 from _hangkit import in_thread
 from visionloop.core.errors import ExecutorError
 from visionloop.sched import shim
-from visionloop.sched.executors import local as local_executor
+from visionloop.sched.executors.attempt_files import log_tail
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.local import LocalExecutor, gpu_type
 from visionloop.sched.view import Gpu
@@ -422,7 +422,7 @@ def test_a_log_replaced_by_a_link_or_a_fifo_is_refused_not_followed(
     # The end of the log in a start failure's message: the link's target is not shown either.
     log.unlink()
     log.symlink_to(secret)
-    shown = local_executor._tail(log)
+    shown = log_tail(log)
     assert "vl-admin-secret" not in shown and "is a symbolic link; it is not read" in shown
     # Its status files too: a FIFO as exit.json blocked every poll of the control plane.
     ended = Path(handle["attempt_dir"]) / shim.EXIT_JSON

@@ -63,26 +63,24 @@ Executor protocol).
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
 import os
 import re
 import secrets
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import psutil
 
 from visionloop.core.errors import ExecutorError
 from visionloop.sched import shim
+from visionloop.sched.executors.attempt_files import log_tail, mtime, open_attempt_file, read_status
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.env import job_env
 from visionloop.sched.view import Gpu
@@ -94,8 +92,6 @@ DEFAULT_START_TIMEOUT_S = 30.0
 # kills the shim too. The shim notices within ~50 ms.
 KILL_RECORD_WAIT_S = 2.0
 READ_CHUNK = 64 * 1024
-# shim.json and exit.json hold a few hundred bytes; past this, not what the shim wrote.
-MAX_STATUS_BYTES = 1 << 20
 
 
 class LocalExecutor:
@@ -217,16 +213,16 @@ class LocalExecutor:
     def _wait_started(self, proc: subprocess.Popen[bytes], attempt_dir: Path, token: str) -> dict[str, Any]:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
-            info = _read_json(attempt_dir / shim.SHIM_JSON)
+            info = read_status(attempt_dir / shim.SHIM_JSON)
             if info is not None:
                 return info
             if proc.poll() is not None:
-                info = _read_json(attempt_dir / shim.SHIM_JSON)  # it may have written, then exited
+                info = read_status(attempt_dir / shim.SHIM_JSON)  # it may have written, then exited
                 if info is not None:
                     return info
                 raise ExecutorError(
                     f"the shim exited with code {proc.returncode} before starting the job; its output "
-                    f"({attempt_dir / shim.LOG}):\n{_tail(attempt_dir / shim.LOG)}\n"
+                    f"({attempt_dir / shim.LOG}):\n{log_tail(attempt_dir / shim.LOG)}\n"
                     f"Check that {self.python!r} can run `-m visionloop.sched.shim`."
                 )
             if time.monotonic() > deadline:
@@ -237,7 +233,7 @@ class LocalExecutor:
                 proc.wait()
                 raise ExecutorError(
                     f"the shim did not report a started job within {self.start_timeout_s:.0f} s and was "
-                    f"killed; its output:\n{_tail(attempt_dir / shim.LOG)}\nIf the machine is very "
+                    f"killed; its output:\n{log_tail(attempt_dir / shim.LOG)}\nIf the machine is very "
                     "loaded, raise LocalExecutor(start_timeout_s=...)."
                 )
             time.sleep(0.01)
@@ -248,7 +244,7 @@ class LocalExecutor:
         and storing the handle. (An addition to the Executor protocol; every method also
         accepts the bare `{"attempt_dir": ...}` handle and completes it the same way.)"""
         attempt_dir = Path(attempt_dir).expanduser().resolve()
-        info = _read_json(attempt_dir / shim.SHIM_JSON)
+        info = read_status(attempt_dir / shim.SHIM_JSON)
         return None if info is None else _handle(self.node, attempt_dir, info)
 
     # -- poll -----------------------------------------------------------------------------
@@ -266,9 +262,7 @@ class LocalExecutor:
         # removed or replaced under a live shim (a false "lost" would start the job twice).
         if shim.lock_held(attempt_dir) or _is_alive(h, "pid"):
             starting = "starting: the shim has not reported its job yet" if h.get("pid") is None else ""
-            return AttemptStatus(
-                "running", detail=starting, heartbeat_at=_mtime(attempt_dir / shim.HEARTBEAT)
-            )
+            return AttemptStatus("running", detail=starting, heartbeat_at=mtime(attempt_dir / shim.HEARTBEAT))
         # The shim is gone. exit.json may have appeared since our first look.
         self._reap()  # its exit status, for the "lost" detail
         ended = _exited(attempt_dir)
@@ -280,7 +274,7 @@ class LocalExecutor:
         killed = _kill_remnants(h)
         if killed:
             detail += f"; killed {killed} leftover process(es) of the attempt"
-        return AttemptStatus("lost", detail=detail, heartbeat_at=_mtime(attempt_dir / shim.HEARTBEAT))
+        return AttemptStatus("lost", detail=detail, heartbeat_at=mtime(attempt_dir / shim.HEARTBEAT))
 
     def _why_lost(self, attempt_dir: Path, h: Handle) -> str:
         pid, ticks = h.get("pid"), h.get("pid_start_ticks")
@@ -352,7 +346,7 @@ class LocalExecutor:
         """The log from byte `offset` to its current end, in chunks; nothing if there is no log
         yet. A follower remembers offset + bytes received and calls again."""
         try:
-            f = _open_attempt_file(self._attempt_dir(handle) / shim.LOG, "log")
+            f = open_attempt_file(self._attempt_dir(handle) / shim.LOG, "log")
         except FileNotFoundError:
             return
         with f:
@@ -426,7 +420,7 @@ def _is_alive(h: Handle, which: str) -> bool:
 
 
 def _exited(attempt_dir: Path) -> AttemptStatus | None:
-    ended = _read_json(attempt_dir / shim.EXIT_JSON)
+    ended = read_status(attempt_dir / shim.EXIT_JSON)
     if ended is None:
         return None
     return AttemptStatus("exited", exit_code=int(ended["exit_code"]), heartbeat_at=ended.get("ended_at"))
@@ -453,7 +447,7 @@ def _complete(handle: Handle) -> Handle:
     keys = ("pid", "pid_start_ticks", "child_pid", "child_start_ticks", "child_pgid", "boot_id", "token")
     if all(k in handle for k in keys):
         return handle
-    info = _read_json(Path(handle["attempt_dir"]) / shim.SHIM_JSON)
+    info = read_status(Path(handle["attempt_dir"]) / shim.SHIM_JSON)
     if info is None:
         return handle
     filled = _handle(handle.get("node", ""), Path(handle["attempt_dir"]), info)
@@ -478,59 +472,6 @@ def _sweep(token: str, sig: signal.Signals, spare: int | None = None) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
     return found
-
-
-def _open_attempt_file(path: Path, what: str) -> BinaryIO:
-    """An attempt folder's file, opened for reading only if it is a regular file and not a
-    symbolic link: the job's process writes in that folder, and could make its log point at the
-    admin token, or put a FIFO where the control plane's thread would wait on it for ever."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ExecutorError(f"the {what} {path} is a symbolic link; it is not read.") from e
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ExecutorError(f"the {what} {path} is not a regular file; it is not read.")
-    return os.fdopen(fd, "rb")
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """The file's JSON object, or None if it does not exist (yet). Files are written
-    atomically, so a present file is complete."""
-    try:
-        with _open_attempt_file(path, "status file") as f:
-            raw = f.read(MAX_STATUS_BYTES + 1)
-        if len(raw) > MAX_STATUS_BYTES:
-            raise ValueError(f"larger than {MAX_STATUS_BYTES} bytes; the shim writes a few hundred")
-        data = json.loads(raw)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise ExecutorError(f"{path} is unreadable ({e}); inspect it, or remove the attempt dir.") from e
-    if not isinstance(data, dict):
-        raise ExecutorError(f"{path} does not hold a JSON object; inspect it, or remove the attempt dir.")
-    return data
-
-
-def _mtime(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
-
-
-def _tail(path: Path, limit: int = 4000) -> str:
-    """The end of an attempt's log, for an error message: its last `limit` bytes only."""
-    try:
-        with _open_attempt_file(path, "log") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
-            data = f.read(limit)
-    except (OSError, ExecutorError) as e:
-        return "(no output)" if isinstance(e, FileNotFoundError) else f"(its output is not shown: {e})"
-    text = data.decode("utf-8", errors="replace").rstrip()
-    return text or "(no output)"
 
 
 def _describe(returncode: int) -> str:
