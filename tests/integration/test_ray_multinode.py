@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -126,6 +127,29 @@ def test_a_cpu_job_on_two_nodes_ends_bitwise_identical_to_two_processes_on_one(
     ran_on = _driver_nodes(ray_cluster, handle)
     assert len(set(ran_on)) == 2 and ran_on == [n["node_id"] for n in handle["nodes"]]
     assert _same_weights(expected, run_dir / "final.safetensors")
+
+    # A control plane that died between launch and storing the handle has only the attempt
+    # folder: adopt and poll find both nodes from it, asking Ray once about each submission
+    # (node 0, node 1, and the node 2 that is not there); before, node 1 was asked twice.
+    asked: list[str] = []
+    info = ex.jobs.info
+
+    def counted(sid: str) -> Any:
+        asked.append(sid)
+        return info(sid)
+
+    ex.jobs.info = counted  # type: ignore[method-assign]
+    bare = {"attempt_dir": str(_request(spec, run_dir, 1, 1, []).attempt_dir)}
+    adopted = ex.adopt(Path(bare["attempt_dir"]))
+    assert adopted is not None and adopted["nodes"] == [
+        {"submission_id": n["submission_id"], "node_id": n["node_id"]} for n in handle["nodes"]
+    ]
+    expected_asks = [*(n["submission_id"] for n in handle["nodes"]), f"{PREFIX}-job-1-attempt-1-node-2"]
+    assert sorted(asked) == sorted(expected_asks), asked
+    asked.clear()
+    polled = ex.poll(bare)
+    assert (polled.state, polled.exit_code) == ("exited", 0)
+    assert sorted(asked) == sorted(expected_asks), asked
 
 
 def test_a_node_lost_mid_run_reads_lost_and_the_next_attempt_resumes_to_the_same_weights(

@@ -215,8 +215,18 @@ class RayExecutor:
 
     node_submission_id = staticmethod(node_submission_id)
 
-    def _sids(self, handle: Handle) -> list[str] | None:
-        return handle_sids(self.prefix, handle, lambda sid: self.jobs.info_quietly(sid) is not None)
+    def _sids(self, handle: Handle, seen: dict[str, Any] | None = None) -> list[str] | None:
+        """The attempt's submission ids (`handle_sids`). For a bare handle the other nodes'
+        are found by asking Ray about each; what it answered goes into `seen`, so that the
+        caller does not ask again."""
+
+        def exists(sid: str) -> bool:
+            info = self.jobs.info_quietly(sid)
+            if seen is not None and info is not None:
+                seen[sid] = info
+            return info is not None
+
+        return handle_sids(self.prefix, handle, exists)
 
     def _require_sids(self, handle: Handle) -> list[str]:
         sids = self._sids(handle)
@@ -299,9 +309,10 @@ class RayExecutor:
             "node_id": node_id,
             "attempt_dir": str(attempt_dir),
         }
-        sids = self._sids({"attempt_dir": str(attempt_dir)}) or [sid]
+        seen: dict[str, Any] = {sid: info}
+        sids = self._sids({"attempt_dir": str(attempt_dir)}, seen) or [sid]
         if len(sids) > 1:
-            infos = [info] + [self.jobs.info(s) for s in sids[1:]]
+            infos = [seen[s] if s in seen else self.jobs.info(s) for s in sids]
             handle["nodes"] = [
                 {"submission_id": s, "node_id": getattr(i, "driver_node_id", None) if i else None}
                 for s, i in zip(sids, infos, strict=True)
@@ -311,11 +322,12 @@ class RayExecutor:
     # -- poll -------------------------------------------------------------------------------
 
     def poll(self, handle: Handle) -> AttemptStatus:
-        sids = self._sids(handle)
+        seen: dict[str, Any] = {}
+        sids = self._sids(handle, seen)
         if sids is None:
             return AttemptStatus("lost", detail=f"the handle {handle} names no Ray submission")
         if len(sids) > 1:
-            return self._poll_nodes(sids)
+            return self._poll_nodes(sids, seen)
         sid = sids[0]
         info = self.jobs.info(sid)
         if info is None:
@@ -328,12 +340,13 @@ class RayExecutor:
             self.signals.forget(sid)
         return status
 
-    def _poll_nodes(self, sids: list[str]) -> AttemptStatus:
+    def _poll_nodes(self, sids: list[str], seen: Mapping[str, Any] | None = None) -> AttemptStatus:
         """A multi-node attempt as one (`ray_status.read_nodes`). When it is lost, the nodes
         still running are stopped (they cannot go on without the lost one). A node that
         failed while others still run gives them `peer_grace_s` to notice (they fail at their
         next collective) before they are stopped."""
-        reading = read_nodes(sids, [self.jobs.info(sid) for sid in sids])
+        seen = seen or {}
+        reading = read_nodes(sids, [seen[sid] if sid in seen else self.jobs.info(sid) for sid in sids])
         if reading.status.state == "lost":
             self._stop_all(reading.running, "lost a node")
             self._end_nodes(sids)
