@@ -22,7 +22,8 @@ import visionloop.serve.app as app_module
 from _servekit import FLAT_CARD
 from _slowkit import SlowStep
 from visionloop.serve.config import ServeConfig
-from visionloop.serve.protocol import RequestedOutput, encode_cost, encode_infer_response
+from visionloop.serve.protocol import RequestedOutput
+from visionloop.serve.response import encode_cost, encode_infer_response
 from visionloop.serve.server import BackgroundServer
 from visionloop.serve.source import StaticSource
 from visionloop.serve.state import INLINE_ENCODE_BYTES

@@ -350,7 +350,7 @@ def test_schemathesis_finds_no_server_error(server: BackgroundServer, tmp_path: 
 
 def test_binary_protocol_helpers_agree_with_tritonclient_layout() -> None:
     # The BYTES layout the classification extension uses: 4-byte little-endian length, then bytes.
-    from visionloop.serve.protocol import _bytes_tensor
+    from visionloop.serve.response import _bytes_tensor
 
     arr = np.array([[b"0.5:1:a", b"xy"]], dtype=object)
     assert _bytes_tensor(arr) == struct.pack("<I", 7) + b"0.5:1:a" + struct.pack("<I", 2) + b"xy"

@@ -42,7 +42,7 @@ T = TypeVar("T")
 # a thread hop's cost at the ~2,700 small requests/s the server answers; a larger body's parse
 # grows with its size (10 ns/byte for orjson alone), so it leaves the loop.
 INLINE_PARSE_BYTES = 64 * 1024
-# Responses whose encoding costs less than this (`protocol.encode_cost`: bytes of a JSON FP32
+# Responses whose encoding costs less than this (`response.encode_cost`: bytes of a JSON FP32
 # tensor, 0.36 ms for 64 KiB) are encoded on the event loop; costlier ones (a segmentation
 # map, a detector's raw tensors, embeddings: megabytes, tens of ms) in the parse pool. Before,
 # every response was encoded on the loop, and one dense output stalled every other request.
