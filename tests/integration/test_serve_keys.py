@@ -4,6 +4,7 @@ and keys created and revoked while the server runs (no restart)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -46,6 +47,13 @@ class Keys:
         self.server = server
         _, self.digits = store.create("digits-only", [NAME])
         _, self.all = store.create("everything", ["*"])
+        # The server notices the changed file at its next poll and reloads it in a thread,
+        # checking requests against the keys it has meanwhile: wait until both are taken.
+        for key in (self.digits, self.all):
+            _wait_until(functools.partial(self._answers, key), "the new keys loaded")
+
+    def _answers(self, key: str) -> bool:
+        return self.get(f"/v2/models/{NAME}", key).status_code == 200
 
     def get(self, path: str, key: str | None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -186,6 +194,23 @@ def test_keys_made_and_revoked_while_it_runs(serve_kit: ServeKit, keys: Keys) ->
     text = keys.store.path.read_text()
     assert new not in text and keys.digits not in text and keys.all not in text
     assert record.id not in text and '"late"' not in text
+
+
+def test_the_first_request_with_a_key_made_while_it_runs_is_answered(keys: Keys) -> None:
+    """The request that finds the keys file due for a check starts its reload in a thread; a
+    key that only the reload brings waits for it instead of being refused (before: 401 for
+    the first request with a new key, then 200)."""
+    _, new = keys.store.create("fresh", [NAME])
+    try:
+        for _ in range(3):
+            time.sleep(0.2)  # past the 0.05 s poll: this request starts the reload
+            assert keys.get(f"/v2/models/{NAME}", new).status_code == 200
+            keys.store.revoke("fresh")
+            time.sleep(0.2)
+            assert keys.get(f"/v2/models/{NAME}", new).status_code == 401  # revoked: refused
+            _, new = keys.store.create("fresh", [NAME])
+    finally:
+        keys.store.revoke("fresh")
 
 
 def test_a_damaged_keys_file_refuses_every_key_until_fixed(keys: Keys) -> None:

@@ -8,6 +8,7 @@ still describes every body, for clients and for schemathesis.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -34,11 +35,10 @@ from visionloop.serve.protocol import (
     HEADER_LENGTH,
     InferRequest,
     ProtocolError,
-    encode_cost,
-    encode_infer_response,
     parse_header_length,
     parse_infer_request,
 )
+from visionloop.serve.response import encode_cost, encode_infer_response
 from visionloop.serve.source import ModelSource
 from visionloop.serve.state import INLINE_ENCODE_BYTES, INLINE_PARSE_BYTES, Server
 from visionloop.tasks import get_task, list_tasks
@@ -47,6 +47,9 @@ from visionloop.tasks.serving import AnswerOptions, ImageContext
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
+# A request with a key waits this long, at most, for a reload of the keys file under way (a
+# stat and, when it changed, the read of a small file).
+RELOAD_WAIT_S = 2.0
 
 
 def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -83,9 +86,23 @@ class ServeApp:
         if keys.reload_due() and (self._reloading is None or self._reloading.done()):
             self._reloading = asyncio.ensure_future(asyncio.to_thread(keys.maybe_reload))
 
+    async def _settled(self) -> None:
+        """Wait for the keys file's reload under way, if any: on the loop without blocking it,
+        at most RELOAD_WAIT_S. A request that presents a key is checked against the file as
+        the reload finds it, so a key made a moment ago is taken and a key just revoked is
+        refused at the first request after the poll; before, that request was still checked
+        against the keys loaded earlier."""
+        reloading = self._reloading
+        if reloading is None or reloading.done():
+            return
+        with contextlib.suppress(Exception):  # failed or slow: checked against the keys as they stand
+            await asyncio.wait_for(asyncio.shield(reloading), RELOAD_WAIT_S)
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.keys is not None:
             self._reload_keys(self.keys)
+            if scope["path"] not in auth.OPEN_PATHS and auth.bearer_token(scope):
+                await self._settled()
             # Every HTTP request, fast path and FastAPI routes alike, before its body is read.
             verdict = auth.check(self.keys, scope)
             if isinstance(verdict, auth.Denied):
