@@ -1,6 +1,7 @@
 """Model registry glue: versions, aliases (`champion`, `challenger`), lineage, and the files of
 each version (see `layout`)."""
 
+from visionloop.registry.aliases import rollback, set_alias, unset_alias
 from visionloop.registry.api import (
     CHAMPION,
     ModelSummary,
@@ -13,9 +14,6 @@ from visionloop.registry.api import (
     list_versions,
     record_export,
     register,
-    rollback,
-    set_alias,
-    unset_alias,
 )
 from visionloop.registry.layout import ModelRef, ModelRefError, parse_ref
 from visionloop.registry.runsource import UnfinishedRunError

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from visionloop.core.errors import NotFoundError, VisionloopError
 from visionloop.core.fsutil import TooLargeError, atomic_write_json, read_capped
@@ -34,7 +34,6 @@ from visionloop.registry.layout import (
     LINEAGE_FILE,
     WEIGHTS_FILE,
     ModelRef,
-    check_alias,
     check_name,
     check_version,
     export_dir,
@@ -175,11 +174,11 @@ def _info(settings: Settings, mv: ModelVersion, alias_map: dict[str, int]) -> Mo
     )
 
 
-def _alias_map(c: MlflowClient, name: str, settings: Settings) -> dict[str, int]:
+def read_alias_map(c: MlflowClient, name: str, settings: Settings) -> dict[str, int]:
     return {str(a): int(v) for a, v in (rstore.get_model(c, name, settings).aliases or {}).items()}
 
 
-def _usable(settings: Settings, mv: ModelVersion) -> bool:
+def is_usable(settings: Settings, mv: ModelVersion) -> bool:
     return rstore.is_ready(mv) and version_dir(settings.home, str(mv.name), int(mv.version)).is_dir()
 
 
@@ -326,7 +325,7 @@ def get_version(ref: str | ModelRef, settings: Settings | None = None) -> ModelV
         check_version(ref.version)
     c = rstore.client(settings)
     try:
-        alias_map = _alias_map(c, ref.name, settings)
+        alias_map = read_alias_map(c, ref.name, settings)
         if ref.alias is not None or (ref.version is None and CHAMPION in alias_map):
             alias = ref.alias or CHAMPION
             if alias not in alias_map:
@@ -339,7 +338,7 @@ def get_version(ref: str | ModelRef, settings: Settings | None = None) -> ModelV
         elif ref.version is not None:
             number = ref.version
         else:
-            ready = [v for v in rstore.versions(c, ref.name) if _usable(settings, v)]
+            ready = [v for v in rstore.versions(c, ref.name) if is_usable(settings, v)]
             if not ready:
                 raise NotFoundError(f"model {ref.name!r} has no usable version yet; register a run first.")
             return _info(settings, ready[-1], alias_map)
@@ -348,7 +347,7 @@ def get_version(ref: str | ModelRef, settings: Settings | None = None) -> ModelV
         raise
     except Exception as e:
         raise rstore.wrap(f"look up {ref}", settings, e) from e
-    if not _usable(settings, mv):
+    if not is_usable(settings, mv):
         raise NotFoundError(
             f"{ref.name}/{number} is not usable: its registration did not complete, or its folder "
             f"{version_dir(settings.home, ref.name, number)} is missing. Register the run again."
@@ -364,7 +363,7 @@ def _model_version(c: MlflowClient, name: str, version: int, settings: Settings)
     except MlflowException as e:
         if e.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
-        have = ", ".join(str(v.version) for v in rstore.versions(c, name) if _usable(settings, v)) or "none"
+        have = ", ".join(str(v.version) for v in rstore.versions(c, name) if is_usable(settings, v)) or "none"
         raise NotFoundError(f"model {name!r} has no version {version} (versions: {have}).") from e
 
 
@@ -374,8 +373,8 @@ def list_versions(name: str, settings: Settings | None = None) -> list[ModelVers
     check_name(name)
     c = rstore.client(settings)
     try:
-        alias_map = _alias_map(c, name, settings)
-        return [_info(settings, v, alias_map) for v in rstore.versions(c, name) if _usable(settings, v)]
+        alias_map = read_alias_map(c, name, settings)
+        return [_info(settings, v, alias_map) for v in rstore.versions(c, name) if is_usable(settings, v)]
     except VisionloopError:
         raise
     except Exception as e:
@@ -400,7 +399,7 @@ def list_models(settings: Settings | None = None) -> list[ModelSummary]:
                 break
         out = []
         for m in sorted(models, key=lambda m: str(m.name)):
-            ready = [v for v in rstore.versions(c, str(m.name)) if _usable(settings, v)]
+            ready = [v for v in rstore.versions(c, str(m.name)) if is_usable(settings, v)]
             out.append(
                 ModelSummary(
                     name=str(m.name),
@@ -420,7 +419,7 @@ def aliases(name: str, settings: Settings | None = None) -> dict[str, int]:
     settings = settings or load_settings()
     c = rstore.client(settings)
     try:
-        return _alias_map(c, check_name(name), settings)
+        return read_alias_map(c, check_name(name), settings)
     except VisionloopError:
         raise
     except Exception as e:
@@ -430,157 +429,6 @@ def aliases(name: str, settings: Settings | None = None) -> dict[str, int]:
 def alias_history(name: str, settings: Settings | None = None) -> list[history.AliasEvent]:
     settings = settings or load_settings()
     return history.read_history(model_dir(settings.home, name) / ALIAS_HISTORY_FILE)
-
-
-# --------------------------------------------------------------------------- aliases
-
-
-def set_alias(
-    name: str,
-    version: int,
-    alias: str,
-    *,
-    actor: str | None = None,
-    settings: Settings | None = None,
-    reason: str | None = None,
-    gate: dict[str, Any] | None = None,
-    expected_previous: int | Literal["any"] | None = "any",
-) -> ModelVersionInfo:
-    """Point `alias` at `version` of `name`, and record who did it and when, with the `reason`
-    and the promotion `gate`'s decision if given (stored as they are).
-
-    `expected_previous`: the version the alias must still point to (None: no version) at the
-    moment it moves, else nothing changes and RegistryError says so. A caller that decided on
-    the current alias (the promotion gate) passes what it saw, so a concurrent move is never
-    overwritten by a decision made about another version.
-    """
-    settings = settings or load_settings()
-    check_alias(alias)
-    target = get_version(ModelRef(check_name(name), version=version), settings)
-    root = model_dir(settings.home, name)
-    with files.model_lock(root):
-        # Read the history before the alias moves: an unreadable one used to fail only after
-        # MLflow had moved the alias, so the command reported an error for a change it had made,
-        # and the change was missing from the history that rollback goes by.
-        history.read_history(root / ALIAS_HISTORY_FILE)
-        c = rstore.client(settings)
-        try:
-            previous = _alias_map(c, name, settings).get(alias)
-            if expected_previous != "any" and previous != expected_previous:
-                seen = f"v{expected_previous}" if expected_previous is not None else "unset"
-                now = f"v{previous}" if previous is not None else "unset"
-                raise RegistryError(
-                    f"{name}@{alias} changed while this change was being decided (it was {seen}, "
-                    f"it is now {now}); nothing was moved. Run the command again to decide against {now}."
-                )
-            c.set_registered_model_alias(name, alias, str(version))
-        except VisionloopError:
-            raise
-        except Exception as e:
-            raise rstore.wrap(f"set alias {alias!r} of {name!r}", settings, e) from e
-        _record_alias(root, "set", alias, version, previous, actor, reason=reason, gate=gate)
-    return get_version(ModelRef(target.name, version=version), settings)
-
-
-def unset_alias(
-    name: str,
-    alias: str,
-    *,
-    actor: str | None = None,
-    settings: Settings | None = None,
-    reason: str | None = None,
-    expected: int | None = None,
-) -> int | None:
-    """Remove `alias` from `name` (a challenger whose canary ended, say) and record it; returns
-    the version it pointed to (None: it was not set, and nothing is recorded). With `expected`,
-    the alias is removed only while it still points to that version: a challenger someone
-    else has moved on to another version since is left alone."""
-    settings = settings or load_settings()
-    check_alias(alias)
-    if alias == CHAMPION:
-        raise RegistryError(
-            f"{name}@{CHAMPION} is what servers answer with; move it (`visionloop models promote`, "
-            "`models rollback`) rather than remove it."
-        )
-    root = model_dir(settings.home, check_name(name))
-    with files.model_lock(root):
-        history.read_history(root / ALIAS_HISTORY_FILE)  # unreadable: refuse before anything moves
-        c = rstore.client(settings)
-        try:
-            current = _alias_map(c, name, settings).get(alias)
-            if current is None or (expected is not None and current != expected):
-                return None
-            c.delete_registered_model_alias(name, alias)
-        except VisionloopError:
-            raise
-        except Exception as e:
-            raise rstore.wrap(f"remove alias {alias!r} of {name!r}", settings, e) from e
-        _record_alias(root, "unset", alias, current, current, actor, reason=reason)
-    return current
-
-
-def rollback(
-    name: str, *, alias: str = CHAMPION, actor: str | None = None, settings: Settings | None = None
-) -> ModelVersionInfo:
-    """Move `alias` (the champion) back to the version it pointed to before the current one."""
-    settings = settings or load_settings()
-    check_alias(alias)
-    root = model_dir(settings.home, check_name(name))
-    with files.model_lock(root):
-        c = rstore.client(settings)
-        try:
-            current = _alias_map(c, name, settings).get(alias)
-            usable = {int(v.version) for v in rstore.versions(c, name) if _usable(settings, v)}
-        except VisionloopError:
-            raise
-        except Exception as e:
-            raise rstore.wrap(f"read {name!r}", settings, e) from e
-        if current is None:
-            raise RegistryError(
-                f"model {name!r} has no {alias!r} alias, so there is nothing to roll back. Set one with "
-                f"`visionloop models alias {name} VERSION {alias}`."
-            )
-        stack = history.champion_stack(history.read_history(root / ALIAS_HISTORY_FILE), alias, current)
-        earlier = [v for v in stack[:-1] if v in usable and v != current]
-        if not earlier:
-            raise RegistryError(
-                f"{name}@{alias} is v{current} and has no previous {alias} to roll back to "
-                f"(`visionloop models show {name}` prints the alias history). To move it anyway, "
-                f"use `visionloop models alias {name} VERSION {alias}`."
-            )
-        target = earlier[-1]
-        try:
-            c.set_registered_model_alias(name, alias, str(target))
-        except Exception as e:
-            raise rstore.wrap(f"roll back {name}@{alias}", settings, e) from e
-        _record_alias(root, "rollback", alias, target, current, actor)
-    return get_version(ModelRef(name, version=target), settings)
-
-
-def _record_alias(
-    root: Path,
-    action: str,
-    alias: str,
-    version: int,
-    previous: int | None,
-    actor: str | None,
-    *,
-    reason: str | None = None,
-    gate: dict[str, Any] | None = None,
-) -> None:
-    """Append one alias change, with who and when (and why, and the gate's decision, when
-    given), to the model's alias history."""
-    event = history.AliasEvent(
-        at=history.now_iso(),
-        actor=actor or history.default_actor(),
-        action=action,
-        alias=alias,
-        version=version,
-        previous=previous,
-        reason=reason,
-        gate=gate,
-    )
-    history.append_event(root / ALIAS_HISTORY_FILE, event)
 
 
 def record_export(info: ModelVersionInfo, key: str, fields: dict[str, str], settings: Settings) -> None:
