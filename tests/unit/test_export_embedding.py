@@ -11,6 +11,7 @@ import orjson
 import pytest
 import torch
 
+from _refkit import three_class_reference
 from visionloop.export import convert
 from visionloop.export.embedding import WithEmbedding, collect_features, fit_projection
 from visionloop.models import create_model
@@ -116,23 +117,8 @@ def test_the_embedding_round_trips_through_a_log_record_and_is_bounded() -> None
 
 
 def _reference(rng: np.random.Generator, n: int = 1000) -> Reference:
-    probs = rng.dirichlet([4.0, 4.0, 4.0], size=n).astype(np.float32)
-    return Reference(
-        model="m",
-        version=1,
-        task="classification",
-        dataset="d",
-        split="val",
-        images=n,
-        precision="fp32",
-        temperature=None,
-        output_names=("p(a)", "p(b)", "p(c)"),
-        outputs=probs,
-        class_names=("a", "b", "c"),
-        class_counts=np.bincount(probs.argmax(axis=1), minlength=3),
-        confidence=probs.max(axis=1),
-        embeddings=rng.normal(size=(n, 8)).astype(np.float32),
-    )
+    probs = rng.dirichlet([4.0, 4.0, 4.0], size=n)
+    return three_class_reference(probs, embeddings=rng.normal(size=(n, 8)).astype(np.float32))
 
 
 def _window(rng: np.random.Generator, ref: Reference, emb: np.ndarray | None) -> list[PredictionRecord]:

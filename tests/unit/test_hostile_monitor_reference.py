@@ -14,12 +14,12 @@ import pytest
 from numpy.lib import format as npy_format
 
 from _hangkit import in_thread
+from _refkit import three_class_reference
 from visionloop.core.errors import DataError
 from visionloop.monitor import reference as reference_module
 from visionloop.monitor.reference import (
     ARRAYS_FILE,
     META_FILE,
-    Reference,
     load_reference,
     reference_dir,
     save_reference,
@@ -29,22 +29,7 @@ from visionloop.monitor.reference import (
 def _saved(version_dir: Path) -> Path:
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.ones(3), size=50).astype(np.float32)
-    ref = Reference(
-        model="m",
-        version=1,
-        task="classification",
-        dataset="d",
-        split="val",
-        images=50,
-        precision="fp32",
-        temperature=None,
-        output_names=("p(a)", "p(b)", "p(c)"),
-        outputs=probs,
-        class_names=("a", "b", "c"),
-        class_counts=np.bincount(probs.argmax(axis=1), minlength=3),
-        confidence=probs.max(axis=1),
-        atc_threshold=0.6,
-    )
+    ref = three_class_reference(probs, atc_threshold=0.6)
     save_reference(version_dir, ref)
     loaded = load_reference(version_dir).outputs
     assert loaded is not None and np.array_equal(loaded, probs)  # round-trips as it is

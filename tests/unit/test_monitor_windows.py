@@ -9,6 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
+from _refkit import three_class_reference
 from visionloop.monitor.history import WindowRecord, WindowRecordError, append_window, read_windows
 from visionloop.monitor.reference import Reference, atc_threshold
 from visionloop.monitor.windows import WindowSpec, cut, judge
@@ -99,23 +100,7 @@ def test_atc_threshold_makes_the_share_over_it_the_accuracy() -> None:
 def _reference(n: int, rng: np.random.Generator) -> Reference:
     logits = rng.normal(size=(n, 3)) + np.array([2.0, 0.0, 0.0])
     probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
-    pred = probs.argmax(axis=1)
-    return Reference(
-        model="m",
-        version=1,
-        task="classification",
-        dataset="d",
-        split="val",
-        images=n,
-        precision="fp32",
-        temperature=None,
-        output_names=("p(a)", "p(b)", "p(c)"),
-        outputs=probs.astype(np.float32),
-        class_names=("a", "b", "c"),
-        class_counts=np.bincount(pred, minlength=3),
-        confidence=probs.max(axis=1).astype(np.float32),
-        atc_threshold=0.6,
-    )
+    return three_class_reference(probs, atc_threshold=0.6)
 
 
 def test_judge_flags_a_prior_shift_and_passes_the_same_distribution() -> None:
