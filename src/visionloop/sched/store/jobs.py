@@ -129,8 +129,10 @@ class JobsMixin(StoreBase):
                         return found
                 # The team's row locked (PostgreSQL; SQLite's write lock is already the whole
                 # database's): two submits of one team count its queue one after the other, so
-                # the limit is never passed by a race.
-                if s.get(TeamRow, team, with_for_update=max_queued is not None) is None:
+                # the limit is never passed by a race. FOR NO KEY UPDATE, not FOR UPDATE: rows
+                # that only reference the team (a ledger entry, another team's job) need not wait.
+                lock = {"key_share": True} if max_queued is not None else None
+                if s.get(TeamRow, team, with_for_update=lock) is None:
                     raise NotFoundError(
                         f"no team {team!r}; an admin creates it with "
                         f"`visionloop admin team set {team} --nominal N`."
