@@ -52,13 +52,18 @@ def _docstring_example() -> str:
     return textwrap.dedent(doc[start : doc.index("\n\nWith `kind")])
 
 
-def test_the_documented_example_parses_and_its_ray_variant_refuses_an_inventory() -> None:
+def test_the_documented_example_parses_and_its_ray_and_slurm_variants_refuse_an_inventory() -> None:
     cfg = parse_cluster_config(tomllib.loads(_docstring_example()))
     assert cfg.executor.kind == "local" and cfg.inventory is not None and len(cfg.inventory) == 4
     assert cfg.prices == Path("prices.toml") and [t.name for t in cfg.teams] == ["detection"]
-    ray = _docstring_example().replace('kind = "local"', "").replace("# kind =", "kind =")
-    with pytest.raises(ConfigError, match=r"\[\[inventory\]\] lists GPUs for the local executor"):
-        parse_cluster_config(tomllib.loads(ray))
+    for kind in ("ray", "slurm"):
+        other = (
+            _docstring_example()
+            .replace('kind = "local"', "")
+            .replace(f'# kind = "{kind}"', f'kind = "{kind}"')
+        )
+        with pytest.raises(ConfigError, match=rf'\[\[inventory\]\] lists GPUs .* executor.kind is "{kind}"'):
+            parse_cluster_config(tomllib.loads(other))
 
 
 def test_the_executor_defaults_to_local_and_ray_to_the_local_dashboard() -> None:
@@ -82,7 +87,7 @@ def test_the_executor_defaults_to_local_and_ray_to_the_local_dashboard() -> None
     ("doc", "words"),
     [
         ({"executor": "ray"}, "must be a table"),
-        ({"executor": {"kind": "slurm"}}, 'executor.kind must be "local" or "ray"'),
+        ({"executor": {"kind": "k8s"}}, 'executor.kind must be "local", "ray" or "slurm"'),
         ({"executor": {"kind": "ray", "adress": "http://h:8265"}}, "unknown keys ['adress']"),
         ({"executor": {"address": "http://h:8265"}}, 'only apply to kind = "ray"'),
         ({"executor": {"kind": "ray", "address": "ray://head:10001"}}, "Ray Client"),

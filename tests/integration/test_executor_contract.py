@@ -1,6 +1,7 @@
 """The executor contract: one suite, the same assertions, against every executor: local
-processes, and a real two-node Ray cluster on loopback (tests/_raykit.py, started once per
-session). What the control plane relies on:
+processes, a real two-node Ray cluster on loopback (tests/_raykit.py, started once per
+session) and a real one-node Slurm cluster (tests/_slurmkit.py: slurmctld and slurmd with two
+fake GPUs, started once by .ci/slurm.sh). What the control plane relies on:
 
 - exit codes 0 / 3 / 75, a signal death (128 + N) and a command that cannot run (127 / 126)
   are read back exactly by `poll`, also by a fresh executor instance (the control plane
@@ -21,6 +22,7 @@ control plane on Ray, end to end, is in test_control_plane_ray.py. Jobs are shor
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,9 +33,11 @@ import psutil
 import pytest
 
 from _execkit import log_text, wait_exited, wait_log
+from _slurmkit import PARTITION, slurm_conf
 from visionloop.sched.executors.base import Handle, LaunchRequest
 from visionloop.sched.executors.local import LocalExecutor
 from visionloop.sched.executors.ray import RayExecutor
+from visionloop.sched.executors.slurm import SlurmExecutor
 from visionloop.sched.view import Gpu
 
 pytest_plugins = ["_raysession"]  # the session's Ray cluster: `ray_cluster`
@@ -43,7 +47,7 @@ PREFIX = "vlcontract"  # Ray submission ids; other modules on the shared cluster
 FAKE_GPUS = (Gpu("local/0", "box", "A100-80GB"), Gpu("local/1", "box", "A100-80GB"))
 _job_ids = itertools.count(1)
 
-AnyExecutor = LocalExecutor | RayExecutor
+AnyExecutor = LocalExecutor | RayExecutor | SlurmExecutor
 
 
 @dataclass
@@ -80,7 +84,7 @@ class Rig:
         return self.launch(request), request
 
 
-@pytest.fixture(params=["local", "ray"])
+@pytest.fixture(params=["local", "ray", "slurm"])
 def executor_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -94,6 +98,13 @@ def rig(executor_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> I
 
         def fresh() -> AnyExecutor:
             return RayExecutor(address, prefix=PREFIX)
+    elif executor_kind == "slurm":
+        conf = slurm_conf()
+
+        def fresh() -> AnyExecutor:
+            # Job ids restart at 1 in every test process: the pid keeps two workers' names apart.
+            prefix = f"{PREFIX}-{os.getpid()}"
+            return SlurmExecutor(PARTITION, prefix=prefix, slurm_conf=conf, heartbeat_s=0.5)
     else:
 
         def fresh() -> AnyExecutor:

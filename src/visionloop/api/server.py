@@ -113,12 +113,24 @@ def resolve_db_url(db: str | None = None, db_url_file: Path | None = None) -> st
 
 def build_executor(config: ClusterConfig) -> Executor:
     """The executor `config.executor` names: local processes (GPUs from `[[inventory]]`, or
-    discovered with NVML) or an existing Ray cluster (GPUs read from the cluster)."""
+    discovered with NVML), an existing Ray cluster or an existing Slurm cluster (GPUs read from
+    the cluster)."""
     ex = config.executor
     if ex.kind == "ray":
         from visionloop.sched.executors.ray import RayExecutor
 
         return RayExecutor(ex.address, prefix=ex.prefix, request_timeout_s=ex.request_timeout_s)
+    if ex.kind == "slurm":
+        from visionloop.sched.executors.slurm import SlurmExecutor
+
+        return SlurmExecutor(
+            ex.partition,
+            account=ex.account,
+            prefix=ex.prefix,
+            slurm_conf=ex.slurm_conf,
+            command_timeout_s=ex.command_timeout_s,
+            python=ex.python,
+        )
     from visionloop.sched.executors.local import LocalExecutor
 
     return LocalExecutor(inventory=list(config.inventory) if config.inventory is not None else None)

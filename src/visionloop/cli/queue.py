@@ -85,7 +85,7 @@ def up(
         None,
         "--config",
         "-c",
-        help="Cluster config (executor: local or Ray; teams, quotas, inventory, prices). "
+        help="Cluster config (executor: local, Ray or Slurm; teams, quotas, inventory, prices). "
         "Default: <home>/cluster.toml.",
     ),
     db: str | None = typer.Option(

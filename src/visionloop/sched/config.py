@@ -15,6 +15,12 @@ priority classes.
     # address = "http://127.0.0.1:8265"  # ray: the head's dashboard URL (this is the default)
     # prefix = "vl"          # ray: starts every submission id; one per installation sharing a cluster
     # request_timeout_s = 30 # ray: every call to the dashboard gives up after this long
+    # kind = "slurm"         # jobs as sbatch jobs on an existing Slurm cluster (one node each)
+    # partition = "gpu"      # slurm: where jobs go (default: the cluster's default partition)
+    # account = "vision"     # slurm: charged to this account (optional)
+    # slurm_conf = "/etc/slurm/slurm.conf"  # slurm: default $SLURM_CONF, else Slurm's own
+    # command_timeout_s = 30 # slurm: every sbatch/squeue/scontrol/scancel/sinfo gives up after this
+    # python = "/opt/vl/.venv/bin/python"  # slurm: visionloop's interpreter on the nodes
 
     [scheduler]
     cycle_s = 2.0            # how often the scheduler runs (it also runs on every event)
@@ -73,6 +79,10 @@ every alive node's `GPU` resource, typed and priced by node labels such as
 visionloop.sched.executors.ray), so an `[[inventory]]` next to it is an error rather than
 silently ignored: the scheduler would otherwise place jobs on GPUs Ray does not have. Paths in
 job specs, the visionloop home and run dirs must be valid on the Ray nodes (shared storage).
+With `kind = "slurm"` they are the partition's: every node that takes work, its `gpu` gres
+typed and priced by node features (`Feature=gpu_type:A100-80GB,spot`; see
+visionloop.sched.executors.slurm); the same shared storage is needed, and visionloop installed
+on the nodes (`python`).
 **What a job may read.** Every path in a job spec (`data.dataset`, `model.pretrained`) must be
 absolute and lie, after symbolic links and `..` are resolved, under one of the allowed roots
 of the team the job is for (admins submitting for a team are bound by that team's roots): the
@@ -116,7 +126,9 @@ from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
 
 DEFAULT_TEAM = "default"
 DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"  # Ray's dashboard on a head node on this machine
-EXECUTOR_KINDS = ("local", "ray")
+EXECUTOR_KINDS = ("local", "ray", "slurm")
+# A Slurm partition or account name: what sbatch takes, without spaces or shell characters.
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Five busy teams at the default stay within the 10,000 waiting jobs the cycle is measured at.
 DEFAULT_MAX_QUEUED_PER_TEAM = 2000
 MAX_QUEUED_PER_TEAM = 10_000_000
@@ -135,13 +147,20 @@ MAX_WEIGHT = 1_000_000.0
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    """Where jobs run: `kind` "local" (subprocesses here) or "ray" (an existing Ray cluster,
-    reached at `address`, its dashboard URL). The other fields are Ray's."""
+    """Where jobs run: `kind` "local" (subprocesses here), "ray" (an existing Ray cluster,
+    reached at `address`, its dashboard URL) or "slurm" (an existing Slurm cluster, through
+    its client commands; `partition`, `account`, `slurm_conf`, `command_timeout_s` and
+    `python` are its). `prefix` names both's submissions."""
 
-    kind: Literal["local", "ray"] = "local"
+    kind: Literal["local", "ray", "slurm"] = "local"
     address: str = DEFAULT_RAY_ADDRESS
     prefix: str = "vl"
     request_timeout_s: float = 30.0
+    partition: str | None = None  # slurm: None is the cluster's default partition
+    account: str | None = None
+    slurm_conf: str | None = None  # slurm: None is $SLURM_CONF, else Slurm's own default
+    command_timeout_s: float = 30.0
+    python: str | None = None  # slurm: the interpreter on the nodes; None is this one's path
 
 
 @dataclass(frozen=True)
@@ -181,25 +200,34 @@ def _executor(section: Any, path: Path | None) -> ExecutorConfig:
     kind = section.get("kind", "local")
     if kind not in EXECUTOR_KINDS:
         raise ConfigError(
-            f'{where(path, "executor.kind")} must be "local" or "ray", got {kind!r} '
-            '(e.g. kind = "ray" with address = "http://HEAD:8265").'
+            f'{where(path, "executor.kind")} must be "local", "ray" or "slurm", got {kind!r} '
+            '(e.g. kind = "ray" with address = "http://HEAD:8265", or kind = "slurm" with partition = "gpu").'
         )
-    ray_keys = {"address", "prefix", "request_timeout_s"}
-    unknown = set(section) - {"kind"} - ray_keys
+    keys_of = {
+        "local": set[str](),
+        "ray": {"address", "prefix", "request_timeout_s"},
+        "slurm": {"partition", "account", "prefix", "slurm_conf", "command_timeout_s", "python"},
+    }
+    known = set().union(*keys_of.values())
+    unknown = set(section) - {"kind"} - known
     if unknown:
         raise ConfigError(
             f"{where(path, '[executor]')} has unknown keys {sorted(unknown)}; known: kind, "
-            + ", ".join(sorted(ray_keys))
+            + ", ".join(sorted(known))
             + "."
         )
+    extra = sorted(set(section) - {"kind"} - keys_of[kind])
+    if extra:
+        owners = " or ".join(f'"{k}"' for k, keys in keys_of.items() if set(extra) & keys)
+        raise ConfigError(
+            f"{where(path, '[executor]')}: {', '.join(extra)} only apply to kind = {owners}; remove "
+            f'them, or set kind accordingly (kind is "{kind}").'
+        )
     if kind == "local":
-        extra = sorted(set(section) & ray_keys)
-        if extra:
-            raise ConfigError(
-                f'{where(path, "[executor]")}: {", ".join(extra)} only apply to kind = "ray"; remove '
-                'them, or set kind = "ray" to run jobs on a Ray cluster.'
-            )
         return ExecutorConfig()
+    prefix = _prefix(section, path)
+    if kind == "slurm":
+        return _slurm_executor(section, path, prefix)
     d = ExecutorConfig()
     address = section.get("address", d.address)
     url = urllib.parse.urlsplit(address) if isinstance(address, str) else None
@@ -218,17 +246,54 @@ def _executor(section: Any, path: Path | None) -> ExecutorConfig:
             f"{where(path, 'executor.address')} must be the Ray dashboard's URL, got {shown(address)}{hint}; "
             'e.g. address = "http://HEAD:8265" (8265 is the dashboard port, not the GCS port 6379).'
         )
-    prefix = section.get("prefix", d.prefix)
-    if not isinstance(prefix, str) or not PREFIX_PATTERN.fullmatch(prefix) or len(prefix) > 32:
-        raise ConfigError(
-            f"{where(path, 'executor.prefix')} must be lower-case letters, digits and '-' (at most 32), "
-            f'got {prefix!r} (e.g. prefix = "vl-detection").'
-        )
     return ExecutorConfig(
         kind="ray",
         address=address.rstrip("/"),
         prefix=prefix,
         request_timeout_s=number(section, "request_timeout_s", d.request_timeout_s, path, minimum=1),
+    )
+
+
+def _prefix(section: Mapping[str, Any], path: Path | None) -> str:
+    prefix = section.get("prefix", ExecutorConfig.prefix)
+    if not isinstance(prefix, str) or not PREFIX_PATTERN.fullmatch(prefix) or len(prefix) > 32:
+        raise ConfigError(
+            f"{where(path, 'executor.prefix')} must be lower-case letters, digits and '-' (at most 32), "
+            f'got {shown(prefix)} (e.g. prefix = "vl-detection").'
+        )
+    return prefix
+
+
+def _slurm_executor(section: Mapping[str, Any], path: Path | None, prefix: str) -> ExecutorConfig:
+    d = ExecutorConfig()
+    names: dict[str, str | None] = {}
+    for key, example in (("partition", "gpu"), ("account", "vision")):
+        v = section.get(key)
+        if v is not None and (not isinstance(v, str) or not _SLURM_NAME.fullmatch(v)):
+            raise ConfigError(
+                f"{where(path, f'executor.{key}')} must be a Slurm {key} name (letters, digits, '_', '.', "
+                f"'-'), got {shown(v)}; e.g. {key} = \"{example}\", or leave it out."
+            )
+        names[key] = v
+    files: dict[str, str | None] = {}
+    for key, example in (("slurm_conf", "/etc/slurm/slurm.conf"), ("python", "/opt/vl/.venv/bin/python")):
+        v = section.get(key)
+        if v is not None and (
+            not isinstance(v, str) or not v.startswith("/") or any(not c.isprintable() for c in v)
+        ):
+            raise ConfigError(
+                f"{where(path, f'executor.{key}')} must be an absolute path, got {shown(v)}; "
+                f'e.g. {key} = "{example}", or leave it out.'
+            )
+        files[key] = v
+    return ExecutorConfig(
+        kind="slurm",
+        prefix=prefix,
+        partition=names["partition"],
+        account=names["account"],
+        slurm_conf=files["slurm_conf"],
+        python=files["python"],
+        command_timeout_s=number(section, "command_timeout_s", d.command_timeout_s, path, minimum=1),
     )
 
 
@@ -316,6 +381,13 @@ def parse_cluster_config(doc: Mapping[str, Any], path: Path | None = None) -> Cl
             '"ray": the GPUs are the Ray cluster\'s. Remove [[inventory]]; set GPU types and price '
             "classes as Ray node labels (`ray start ... --labels "
             "visionloop.io/gpu-type=A100-80GB,visionloop.io/price-class=spot`)."
+        )
+    if executor.kind == "slurm" and "inventory" in doc:
+        raise ConfigError(
+            f"{where(path, '[[inventory]]')} lists GPUs for the local executor, but executor.kind is "
+            "\"slurm\": the GPUs are the Slurm partition's (its nodes' gpu gres). Remove [[inventory]]; "
+            "set GPU types and price classes as node features in slurm.conf "
+            "(`Feature=gpu_type:A100-80GB,spot`)."
         )
     timings = parse_scheduler(doc.get("scheduler", {}), path)
     priorities = dict(DEFAULT_PRIORITIES)

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -16,6 +17,7 @@ from visionloop.core.errors import ExecutorError
 
 # shim.json and exit.json hold a few hundred bytes; past this, not what the shim wrote.
 MAX_STATUS_BYTES = 1 << 20
+READ_CHUNK = 64 * 1024  # a log is handed out in pieces of this size
 
 
 def open_attempt_file(path: Path, what: str) -> BinaryIO:
@@ -69,3 +71,16 @@ def log_tail(path: Path, limit: int = 4000) -> str:
         return "(no output)" if isinstance(e, FileNotFoundError) else f"(its output is not shown: {e})"
     text = data.decode("utf-8", errors="replace").rstrip()
     return text or "(no output)"
+
+
+def read_log(path: Path, offset: int = 0) -> Iterator[bytes]:
+    """An attempt's log from byte `offset` to its current end, in chunks; nothing if there is no
+    log yet. A follower remembers offset + bytes received and calls again."""
+    try:
+        f = open_attempt_file(path, "log")
+    except FileNotFoundError:
+        return
+    with f:
+        f.seek(max(offset, 0))
+        while chunk := f.read(READ_CHUNK):
+            yield chunk

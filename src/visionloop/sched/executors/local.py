@@ -80,7 +80,7 @@ import psutil
 
 from visionloop.core.errors import ExecutorError
 from visionloop.sched import shim
-from visionloop.sched.executors.attempt_files import log_tail, mtime, open_attempt_file, read_status
+from visionloop.sched.executors.attempt_files import log_tail, mtime, read_log, read_status
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.env import job_env
 from visionloop.sched.view import Gpu
@@ -91,7 +91,6 @@ DEFAULT_START_TIMEOUT_S = 30.0
 # How long `kill` lets the shim record the SIGKILL of its child (exit.json, 137) before it
 # kills the shim too. The shim notices within ~50 ms.
 KILL_RECORD_WAIT_S = 2.0
-READ_CHUNK = 64 * 1024
 
 
 class LocalExecutor:
@@ -345,14 +344,7 @@ class LocalExecutor:
     def read_log(self, handle: Handle, offset: int = 0) -> Iterator[bytes]:
         """The log from byte `offset` to its current end, in chunks; nothing if there is no log
         yet. A follower remembers offset + bytes received and calls again."""
-        try:
-            f = open_attempt_file(self._attempt_dir(handle) / shim.LOG, "log")
-        except FileNotFoundError:
-            return
-        with f:
-            f.seek(max(offset, 0))
-            while chunk := f.read(READ_CHUNK):
-                yield chunk
+        return read_log(self._attempt_dir(handle) / shim.LOG, offset)
 
     # -- internals ------------------------------------------------------------------------
 

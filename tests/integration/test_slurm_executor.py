@@ -1,0 +1,334 @@
+"""What only the Slurm executor does, against a real one-node Slurm cluster (tests/_slurmkit.py:
+slurmctld and slurmd on this machine, two fake GPUs of type a100 with the node feature
+gpu_type:A100-80GB). What every executor does is in test_executor_contract.py.
+
+- capacity is the partition's gpu gres, typed and priced by node features;
+- a job Slurm has not started yet reads running ("pending in Slurm"), and a terminate cancels it;
+- a second launch of an attempt adopts the job Slurm already has; a new attempt of the same job
+  stops the old one; a job with no GPU sees none, and none of the control plane's secrets;
+- what Slurm says of a job that ended without the shim's exit status (a node that could not run
+  it, a failed node, a forgotten job) becomes an exit code or "lost";
+- the `[executor]` section for Slurm, and the control plane end to end: a higher-priority job
+  preempts a running one through its checkpoint, and the victim resumes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _cpkit import TEAMS, cluster_config, control_plane
+from _cpkit import train_doc as _train
+from _dbkit import fresh_database
+from _execkit import log_text, wait_exited, wait_log
+from _slurmkit import PARTITION, slurm_conf
+from visionloop.api.server import build_executor
+from visionloop.core.errors import ConfigError, ExecutorError
+from visionloop.sched.config import parse_cluster_config
+from visionloop.sched.executors.base import Handle, LaunchRequest
+from visionloop.sched.executors.slurm import SLURM_JSON, SlurmExecutor, _from_record
+from visionloop.sched.executors.slurm_cli import JobRecord, parse_job_record, parse_sinfo
+from visionloop.sched.service import Principal
+from visionloop.sched.view import Gpu
+
+PY = sys.executable
+HOST = socket.gethostname().split(".")[0]
+ADMIN = Principal(team=None, admin=True)
+_job_ids = itertools.count(1)
+SLEEP = "import time; print('sle' + 'eping', flush=True); time.sleep(600)"
+
+
+@pytest.fixture
+def ex() -> Iterator[SlurmExecutor]:
+    executor = SlurmExecutor(
+        PARTITION, prefix=f"vlslurm-{os.getpid()}", slurm_conf=slurm_conf(), heartbeat_s=0.5
+    )
+    executor.launched = []  # type: ignore[attr-defined]
+    yield executor
+    for handle in executor.launched:  # type: ignore[attr-defined]
+        executor.kill(handle)
+
+
+def _request(
+    tmp: Path,
+    src: str,
+    *,
+    gpus: list[Gpu] | None = None,
+    job_id: int | None = None,
+    attempt: int = 1,
+    env: dict[str, str] | None = None,
+) -> LaunchRequest:
+    job = job_id if job_id is not None else next(_job_ids)
+    return LaunchRequest(
+        job_id=job,
+        attempt=attempt,
+        command=[PY, "-c", src],
+        gpus=gpus or [],
+        attempt_dir=tmp / f"job-{job}" / f"attempt-{attempt}",
+        env=env or {},
+        cpus=1,
+        memory_gb=0.0,
+    )
+
+
+def _launch(ex: SlurmExecutor, request: LaunchRequest) -> Handle:
+    handle = ex.launch(request)
+    ex.launched.append(handle)  # type: ignore[attr-defined]
+    return handle
+
+
+# -- capacity -------------------------------------------------------------------------------------
+
+
+def test_capacity_is_the_partitions_gpu_gres_typed_by_the_nodes_features(ex: SlurmExecutor) -> None:
+    assert ex.capacity() == [
+        Gpu(f"{HOST}/0", HOST, "A100-80GB", "owned"),
+        Gpu(f"{HOST}/1", HOST, "A100-80GB", "owned"),
+    ]
+
+
+def test_sinfo_lines_become_typed_and_priced_nodes() -> None:
+    nodes = parse_sinfo(
+        "\n".join(
+            [
+                "a1|gpu:a100:8(S:0-1)|gpu_type:A100-80GB,spot|mixed",
+                "a1|gpu:a100:8(S:0-1)|gpu_type:A100-80GB,spot|mixed",  # a second partition
+                "t1|gpu:4,shard:8|on_demand|idle",
+                "c1|(null)|(null)|allocated",
+                "d1|gpu:h100:8|(null)|drained",
+                "n1|gpu:l4:1|price_class:owned|idle*",  # not responding
+                "garbage line",
+            ]
+        )
+    )
+    got = {n.name: (n.gpus, n.gpu_type, n.price_class, n.usable) for n in nodes}
+    assert got == {
+        "a1": (8, "A100-80GB", "spot", True),
+        "t1": (4, "unknown", "on_demand", True),
+        "c1": (0, "unknown", "owned", True),
+        "d1": (8, "h100", "owned", False),
+        "n1": (1, "l4", "owned", False),
+    }
+
+
+# -- what Slurm says of a job that left no exit status -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "state", "code", "words"),
+    [
+        ("JobId=7 JobState=NODE_FAIL Reason=NodeDown ExitCode=0:0", "lost", None, "its node failed"),
+        ("JobId=7 JobState=CANCELLED Reason=None ExitCode=0:15", "exited", 143, "cancelled in Slurm"),
+        ("JobId=7 JobState=CANCELLED Reason=None ExitCode=0:0", "exited", 137, "cancelled in Slurm"),
+        ("JobId=7 JobState=TIMEOUT Reason=TimeLimit ExitCode=0:0", "exited", 137, "time limit"),
+        (
+            "JobId=7 JobState=OUT_OF_MEMORY Reason=OutOfMemory ExitCode=0:125",
+            "exited",
+            128 + 125,
+            "out of memory",
+        ),
+        ("JobId=7 JobState=FAILED Reason=NonZeroExitCode ExitCode=127:0", "exited", 127, "ended FAILED"),
+    ],
+)
+def test_a_slurm_record_without_an_exit_status_becomes_an_outcome(
+    line: str, state: str, code: int | None, words: str, tmp_path: Path
+) -> None:
+    record = parse_job_record(line)
+    assert isinstance(record, JobRecord)
+    status = _from_record("7", record, tmp_path, None)
+    assert (status.state, status.exit_code) == (state, code) and words in status.detail, status
+    assert parse_job_record("slurm_load_jobs error: Invalid job id specified") is None
+
+
+def test_a_command_the_node_cannot_run_reads_its_exit_code_and_slurms_message(tmp_path: Path) -> None:
+    # visionloop is not where `python` says on the node: the batch script cannot start the shim.
+    ex = SlurmExecutor(
+        PARTITION, prefix=f"vlslurm-{os.getpid()}", slurm_conf=slurm_conf(), python="/nowhere/python"
+    )
+    handle = ex.launch(_request(tmp_path, "print(1)"))
+    status = wait_exited(ex, handle)
+    assert (status.state, status.exit_code) == ("exited", 127), status
+    assert "/nowhere/python" in status.detail and "not found" in status.detail, status.detail
+
+
+def test_a_job_slurm_no_longer_knows_with_no_exit_status_reads_lost(
+    ex: SlurmExecutor, tmp_path: Path
+) -> None:
+    attempt_dir = tmp_path / "job-5" / "attempt-1"
+    attempt_dir.mkdir(parents=True)
+    status = ex.poll({"executor": "slurm", "attempt_dir": str(attempt_dir), "slurm_job_id": "99999999"})
+    assert status.state == "lost" and "no longer knows" in status.detail, status
+
+
+# -- pending, adoption, one attempt at a time ----------------------------------------------------
+
+
+def test_a_job_pending_in_slurm_reads_running_and_terminate_cancels_it(
+    ex: SlurmExecutor, tmp_path: Path
+) -> None:
+    gpus = ex.capacity()
+    blocker = _launch(ex, _request(tmp_path, SLEEP, gpus=gpus))  # both GPUs
+    wait_log(ex, blocker, "sleeping")
+    waiting = _launch(ex, _request(tmp_path, "print('ran')", gpus=gpus[:1]))
+    deadline = time.monotonic() + 30
+    while "pending in Slurm" not in (status := ex.poll(waiting)).detail:
+        assert time.monotonic() < deadline and status.state == "running", status
+        time.sleep(0.2)
+    ex.terminate(waiting)
+    status = wait_exited(ex, waiting)
+    assert (status.state, status.exit_code) == ("exited", 137) and "cancelled in Slurm" in status.detail, (
+        status
+    )
+    assert log_text(ex, waiting) == ""  # it never ran
+    assert ex.poll(blocker).state == "running"
+
+
+def test_a_second_launch_adopts_and_a_new_attempt_stops_the_old(ex: SlurmExecutor, tmp_path: Path) -> None:
+    first = _request(tmp_path, SLEEP, job_id=next(_job_ids))
+    handle = _launch(ex, first)
+    wait_log(ex, handle, "sleeping")
+    # The control plane lost sbatch's answer and launches again: the same Slurm job, not two.
+    (first.attempt_dir / SLURM_JSON).unlink()
+    again = ex.launch(first)
+    assert again["slurm_job_id"] == handle["slurm_job_id"]
+    # Attempt 1 was counted as failed meanwhile: attempt 2 must not run beside it.
+    second = _launch(ex, _request(tmp_path, SLEEP, job_id=first.job_id, attempt=2))
+    status = wait_exited(ex, handle)
+    # Cancelled: SIGTERM, which the sleeping job does not catch (143), or SIGKILL after KillWait.
+    assert status.state == "exited" and status.exit_code in (128 + 15, 128 + 9), status
+    wait_log(ex, second, "sleeping")
+    assert ex.poll(second).state == "running"
+
+
+def test_a_job_sees_none_of_the_control_planes_secrets(
+    ex: SlurmExecutor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VISIONLOOP_DB_URL", "postgresql://vl:s3cret@db/vl")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret")
+    src = (
+        "import os; print('seen', sorted(k for k in os.environ if 'SECRET' in k or k.endswith('DB_URL')), "
+        "os.environ['MINE'])"
+    )
+    handle = _launch(ex, _request(tmp_path, src, env={"MINE": "mine"}))
+    assert wait_exited(ex, handle).exit_code == 0
+    assert "seen [] mine" in log_text(ex, handle)
+
+
+def test_a_run_across_nodes_is_refused_with_what_to_do(ex: SlurmExecutor, tmp_path: Path) -> None:
+    request = _request(tmp_path, "print(1)")
+    with pytest.raises(ExecutorError, match="Ray executor"):
+        ex.launch(LaunchRequest(**{**request.__dict__, "nodes": 2}))
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+def test_the_slurm_executor_section_is_parsed_and_built() -> None:
+    cfg = parse_cluster_config(
+        {
+            "executor": {
+                "kind": "slurm",
+                "partition": "gpu",
+                "account": "vision",
+                "prefix": "vl-cv",
+                "slurm_conf": "/etc/slurm/slurm.conf",
+                "command_timeout_s": 10,
+                "python": "/opt/vl/bin/python",
+            }
+        }
+    )
+    built = build_executor(cfg)
+    assert isinstance(built, SlurmExecutor)
+    assert (built.partition, built.account, built.prefix, built.python) == (
+        "gpu",
+        "vision",
+        "vl-cv",
+        "/opt/vl/bin/python",
+    )
+    assert (built.cli.slurm_conf, built.cli.timeout_s) == ("/etc/slurm/slurm.conf", 10.0)
+
+
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        (
+            {"kind": "slurm", "partition": "gpu; rm -rf /"},
+            "executor.partition must be a Slurm partition name",
+        ),
+        ({"kind": "slurm", "account": 3}, "executor.account must be a Slurm account name"),
+        ({"kind": "slurm", "python": "venv/bin/python"}, "executor.python must be an absolute path"),
+        ({"kind": "slurm", "address": "http://h:8265"}, 'address only apply to kind = "ray"'),
+        ({"kind": "ray", "partition": "gpu"}, 'partition only apply to kind = "slurm"'),
+        ({"kind": "slurm", "command_timeout_s": 0}, "command_timeout_s must be a finite number >= 1"),
+        ({"kind": "slurm", "prefix": "Team A"}, "executor.prefix must be lower-case"),
+    ],
+)
+def test_a_bad_slurm_section_says_what_to_write(section: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_cluster_config({"executor": section}, Path("/etc/vl/cluster.toml"))
+    assert words in str(e.value) and "/etc/vl/cluster.toml" in str(e.value), str(e.value)
+
+
+def test_an_inventory_beside_slurm_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"Remove \[\[inventory\]\].*Feature=gpu_type"):
+        parse_cluster_config({"executor": {"kind": "slurm"}, "inventory": [{"count": 1}]})
+
+
+# -- the control plane on Slurm, end to end ----------------------------------------------------------
+
+
+def test_on_slurm_a_higher_priority_job_preempts_through_a_checkpoint_and_the_victim_resumes(
+    digits_dataset: Path, tmp_path: Path
+) -> None:
+    cfg = cluster_config(
+        executor={
+            "kind": "slurm",
+            "partition": PARTITION,
+            "prefix": f"vlcp-{os.getpid()}",
+            "slurm_conf": slurm_conf(),
+        },
+        teams=TEAMS,
+        scheduler={"cycle_s": 0.5},
+    )
+    with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, cfg) as cp:
+        assert isinstance(cp.plane.executor, SlurmExecutor)
+        gpus = cp.plane.store.list_gpus()
+        assert sorted((g.id, g.type) for g in gpus) == [
+            (f"{HOST}/0", "A100-80GB"),
+            (f"{HOST}/1", "A100-80GB"),
+        ]
+        # One GPU out of service: the two jobs compete for the other.
+        cp.plane.spot_interrupt(f"{HOST}/1", reason="held back by the test")
+        job = {"resources": {"gpus": 1, "cpus": 1, "memory_gb": 0.5}}
+        with cp.client() as c:
+            low_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=400), "priority": "low"}
+            low = c.post("/v1/jobs", json={"spec": low_spec, "team": "research"}).json()
+            cp.wait_job(low["id"], lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None)
+            high_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=8), "priority": "high"}
+            high = c.post("/v1/jobs", json={"spec": high_spec, "team": "vision"}).json()
+        high_show = cp.wait_job(high["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
+        assert high_show["job"]["state"] == "succeeded", high_show
+        low_show = cp.wait_job(low["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
+        done = low_show["job"]
+        assert done["state"] == "succeeded" and done["preemptions"] == 1 and done["restarts"] == 0, low_show
+        states = [t["to_state"] for t in low_show["transitions"]]
+        assert states == ["queued", "running", "preempting", "queued", "running", "succeeded"]
+        first, second = low_show["attempts"]
+        assert (first["outcome"], first["exit_code"], second["outcome"]) == ("preempted", 75, "succeeded")
+        for attempt in (first, second, *high_show["attempts"]):
+            assert attempt["executor"] == "slurm" and attempt["handle"]["slurm_job_id"].isdigit()
+            assert attempt["handle"]["name"].startswith(f"vlcp-{os.getpid()}-job-")
+            assert [a["gpu_id"] for a in attempt["allocations"]] == [f"{HOST}/0"]
+        with cp.client() as c:
+            second_log = c.get(f"/v1/jobs/{low['id']}/logs", params={"attempt": 2}).text
+        assert "resuming from step-" in second_log, second_log
+        for show in (low_show, high_show):
+            assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()
