@@ -208,6 +208,29 @@ def test_a_second_launch_adopts_and_a_new_attempt_stops_the_old(ex: SlurmExecuto
     assert ex.poll(second).state == "running"
 
 
+def test_a_job_that_points_its_slurm_json_at_another_job_stops_nothing(
+    ex: SlurmExecutor, tmp_path: Path
+) -> None:
+    other = _launch(ex, _request(tmp_path, SLEEP))
+    wait_log(ex, other, "sleeping")
+    request = _request(tmp_path, SLEEP)
+    mine = _launch(ex, request)
+    wait_log(ex, mine, "sleeping")
+    # The job writes in its own folder: it names the other team's Slurm job as its own. A
+    # control plane that lost the handle (killed between sbatch and storing it) reads that.
+    (request.attempt_dir / SLURM_JSON).write_text(
+        f'{{"slurm_job_id": "{other["slurm_job_id"]}", "name": "x"}}'
+    )
+    bare: Handle = {"attempt_dir": str(request.attempt_dir)}
+    status = ex.poll(bare)
+    assert status.state == "lost" and "is named" in status.detail and "left alone" in status.detail, status
+    ex.terminate(bare)
+    ex.kill(bare)
+    time.sleep(1)
+    assert ex.poll(other).state == "running" and "got" not in log_text(ex, other)
+    assert ex.poll(mine).state == "running"  # its own handle, from launch, still finds it
+
+
 def test_a_job_sees_none_of_the_control_planes_secrets(
     ex: SlurmExecutor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

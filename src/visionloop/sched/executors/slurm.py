@@ -170,7 +170,8 @@ class SlurmExecutor:
             "sbatch",
             "--parsable",
             f"--job-name={name}",
-            f"--output={attempt_dir / SLURM_OUT}",
+            # Relative to --chdir: a "%" in the folder's path would be a pattern to sbatch.
+            f"--output={SLURM_OUT}",
             "--open-mode=append",
             f"--chdir={attempt_dir}",
             "--no-requeue",
@@ -202,13 +203,15 @@ class SlurmExecutor:
         from Slurm's queue by name; None if Slurm was never given it. (As the local executor's:
         every method also takes the bare `{"attempt_dir": ...}` handle.)"""
         attempt_dir = Path(attempt_dir).expanduser().resolve()
-        info = read_status(attempt_dir / SLURM_JSON)
-        if info is not None and str(info.get("slurm_job_id", "")).isdigit():
-            return self._handle(attempt_dir, str(info["slurm_job_id"]), str(info.get("name", "")))
         m = _ATTEMPT_DIR.search(str(attempt_dir))
         if m is None:
             return None
+        # The name comes from the folder, never from slurm.json: the job can write there, and
+        # every signal checks that the Slurm job it names is this attempt's.
         name = self.job_name(int(m.group(1)), int(m.group(2)))
+        info = read_status(attempt_dir / SLURM_JSON)
+        if info is not None and str(info.get("slurm_job_id", "")).isdigit():
+            return self._handle(attempt_dir, str(info["slurm_job_id"]), name)
         job_id = self.cli.find(name)
         return None if job_id is None else self._handle(attempt_dir, job_id, name)
 
@@ -225,10 +228,12 @@ class SlurmExecutor:
                 "lost", detail="never submitted to Slurm (no slurm.json, and no job of its name queued)"
             )
         beat = mtime(attempt_dir / shim.HEARTBEAT)
+        name = self._name(handle)
         queued = self.cli.queue_state(job_id)
         if queued is not None:
-            state, reason = queued
-            detail = f"pending in Slurm ({reason})" if state == "PENDING" else ""
+            if queued.name != name:
+                return AttemptStatus("lost", detail=_not_ours(job_id, queued.name, name))
+            detail = f"pending in Slurm ({queued.reason})" if queued.state == "PENDING" else ""
             return AttemptStatus("running", detail=detail, heartbeat_at=beat)
         ended = _exited(attempt_dir)  # the shim writes exit.json just before the job leaves the queue
         if ended is not None:
@@ -241,6 +246,8 @@ class SlurmExecutor:
                 f"status; its Slurm output: {log_tail(attempt_dir / SLURM_OUT, 500)}",
                 heartbeat_at=beat,
             )
+        if record.name and record.name != name:
+            return AttemptStatus("lost", detail=_not_ours(job_id, record.name, name))
         return _from_record(job_id, record, attempt_dir, beat)
 
     # -- signals --------------------------------------------------------------------------
@@ -253,9 +260,9 @@ class SlurmExecutor:
         if job_id is None or _exited(attempt_dir) is not None:
             return
         queued = self.cli.queue_state(job_id)
-        if queued is None:
+        if queued is None or queued.name != self._name(handle):  # gone, or not ours to stop
             return
-        if queued[0] == "PENDING":
+        if queued.state == "PENDING":
             self.cli.cancel(job_id)
         else:
             self.cli.signal_batch(job_id, "TERM")
@@ -267,7 +274,8 @@ class SlurmExecutor:
         job_id = self._job_id(handle)
         if job_id is None or _exited(attempt_dir) is not None:
             return
-        if self.cli.queue_state(job_id) is not None:
+        queued = self.cli.queue_state(job_id)
+        if queued is not None and queued.name == self._name(handle):
             self.cli.cancel(job_id)
 
     # -- logs -----------------------------------------------------------------------------
@@ -301,6 +309,15 @@ class SlurmExecutor:
             raise ExecutorError(f"not a Slurm executor handle: {handle!r}; pass it to its own executor.")
         return Path(handle["attempt_dir"])
 
+    def _name(self, handle: Handle) -> str:
+        """The Slurm job name of the attempt: the handle's (written at launch or by `adopt`),
+        else the one its folder gives."""
+        name = handle.get("name")
+        if isinstance(name, str) and name:
+            return name
+        adopted = self.adopt(self._attempt_dir(handle))
+        return "" if adopted is None else str(adopted["name"])
+
     def _job_id(self, handle: Handle) -> str | None:
         job_id = handle.get("slurm_job_id")
         if isinstance(job_id, str) and job_id.isdigit():
@@ -316,6 +333,13 @@ class SlurmExecutor:
             if name != self.job_name(job_id, attempt) and name.removeprefix(stem).isdigit():
                 with contextlib.suppress(ExecutorError):
                     self.cli.cancel(slurm_id)
+
+
+def _not_ours(job_id: str, found: str, expected: str) -> str:
+    return (
+        f"Slurm job {job_id} is named {found!r}, not {expected!r}: the attempt's slurm.json was changed "
+        "(the job can write in its folder); that job is left alone, and this attempt counts as lost"
+    )
 
 
 def _exited(attempt_dir: Path) -> AttemptStatus | None:

@@ -74,6 +74,16 @@ class JobRecord:
     exit_code: int  # the batch script's exit status (0 when a signal ended it)
     signal: int  # the signal that ended it, 0 if none
     reason: str
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A job still in Slurm's queue (squeue): pending, running or completing."""
+
+    state: str
+    reason: str
+    name: str
 
 
 class SlurmCli:
@@ -135,11 +145,11 @@ class SlurmCli:
             argv.append(f"--partition={partition}")
         return parse_sinfo(self.run(argv)[1])
 
-    def queue_state(self, job_id: str) -> tuple[str, str] | None:
-        """(state, reason) while the job is in the queue (pending, running, completing);
-        None once it has left it, or if slurmctld does not know it."""
+    def queue_state(self, job_id: str) -> Queued | None:
+        """The job while it is in the queue (pending, running, completing); None once it has
+        left it, or if slurmctld does not know it."""
         code, out = self.run(
-            ["squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%r"], ok_if=_UNKNOWN_JOB
+            ["squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%r|%j"], ok_if=_UNKNOWN_JOB
         )
         if code != 0:
             return None
@@ -223,12 +233,13 @@ def parse_sinfo(text: str) -> list[SlurmNode]:
     return list(nodes.values())
 
 
-def parse_squeue_state(text: str) -> tuple[str, str] | None:
-    """squeue --format=%T|%r of one job: (state, reason) if it is still active."""
+def parse_squeue_state(text: str) -> Queued | None:
+    """squeue --format=%T|%r|%j of one job, if it is still active."""
     for line in text.splitlines():
-        state, _, reason = line.strip().partition("|")
+        state, _, rest = line.strip().partition("|")
+        reason, _, name = rest.partition("|")
         if state in ACTIVE_STATES:
-            return state, reason.strip()
+            return Queued(state, reason.strip(), name.strip())
     return None
 
 
@@ -243,5 +254,9 @@ def parse_job_record(text: str) -> JobRecord | None:
     except ValueError:
         exit_code, signal = 0, 0
     return JobRecord(
-        state=fields["JobState"], exit_code=exit_code, signal=signal, reason=fields.get("Reason", "None")
+        state=fields["JobState"],
+        exit_code=exit_code,
+        signal=signal,
+        reason=fields.get("Reason", "None"),
+        name=fields.get("JobName", ""),
     )
