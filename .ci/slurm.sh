@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# A throwaway one-node Slurm cluster for the Slurm executor's tests: installs Slurm and munge
-# if they are missing (Debian/Ubuntu, as root), starts munged, slurmctld and slurmd on this
-# machine with two fake GPUs (a gres with no device files), and prints the path of its
-# slurm.conf as the last line of stdout:
+# A throwaway Slurm cluster for the Slurm executor's tests: installs Slurm and munge if they
+# are missing (Debian/Ubuntu, as root), starts munged, slurmctld and two slurmd on this
+# machine (nodes vl0 and vl1, two fake GPUs each: a gres on /dev/null and /dev/zero), and
+# prints the path of its slurm.conf as the last line of stdout:
 #
 #     export VISIONLOOP_TEST_SLURM_CONF="$(bash .ci/slurm.sh)"
 #
 # Idempotent (a lock serialises callers; a cluster that answers `scontrol ping` is reused).
 # No accounting (slurmdbd): jobs are read back with squeue and scontrol, as the executor
 # does on clusters without it. Everything lives in $VISIONLOOP_SLURM_DIR
-# (/tmp/visionloop-slurm); stop it with: pkill slurmd; pkill slurmctld (munged may stay).
+# (/tmp/visionloop-slurm); stop it with: kill $(cat /tmp/visionloop-slurm/*.pid) (munged may
+# stay).
 #
-# Settings: VISIONLOOP_SLURM_DIR, VISIONLOOP_SLURM_PORT (56817: slurmctld; slurmd uses +1).
+# Settings: VISIONLOOP_SLURM_DIR, VISIONLOOP_SLURM_PORT (56817: slurmctld; the slurmd +1, +2).
 set -euo pipefail
 
 DIR="${VISIONLOOP_SLURM_DIR:-/tmp/visionloop-slurm}"
@@ -43,7 +44,7 @@ fi
 [ "$(id -u)" -eq 0 ] || die "the test cluster runs its daemons as root (SlurmUser=root); run this as root."
 
 if [ -f "$CONF" ] && SLURM_CONF="$CONF" scontrol ping 2>/dev/null | grep -q "is UP" \
-  && SLURM_CONF="$CONF" sinfo -h -N -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)$'; then
+  && [ "$(SLURM_CONF="$CONF" sinfo -h -N -o %t 2>/dev/null | grep -cE '^(idle|mix|alloc)$')" = 2 ]; then
   echo "$CONF"
   exit 0
 fi
@@ -70,34 +71,49 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   munge -n | unmunge >/dev/null || die "munge does not work (munged started, but unmunge fails)."
 fi
 
-# A cluster that is down or unwell is started afresh; its daemons must be gone first, or
-# slurmctld would save its old state (a drained node) over the fresh folder on its way out.
-pkill -x slurmd 2>/dev/null || true
-pkill -x slurmctld 2>/dev/null || true
-for _ in $(seq 100); do pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null || break; sleep 0.2; done
-pkill -9 -x slurmd 2>/dev/null || true
-pkill -9 -x slurmctld 2>/dev/null || true
-rm -rf "$DIR/state" "$DIR/spool"
-mkdir -p "$DIR/state" "$DIR/spool"
-# More CPUs than the machine has (config_overrides lets slurmd accept it): the tests' jobs are
-# tiny, and two test workers submitting at once should not queue behind two cores.
-CPUS=16
-MEM_MB="$(awk '/MemTotal/ {printf "%d", $2 / 1024 / 2}' /proc/meminfo)"
+# A cluster that is down or unwell is started afresh; its daemons (those of this folder, by
+# their pid files) must be gone first, or slurmctld would save its old state (a drained node)
+# over the fresh folder on its way out.
+stop_daemons() {
+  local f pids=""
+  for f in "$DIR"/slurmctld.pid "$DIR"/slurmd-*.pid; do
+    if [ -s "$f" ]; then pids="$pids $(cat "$f")"; fi
+  done
+  [ -n "$pids" ] || return 0
+  # shellcheck disable=SC2086
+  kill $pids 2>/dev/null || true
+  for _ in $(seq 100); do
+    # shellcheck disable=SC2086
+    kill -0 $pids 2>/dev/null || return 0
+    sleep 0.2
+  done
+  # shellcheck disable=SC2086
+  kill -9 $pids 2>/dev/null || true
+}
+stop_daemons
+rm -rf "$DIR/state" "$DIR"/spool-* "$DIR"/*.pid
+mkdir -p "$DIR/state" "$DIR/spool-vl0" "$DIR/spool-vl1"
+# Two nodes on this machine (a slurmd each, on its own port): vl0 owned, vl1 spot, each with
+# two fake GPUs (a100 gres on /dev/null and /dev/zero; the feature gpu_type:A100-80GB names
+# the price catalog's type), so runs across nodes are tested too. More CPUs than the machine
+# has (config_overrides lets slurmd accept it): the tests' jobs are tiny, and two test
+# workers submitting at once should not queue behind two cores.
+CPUS=8
+MEM_MB="$(awk '/MemTotal/ {printf "%d", $2 / 1024 / 4}' /proc/meminfo)"
 cat >"$CONF" <<EOF
 ClusterName=visionloop-test
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmctldPort=$PORT
-SlurmdPort=$((PORT + 1))
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool-%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$DIR/slurmctld.log
-SlurmdLogFile=$DIR/slurmd.log
+SlurmdLogFile=$DIR/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -112,22 +128,27 @@ SchedulerParameters=sched_interval=1,sched_min_interval=0,batch_sched_delay=0
 KillWait=5
 MinJobAge=300
 GresTypes=gpu
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:a100:2 Feature=gpu_type:A100-80GB State=UNKNOWN
-PartitionName=vltest Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+NodeName=vl0 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:a100:2 Feature=gpu_type:A100-80GB,owned State=UNKNOWN
+NodeName=vl1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:a100:2 Feature=gpu_type:A100-80GB,spot State=UNKNOWN
+PartitionName=vltest Nodes=vl0,vl1 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
 cat >"$DIR/gres.conf" <<EOF
-NodeName=$HOST Name=gpu Type=a100 File=/dev/null,/dev/zero
+NodeName=vl0 Name=gpu Type=a100 File=/dev/null,/dev/zero
+NodeName=vl1 Name=gpu Type=a100 File=/dev/null,/dev/zero
 EOF
 
 # 9>&-: the daemons must not inherit the lock, or they would hold it for as long as they run.
 slurmctld -i -f "$CONF" 9>&- || die "slurmctld did not start; see $DIR/slurmctld.log."
 for _ in $(seq 100); do SLURM_CONF="$CONF" scontrol ping 2>/dev/null | grep -q "is UP" && break; sleep 0.2; done
-SLURM_CONF="$CONF" slurmd -f "$CONF" -N "$HOST" 9>&- || die "slurmd did not start; see $DIR/slurmd.log."
+for node in vl0 vl1; do
+  SLURM_CONF="$CONF" slurmd -f "$CONF" -N "$node" 9>&- || die "slurmd $node did not start; see $DIR/slurmd-$node.log."
+done
+states=""
 for _ in $(seq 150); do
-  state="$(SLURM_CONF="$CONF" sinfo -h -N -o %t 2>/dev/null || true)"
-  [ "$state" = "idle" ] && break
+  states="$(SLURM_CONF="$CONF" sinfo -h -N -o %t 2>/dev/null | sort -u | tr '\n' ' ' || true)"
+  [ "$states" = "idle " ] && break
   sleep 0.2
 done
-[ "$state" = "idle" ] || die "the node is '$state', not idle, after 30 s; see $DIR/slurmctld.log and $DIR/slurmd.log."
-log "Slurm $(SLURM_CONF="$CONF" sinfo --version | awk '{print $2}') is up: one node ($HOST, $CPUS CPUs, 2 fake GPUs), partition vltest"
+[ "$states" = "idle " ] || die "the nodes are '$states', not idle, after 30 s; see $DIR/slurmctld.log and $DIR/slurmd-*.log."
+log "Slurm $(SLURM_CONF="$CONF" sinfo --version | awk '{print $2}') is up: nodes vl0 and vl1 on this machine ($CPUS CPUs and 2 fake GPUs each; vl1 spot), partition vltest"
 echo "$CONF"

@@ -1,8 +1,9 @@
-"""The Slurm cluster the Slurm executor's tests run against: `.ci/slurm.sh` starts a one-node
-cluster here (munged, slurmctld, slurmd, two fake GPUs, partition `vltest`) and prints its
-slurm.conf; VISIONLOOP_TEST_SLURM_CONF names one of your own. Without either, and where
-the script cannot start one (not root, no apt-get), the tests FAIL under CI (CI=true) and are
-skipped elsewhere, saying how to provide one."""
+"""The Slurm cluster the Slurm executor's tests run against: `.ci/slurm.sh` starts a two-node
+cluster on this machine (munged, slurmctld, a slurmd for each of the nodes vl0 and vl1, two
+fake GPUs each, vl1 spot, partition `vltest`) and prints its slurm.conf;
+VISIONLOOP_TEST_SLURM_CONF names one of your own. Without either, and where the script cannot
+start one (not root, no apt-get), the tests FAIL under CI (CI=true) and are skipped
+elsewhere, saying how to provide one."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def slurm_conf() -> str:
     if conf is not None:
         return conf
     how = (
-        "run `bash .ci/slurm.sh` as root (it installs Slurm with apt-get and starts a one-node "
+        "run `bash .ci/slurm.sh` as root (it installs Slurm with apt-get and starts a two-node "
         "cluster), or export VISIONLOOP_TEST_SLURM_CONF=/path/to/slurm.conf with a partition 'vltest'"
     )
     if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):

@@ -1,6 +1,6 @@
 """The executor contract: one suite, the same assertions, against every executor: local
 processes, a real two-node Ray cluster on loopback (tests/_raykit.py, started once per
-session) and a real one-node Slurm cluster (tests/_slurmkit.py: slurmctld and slurmd with two
+session) and a real Slurm cluster (tests/_slurmkit.py: slurmctld and two slurmd with two
 fake GPUs, started once by .ci/slurm.sh). What the control plane relies on:
 
 - exit codes 0 / 3 / 75, a signal death (128 + N) and a command that cannot run (127 / 126)

@@ -175,6 +175,39 @@ def test_the_shim_records_the_exit_in_exit_json_and_is_reaped(
         wait_for(reaped, f"shim pid {handle['pid']} to be reaped")
 
 
+STOPPABLE = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+    "signal.signal(signal.SIGTERM, lambda s, f: (print('child got', 'SIGTERM', flush=True), sys.exit(1))); "
+    "time.sleep(600)"])
+def h(s, f):
+    print("parent got", "SIGTERM", flush=True)
+    child.kill()
+    sys.exit(75)
+signal.signal(signal.SIGTERM, h)
+print("re" + "ady", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_shim_answers_its_stop_file_with_sigterm_to_its_job_only(tmp_path: Path) -> None:
+    # How a run across machines is stopped (the Slurm executor): a file, not a signal.
+    stop, attempt_dir, log = tmp_path / "stop", tmp_path / "attempt", tmp_path / "attempt" / "log"
+    argv = [sys.executable, "-m", "visionloop.sched.shim", str(attempt_dir), "--stop-file", str(stop)]
+    proc = subprocess.Popen([*argv, "--", sys.executable, "-c", STOPPABLE])
+    try:
+        wait_for(lambda: log.exists() and "ready" in log.read_text(errors="replace"), "the job to start")
+        time.sleep(1)
+        assert proc.poll() is None  # no stop file: it runs on
+        stop.write_text("stop")
+        assert proc.wait(timeout=30) == 75
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "stop requested" in text and "parent got SIGTERM" in text and "child got SIGTERM" not in text, text
+    assert json.loads((attempt_dir / "exit.json").read_text())["exit_code"] == 75
+
+
 def test_cuda_visible_devices_follows_the_allocation(
     ex: LocalExecutor, launched: Callable[..., Handle]
 ) -> None:

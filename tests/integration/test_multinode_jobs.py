@@ -26,7 +26,7 @@ def test_the_local_executor_refuses_a_job_across_nodes(tmp_path: Path, digits_da
             r = c.post("/v1/jobs", json={"spec": spec, "team": "vision"})
             assert r.status_code == 422, r.text
             detail = r.json()["detail"]
-            assert "needs the Ray executor" in detail and "use nodes: 1" in detail
+            assert "needs the Ray or Slurm executor" in detail and "use nodes: 1" in detail
             assert c.get("/v1/jobs").json() == []  # nothing stored
             one = c.post("/v1/jobs", json={"spec": {**spec, "resources": {"gpus": 2}}, "team": "vision"})
             assert one.status_code == 201 and one.json()["nodes"] == 1

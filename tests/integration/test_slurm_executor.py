@@ -1,22 +1,27 @@
-"""What only the Slurm executor does, against a real one-node Slurm cluster (tests/_slurmkit.py:
-slurmctld and slurmd on this machine, two fake GPUs of type a100 with the node feature
-gpu_type:A100-80GB). What every executor does is in test_executor_contract.py.
+"""What only the Slurm executor does, against a real Slurm cluster (tests/_slurmkit.py: a
+slurmd for each of the nodes vl0 and vl1 on this machine, two fake a100 GPUs each, typed
+gpu_type:A100-80GB, vl1 spot). What every executor does is in test_executor_contract.py.
 
 - capacity is the partition's gpu gres, typed and priced by node features;
 - a job Slurm has not started yet reads running ("pending in Slurm"), and a terminate cancels it;
 - a second launch of an attempt adopts the job Slurm already has; a new attempt of the same job
-  stops the old one; a job with no GPU sees none, and none of the control plane's secrets;
+  stops the old one; a job with no GPU sees none, and none of the control plane's secrets; a
+  job that points its slurm.json at another job stops nothing;
 - what Slurm says of a job that ended without the shim's exit status (a node that could not run
   it, a failed node, a forgotten job) becomes an exit code or "lost";
+- one run across both nodes: one rendezvous, the stop file reaching every node's main process
+  (and not its children), a failed node stopping the others after the peer grace;
 - the `[executor]` section for Slurm, and the control plane end to end: a higher-priority job
-  preempts a running one through its checkpoint, and the victim resumes.
+  preempts a running one through its checkpoint and the victim resumes; a DDP job across both
+  nodes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -34,13 +39,13 @@ from visionloop.api.server import build_executor
 from visionloop.core.errors import ConfigError, ExecutorError
 from visionloop.sched.config import parse_cluster_config
 from visionloop.sched.executors.base import Handle, LaunchRequest
-from visionloop.sched.executors.slurm import SLURM_JSON, SlurmExecutor, _from_record
+from visionloop.sched.executors.slurm import SLURM_JSON, SlurmExecutor
 from visionloop.sched.executors.slurm_cli import JobRecord, parse_job_record, parse_sinfo
+from visionloop.sched.executors.slurm_status import from_record
 from visionloop.sched.service import Principal
 from visionloop.sched.view import Gpu
 
 PY = sys.executable
-HOST = socket.gethostname().split(".")[0]
 ADMIN = Principal(team=None, admin=True)
 _job_ids = itertools.count(1)
 SLEEP = "import time; print('sle' + 'eping', flush=True); time.sleep(600)"
@@ -90,8 +95,10 @@ def _launch(ex: SlurmExecutor, request: LaunchRequest) -> Handle:
 
 def test_capacity_is_the_partitions_gpu_gres_typed_by_the_nodes_features(ex: SlurmExecutor) -> None:
     assert ex.capacity() == [
-        Gpu(f"{HOST}/0", HOST, "A100-80GB", "owned"),
-        Gpu(f"{HOST}/1", HOST, "A100-80GB", "owned"),
+        Gpu("vl0/0", "vl0", "A100-80GB", "owned"),
+        Gpu("vl0/1", "vl0", "A100-80GB", "owned"),
+        Gpu("vl1/0", "vl1", "A100-80GB", "spot"),
+        Gpu("vl1/1", "vl1", "A100-80GB", "spot"),
     ]
 
 
@@ -143,7 +150,7 @@ def test_a_slurm_record_without_an_exit_status_becomes_an_outcome(
 ) -> None:
     record = parse_job_record(line)
     assert isinstance(record, JobRecord)
-    status = _from_record("7", record, tmp_path, None)
+    status = from_record("7", record, tmp_path, None)
     assert (status.state, status.exit_code) == (state, code) and words in status.detail, status
     assert parse_job_record("slurm_load_jobs error: Invalid job id specified") is None
 
@@ -174,8 +181,8 @@ def test_a_job_slurm_no_longer_knows_with_no_exit_status_reads_lost(
 def test_a_job_pending_in_slurm_reads_running_and_terminate_cancels_it(
     ex: SlurmExecutor, tmp_path: Path
 ) -> None:
-    gpus = ex.capacity()
-    blocker = _launch(ex, _request(tmp_path, SLEEP, gpus=gpus))  # both GPUs
+    gpus = [g for g in ex.capacity() if g.node == "vl0"]
+    blocker = _launch(ex, _request(tmp_path, SLEEP, gpus=gpus))  # both of vl0's GPUs
     wait_log(ex, blocker, "sleeping")
     waiting = _launch(ex, _request(tmp_path, "print('ran')", gpus=gpus[:1]))
     deadline = time.monotonic() + 30
@@ -245,10 +252,100 @@ def test_a_job_sees_none_of_the_control_planes_secrets(
     assert "seen [] mine" in log_text(ex, handle)
 
 
-def test_a_run_across_nodes_is_refused_with_what_to_do(ex: SlurmExecutor, tmp_path: Path) -> None:
-    request = _request(tmp_path, "print(1)")
-    with pytest.raises(ExecutorError, match="Ray executor"):
-        ex.launch(LaunchRequest(**{**request.__dict__, "nodes": 2}))
+def test_gpus_that_do_not_match_the_nodes_asked_for_are_refused(ex: SlurmExecutor, tmp_path: Path) -> None:
+    one_node = [g for g in ex.capacity() if g.node == "vl0"]
+    request = _request(tmp_path, "print(1)", gpus=one_node)
+    with pytest.raises(ExecutorError, match=r"asks for 2 node\(s\), but its GPUs lie on 1 \(vl0: 2\)"):
+        ex.launch(dataclasses.replace(request, nodes=2))
+
+
+# -- one run across nodes ------------------------------------------------------------------------
+
+RENDEZVOUS = (
+    "import os; print('rdv|' + '|'.join(str(os.environ.get(k)) for k in ('VISIONLOOP_NNODES', "
+    "'VISIONLOOP_NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'SLURMD_NODENAME', 'CUDA_VISIBLE_DEVICES')), "
+    "flush=True)"
+)
+
+
+def _node_log(request: LaunchRequest, k: int) -> str:
+    path = request.attempt_dir / (f"node-{k}" if k else "") / "log"
+    return path.read_text() if path.exists() else ""
+
+
+def test_a_run_across_two_nodes_gets_one_rendezvous(ex: SlurmExecutor, tmp_path: Path) -> None:
+    request = dataclasses.replace(_request(tmp_path, RENDEZVOUS), nodes=2)
+    handle = _launch(ex, request)
+    assert handle["nodes"] == 2
+    status = wait_exited(ex, handle)
+    assert (status.state, status.exit_code) == ("exited", 0), (
+        status,
+        _node_log(request, 0),
+        _node_log(request, 1),
+    )
+    lines = [
+        next(x for x in _node_log(request, k).splitlines() if x.startswith("rdv|")).split("|") for k in (0, 1)
+    ]
+    (_, n0, r0, addr0, port0, host0, cvd0), (_, n1, r1, addr1, port1, host1, cvd1) = lines
+    assert (n0, r0, n1, r1) == ("2", "0", "2", "1")
+    assert addr0 == addr1 == "127.0.0.1" and port0 == port1 and 20000 <= int(port0) < 40000
+    assert {host0, host1} == {"vl0", "vl1"}  # two machines, as Slurm sees them
+    assert cvd0 == cvd1 == ""  # a CPU job sees no GPU on any node
+    assert log_text(ex, handle) == _node_log(request, 0)  # the attempt's log is node 0's
+    # A restarted control plane reads the same from the bare handle.
+    assert ex.poll({"attempt_dir": str(request.attempt_dir)}).exit_code == 0
+
+
+# Every node's main process traps SIGTERM, "checkpoints" and exits 75; its child must not be
+# signalled (a Slurm step signal would reach it: the stop file does not).
+TRAP_NODE = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+    "signal.signal(signal.SIGTERM, lambda s, f: (print('child got', 'SIGTERM', flush=True), sys.exit(1))); "
+    "time.sleep(600)"])
+def h(s, f):
+    print("parent got", "SIGTERM", flush=True)
+    time.sleep(1)
+    child.kill(); child.wait()
+    sys.exit(75)
+signal.signal(signal.SIGTERM, h)
+print("parent", "ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_terminate_stops_every_node_through_the_stop_file_and_reads_75(
+    ex: SlurmExecutor, tmp_path: Path
+) -> None:
+    request = dataclasses.replace(_request(tmp_path, TRAP_NODE), nodes=2)
+    handle = _launch(ex, request)
+    deadline = time.monotonic() + 60
+    while not all("parent ready" in _node_log(request, k) for k in (0, 1)):
+        assert time.monotonic() < deadline, (_node_log(request, 0), _node_log(request, 1))
+        time.sleep(0.2)
+    ex.fresh = SlurmExecutor(PARTITION, prefix=ex.prefix, slurm_conf=slurm_conf())  # type: ignore[attr-defined]
+    ex.fresh.terminate({"attempt_dir": str(request.attempt_dir)})  # type: ignore[attr-defined]
+    status = wait_exited(ex, handle)
+    logs = [_node_log(request, k) for k in (0, 1)]
+    assert (status.state, status.exit_code) == ("exited", 75), (status, logs)
+    assert all("parent got SIGTERM" in log and "child got SIGTERM" not in log for log in logs), logs
+
+
+def test_a_node_that_fails_stops_the_others_after_the_peer_grace(tmp_path: Path) -> None:
+    ex = SlurmExecutor(PARTITION, prefix=f"vlslurm-{os.getpid()}", slurm_conf=slurm_conf(), peer_grace_s=2)
+    src = (
+        "import os, sys, time; rank = os.environ['VISIONLOOP_NODE_RANK']; print('rank', rank, flush=True); "
+        "sys.exit(3) if rank == '1' else time.sleep(600)"
+    )
+    request = dataclasses.replace(_request(tmp_path, src), nodes=2)
+    handle = ex.launch(request)
+    try:
+        status = wait_exited(ex, handle)
+    finally:
+        ex.kill(handle)
+    assert (status.state, status.exit_code) == ("exited", 3), status
+    assert "node 1 of 2: exit 3" in status.detail, status
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -324,13 +421,15 @@ def test_on_slurm_a_higher_priority_job_preempts_through_a_checkpoint_and_the_vi
     with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, cfg) as cp:
         assert isinstance(cp.plane.executor, SlurmExecutor)
         gpus = cp.plane.store.list_gpus()
-        assert sorted((g.id, g.type) for g in gpus) == [
-            (f"{HOST}/0", "A100-80GB"),
-            (f"{HOST}/1", "A100-80GB"),
+        assert sorted((g.id, g.price_class) for g in gpus) == [
+            ("vl0/0", "owned"),
+            ("vl0/1", "owned"),
+            ("vl1/0", "spot"),
+            ("vl1/1", "spot"),
         ]
-        # One GPU out of service: the two jobs compete for the other.
-        cp.plane.spot_interrupt(f"{HOST}/1", reason="held back by the test")
-        job = {"resources": {"gpus": 1, "cpus": 1, "memory_gb": 0.5}}
+        # Jobs that must not run on spot, and one owned GPU out of service: they compete.
+        cp.plane.spot_interrupt("vl0/1", reason="held back by the test")
+        job = {"resources": {"gpus": 1, "cpus": 1, "memory_gb": 0.5}, "spot": "never"}
         with cp.client() as c:
             low_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=400), "priority": "low"}
             low = c.post("/v1/jobs", json={"spec": low_spec, "team": "research"}).json()
@@ -349,9 +448,41 @@ def test_on_slurm_a_higher_priority_job_preempts_through_a_checkpoint_and_the_vi
         for attempt in (first, second, *high_show["attempts"]):
             assert attempt["executor"] == "slurm" and attempt["handle"]["slurm_job_id"].isdigit()
             assert attempt["handle"]["name"].startswith(f"vlcp-{os.getpid()}-job-")
-            assert [a["gpu_id"] for a in attempt["allocations"]] == [f"{HOST}/0"]
+            assert [a["gpu_id"] for a in attempt["allocations"]] == ["vl0/0"]
         with cp.client() as c:
             second_log = c.get(f"/v1/jobs/{low['id']}/logs", params={"attempt": 2}).text
         assert "resuming from step-" in second_log, second_log
         for show in (low_show, high_show):
             assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()
+
+
+def test_on_slurm_a_job_with_two_nodes_runs_one_process_group_across_both(
+    digits_dataset: Path, tmp_path: Path
+) -> None:
+    cfg = cluster_config(
+        executor={
+            "kind": "slurm",
+            "partition": PARTITION,
+            "prefix": f"vlmn-{os.getpid()}",
+            "slurm_conf": slurm_conf(),
+        },
+        teams=TEAMS,
+        scheduler={"cycle_s": 0.5},
+    )
+    with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, cfg) as cp:
+        train = _train(digits_dataset, epochs=None, steps=6, device="cpu")
+        spec = {"train": train, "resources": {"gpus": 0, "nodes": 2, "cpus": 2, "memory_gb": 1}}
+        with cp.client() as c:
+            job = c.post("/v1/jobs", json={"spec": spec, "team": "vision"}).json()
+        assert job["nodes"] == 2
+        show = cp.wait_job(job["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
+        assert show["job"]["state"] == "succeeded", show
+        (attempt,) = show["attempts"]
+        assert attempt["handle"]["nodes"] == 2 and attempt["exit_code"] == 0
+        with cp.client() as c:
+            log = c.get(f"/v1/jobs/{job['id']}/logs", params={"attempt": 1}).text
+        assert ", 2 processes" in log, log[-3000:]  # one process group of two ranks
+        # Node 1 ran its own shim (its rank is quiet), which recorded a clean exit.
+        node1 = json.loads((Path(attempt["handle"]["attempt_dir"]) / "node-1" / "exit.json").read_text())
+        assert node1["exit_code"] == 0
+        assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()

@@ -15,7 +15,7 @@ priority classes.
     # address = "http://127.0.0.1:8265"  # ray: the head's dashboard URL (this is the default)
     # prefix = "vl"          # ray: starts every submission id; one per installation sharing a cluster
     # request_timeout_s = 30 # ray: every call to the dashboard gives up after this long
-    # kind = "slurm"         # jobs as sbatch jobs on an existing Slurm cluster (one node each)
+    # kind = "slurm"         # jobs as sbatch jobs on an existing Slurm cluster
     # partition = "gpu"      # slurm: where jobs go (default: the cluster's default partition)
     # account = "vision"     # slurm: charged to this account (optional)
     # slurm_conf = "/etc/slurm/slurm.conf"  # slurm: default $SLURM_CONF, else Slurm's own

@@ -110,8 +110,9 @@ class AdmissionMixin(PlaneBase):
         if job.resources.nodes > 1 and not multi_node(self.executor):
             raise SubmitError(
                 f"resources.nodes: {job.resources.nodes} runs one job across machines, which needs the Ray "
-                f'executor ([executor] kind = "ray" in cluster.toml); the {self.executor.name} executor runs '
-                f"a job on one machine: use nodes: 1 (e.g. resources: {{gpus: {job.resources.gpus}}})."
+                f'or Slurm executor ([executor] kind = "ray" or "slurm" in cluster.toml); the '
+                f"{self.executor.name} executor runs a job on one machine: use nodes: 1 "
+                f"(e.g. resources: {{gpus: {job.resources.gpus}}})."
             )
         self.check_paths(job.train, team_name)
         self._check_dataset(job.train)

@@ -1,6 +1,6 @@
 """The attempt shim: a tiny supervisor between the control plane and a job's process.
 
-    python -m visionloop.sched.shim ATTEMPT_DIR [--heartbeat-s S] [--lock-fd FD] -- CMD...
+    python -m visionloop.sched.shim ATTEMPT_DIR [--heartbeat-s S] [--lock-fd FD] [--stop-file F] -- CMD...
 
 Why it exists: the control plane must survive being SIGKILLed at any moment without losing
 track of, or taking down, the jobs it started. So the executor starts this shim in its own
@@ -21,12 +21,16 @@ shim keeps everything a later, unrelated control-plane process needs in ATTEMPT_
 
 The shim forwards SIGTERM, SIGUSR1 and SIGINT to its child only (the trainer, or its DDP
 launcher which forwards to its ranks, turns them into "checkpoint, then exit 75"), and exits
-with the child's code. The child leads its own process group, so the executor's `kill` takes
-the whole tree with one killpg; when the child exits, anything it left in its group is
-SIGKILLed before exit.json is written (a job ends with its main process, as under Slurm).
-The child carries PR_SET_PDEATHSIG(SIGKILL), so a SIGKILLed shim takes it along; processes
-the child had started are orphaned then, and the executor kills them when it reports the
-attempt lost (they carry the attempt's token in their environment).
+with the child's code. With `--stop-file F` it also sends the child SIGTERM, once, when F
+appears: how an executor asks the shims of a run across machines to stop through shared
+storage, where the only signal it could send reaches every process of the job (a Slurm job
+step's), DataLoader workers included, and the trainer could not checkpoint. The child leads
+its own process group, so the executor's `kill` takes the whole tree with one killpg; when
+the child exits, anything it left in its group is SIGKILLed before exit.json is written (a
+job ends with its main process, as under Slurm). The child carries PR_SET_PDEATHSIG(SIGKILL),
+so a SIGKILLed shim takes it along; processes the child had started are orphaned then, and
+the executor kills them when it reports the attempt lost (they carry the attempt's token in
+their environment).
 
 Identity of processes: pids are reused (pid_max may be 32768), so every pid is stored with
 its start time. `start_ticks` (clock ticks since boot, from /proc/PID/stat) is exact and
@@ -67,6 +71,7 @@ LOCK = "lock"
 TOKEN_ENV = "VISIONLOOP_ATTEMPT_TOKEN"
 
 DEFAULT_HEARTBEAT_S = 5.0
+STOP_LOOK_S = 0.5  # how often the stop file is looked for (a stat of shared storage)
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
@@ -140,10 +145,14 @@ def _pdeathsig(parent: int) -> Callable[[], None]:
 
 
 class Shim:
-    def __init__(self, attempt_dir: Path, command: Sequence[str], heartbeat_s: float) -> None:
+    def __init__(
+        self, attempt_dir: Path, command: Sequence[str], heartbeat_s: float, stop_file: Path | None = None
+    ) -> None:
         self.dir = attempt_dir
         self.command = list(command)
         self.heartbeat_s = heartbeat_s
+        self.stop_file = stop_file
+        self.stop_seen = False
         self.child: subprocess.Popen[bytes] | None = None
         self.pending: list[int] = []  # signals that arrived before the child existed
         self.reaped = False
@@ -229,12 +238,16 @@ class Shim:
         self.pending.clear()
         # Wait without reaping (WNOWAIT): while the child is an unreaped zombie its pid, and so
         # its process group id, cannot be reused, which makes the killpg below safe.
-        next_beat = time.monotonic() + self.heartbeat_s
+        next_beat = next_look = time.monotonic() + self.heartbeat_s
         while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
             time.sleep(0.05)
-            if time.monotonic() >= next_beat:
+            now = time.monotonic()
+            if now >= next_beat:
                 self.beat()
-                next_beat = time.monotonic() + self.heartbeat_s
+                next_beat = now + self.heartbeat_s
+            if now >= next_look:
+                self.look_for_stop()
+                next_look = now + STOP_LOOK_S
         # The job is its main process: whatever it left behind in its group (a DDP rank, a
         # stray worker) must not outlive it, holding a GPU nobody accounts for.
         leftovers = _group_members(pid)
@@ -248,6 +261,16 @@ class Shim:
         if returncode < 0:
             self.say(f"the job was killed by {signal.Signals(-returncode).name} (exit {code})")
         return self.finish(code)
+
+    def look_for_stop(self) -> None:
+        """SIGTERM to the child, once, when the stop file has appeared."""
+        if self.stop_file is None or self.stop_seen:
+            return
+        with contextlib.suppress(OSError):
+            if os.path.lexists(self.stop_file):
+                self.stop_seen = True
+                self.say(f"stop requested ({self.stop_file}): SIGTERM to the job")
+                self.forward(signal.SIGTERM, None)
 
     def finish(self, code: int, error: str | None = None) -> int:
         record: dict[str, Any] = {"exit_code": code, "ended_at": time.time()}
@@ -304,7 +327,10 @@ def take_lock(attempt_dir: Path) -> int | None:
     return fd
 
 
-USAGE = "usage: python -m visionloop.sched.shim ATTEMPT_DIR [--heartbeat-s S] [--lock-fd FD] -- CMD..."
+USAGE = (
+    "usage: python -m visionloop.sched.shim ATTEMPT_DIR [--heartbeat-s S] [--lock-fd FD] "
+    "[--stop-file F] -- CMD..."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -314,13 +340,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     split = args.index("--")
     attempt_dir, options, command = Path(args[0]), args[1:split], args[split + 1 :]
-    heartbeat_s, lock_fd = DEFAULT_HEARTBEAT_S, None
+    heartbeat_s, lock_fd, stop_file = DEFAULT_HEARTBEAT_S, None, None
     while options:
-        if len(options) < 2 or options[0] not in ("--heartbeat-s", "--lock-fd"):
+        if len(options) < 2 or options[0] not in ("--heartbeat-s", "--lock-fd", "--stop-file"):
             print(f"{USAGE}\nUnknown option {options[0]!r}.", file=sys.stderr)
             return 2
         if options[0] == "--heartbeat-s":
             heartbeat_s = float(options[1])
+        elif options[0] == "--stop-file":
+            stop_file = Path(options[1])
         else:
             lock_fd = int(options[1])  # inherited from the executor, already locked
         options = options[2:]
@@ -331,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"another shim is running in {attempt_dir}; use a new attempt dir.", file=sys.stderr)
             return 2
     os.set_inheritable(lock_fd, False)  # held by this process only, for as long as it lives
-    return Shim(attempt_dir, command, heartbeat_s).run()
+    return Shim(attempt_dir, command, heartbeat_s, stop_file).run()
 
 
 if __name__ == "__main__":

@@ -18,8 +18,20 @@ runs where and when; Slurm is asked to run exactly that. Decisions worth knowing
   Slurm's choice (it sets CUDA_VISIBLE_DEVICES from the node's gres.conf); the Gpu ids are
   book-keeping, as with Ray. A CPU job goes wherever Slurm puts it, with no GPU visible.
   The scheduler assumes it owns the partition's GPUs: others' jobs there make ours wait in
-  Slurm's queue (reported as running, "pending in Slurm"), never fail. Runs across nodes
-  (`LaunchRequest.nodes` > 1) are not supported yet: use the Ray executor for those.
+  Slurm's queue (reported as running, "pending in Slurm"), never fail.
+- **One run across nodes** (`LaunchRequest.nodes` > 1, `resources.nodes` in a job spec): one
+  sbatch job over the nodes the scheduler placed the GPUs on (`--nodes`, `--nodelist`,
+  `--gres=gpu:N` per node; Slurm picks the nodes of a CPU job), whose batch script starts one
+  shim per node with `srun --ntasks-per-node=1`: node 0's in the attempt folder, node k's in
+  `node-k/`. Each runs the same command with the rendezvous in its environment:
+  VISIONLOOP_NNODES, VISIONLOOP_NODE_RANK (Slurm's node index), MASTER_ADDR (node 0's
+  NodeAddr) and MASTER_PORT (20000 + the Slurm job id mod 20000); the trainer's launcher
+  numbers the ranks (gloo on CPU, NCCL on GPU). CPUs and memory are split evenly between the
+  nodes. It reads as one attempt: exited when every node's shim has (codes combined as the
+  launcher combines its ranks': all 0 → 0, 0 or 75 → 75, else the first failure); a node that
+  failed while the others run gives them `peer_grace_s` (they fail at their next collective)
+  before the job is cancelled; a node Slurm loses ends the job as NODE_FAIL, which is *lost*
+  (requeued, resumed from the checkpoint).
 - **Capacity** is read with sinfo: every node of the partition that takes work (idle, mixed,
   allocated, completing), its `gpu` gres counted as GPUs `{node}/{i}`. GPU type: a node
   feature `gpu_type:<TYPE>` naming a type the price catalog knows (`gpu_type:A100-80GB`),
@@ -32,7 +44,11 @@ runs where and when; Slurm is asked to run exactly that. Decisions worth knowing
   cancels any earlier attempt of the same job still in Slurm (never two at once).
 - **Stopping.** `terminate` signals the batch script only (`scancel --batch
   --signal=TERM`), i.e. the shim, which forwards SIGTERM to the job's main process: the
-  trainer checkpoints and exits 75 within the control plane's grace period. `kill` cancels
+  trainer checkpoints and exits 75 within the control plane's grace period. A run across
+  nodes has a shim per node in a job step, and Slurm signals a step's every process
+  (DataLoader workers too, and the trainer could not checkpoint): there `terminate` writes
+  the attempt's `stop` file instead, which every node's shim looks for twice a second
+  (`--stop-file`) and answers with SIGTERM to its own job process. `kill` cancels
   the job (`scancel`): Slurm sends SIGTERM to every process of the job and SIGKILL after its
   `KillWait` (30 s by default; Slurm has no quicker way that reaches them all: `--signal=KILL`
   is treated as a cancel, and a SIGKILL to the batch script alone left its orphaned
@@ -61,6 +77,7 @@ import re
 import secrets
 import shlex
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -71,20 +88,29 @@ from visionloop.sched.executors.attempt_files import log_tail, mtime, read_log, 
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.env import job_env
 from visionloop.sched.executors.ray_ids import PREFIX_PATTERN
-from visionloop.sched.executors.slurm_cli import JobRecord, SlurmCli
+from visionloop.sched.executors.slurm_cli import SlurmCli
+from visionloop.sched.executors.slurm_status import (
+    SLURM_OUT,
+    combined,
+    exited,
+    failed_node,
+    from_record,
+    node_dirs,
+    not_ours,
+)
 from visionloop.sched.view import Gpu
 
-SLURM_JSON = "slurm.json"  # {"slurm_job_id": ..., "name": ...}, written once sbatch answers
+SLURM_JSON = "slurm.json"  # {"slurm_job_id", "name", "nodes"}, written once sbatch answers
 SCRIPT = "slurm.sh"
-SLURM_OUT = "slurm.out"  # Slurm's own stdout/stderr of the batch script (before the shim runs)
+STOP = "stop"  # a run across nodes: written by `terminate`, answered by every node's shim
 _ATTEMPT_DIR = re.compile(r"job-(\d+)[/\\]attempt-(\d+)[/\\]?$")
-# slurmctld's end states that mean the attempt's machine, not its program, failed.
-LOST_STATES = frozenset({"NODE_FAIL", "BOOT_FAIL", "PREEMPTED", "DEADLINE", "REVOKED"})
+PEER_GRACE_S = 90.0  # as the Ray executor's
+PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT of a run across nodes, by its Slurm job id
 
 
 class SlurmExecutor:
     name = "slurm"
-    multi_node = False  # one run across nodes: not yet (see the module docstring)
+    multi_node = True
 
     def __init__(
         self,
@@ -96,6 +122,7 @@ class SlurmExecutor:
         command_timeout_s: float = 30.0,
         python: str | None = None,
         heartbeat_s: float = shim.DEFAULT_HEARTBEAT_S,
+        peer_grace_s: float = PEER_GRACE_S,
     ) -> None:
         if not PREFIX_PATTERN.fullmatch(prefix):
             raise ExecutorError(
@@ -107,6 +134,7 @@ class SlurmExecutor:
         self.prefix = prefix
         self.python = python or sys.executable
         self.heartbeat_s = heartbeat_s
+        self.peer_grace_s = peer_grace_s
         self.cli = SlurmCli(slurm_conf, command_timeout_s)
 
     # -- capacity -------------------------------------------------------------------------
@@ -127,16 +155,14 @@ class SlurmExecutor:
     def launch(self, request: LaunchRequest) -> Handle:
         if not request.command:
             raise ExecutorError(f"job {request.job_id}: the command is empty; give the trainer command.")
-        if request.nodes > 1:
-            raise ExecutorError(
-                f"job {request.job_id} spans {request.nodes} nodes; the Slurm executor runs a job on one "
-                "node for now. Run it with the Ray executor, or resubmit it with resources.nodes: 1."
-            )
+        n = max(1, request.nodes)
         nodes = sorted({g.node for g in request.gpus})
-        if len(nodes) > 1:
+        per_node = {node: sum(1 for g in request.gpus if g.node == node) for node in nodes}
+        if request.gpus and (len(nodes) != n or len(set(per_node.values())) != 1):
             raise ExecutorError(
-                f"job {request.job_id}: its GPUs lie on {len(nodes)} nodes ({', '.join(nodes)}); a job runs "
-                "on one node here. This is a scheduler bug: report it with the job's id."
+                f"job {request.job_id} asks for {n} node(s), but its GPUs lie on {len(nodes)} "
+                f"({', '.join(f'{k}: {v}' for k, v in per_node.items())}); the same number on each of "
+                f"{n} nodes is needed. This is a scheduler bug: report it with the job's id."
             )
         attempt_dir = Path(request.attempt_dir).expanduser().resolve()
         name = self.job_name(request.job_id, request.attempt)
@@ -151,7 +177,7 @@ class SlurmExecutor:
         self._cancel_earlier_attempts(request.job_id, request.attempt)
         try:
             attempt_dir.mkdir(parents=True, exist_ok=True)
-            script = self._script(attempt_dir, request.command, hide_gpus=not request.gpus)
+            script = self._script(attempt_dir, request.command, hide_gpus=not request.gpus, nodes=n)
             atomic_write_text(attempt_dir / SCRIPT, script)
             (attempt_dir / SCRIPT).chmod(0o755)
         except OSError as e:
@@ -176,18 +202,18 @@ class SlurmExecutor:
             f"--chdir={attempt_dir}",
             "--no-requeue",
             "--export=ALL",
-            "--nodes=1",
-            "--ntasks=1",
-            f"--cpus-per-task={max(1, math.ceil(request.cpus))}",
+            f"--nodes={n}",
+            "--ntasks-per-node=1",
+            f"--cpus-per-task={max(1, math.ceil(request.cpus / n))}",
         ]
         if request.memory_gb > 0:
-            argv.append(f"--mem={math.ceil(request.memory_gb * 1024)}M")
+            argv.append(f"--mem={math.ceil(request.memory_gb * 1024 / n)}M")
         if self.partition:
             argv.append(f"--partition={self.partition}")
         if self.account:
             argv.append(f"--account={self.account}")
         if request.gpus:
-            argv += [f"--nodelist={nodes[0]}", f"--gres=gpu:{len(request.gpus)}"]
+            argv += [f"--nodelist={','.join(nodes)}", f"--gres=gpu:{len(request.gpus) // n}"]
         argv.append(str(attempt_dir / SCRIPT))
         out = self.cli.run(argv, env=self.cli.env(env))[1].strip()
         job_id = out.split(";", 1)[0].strip()
@@ -195,8 +221,8 @@ class SlurmExecutor:
             raise ExecutorError(
                 f"sbatch answered {out!r}, not a job id; submit {attempt_dir / SCRIPT} by hand to see why."
             )
-        atomic_write_json(attempt_dir / SLURM_JSON, {"slurm_job_id": job_id, "name": name})
-        return self._handle(attempt_dir, job_id, name)
+        atomic_write_json(attempt_dir / SLURM_JSON, {"slurm_job_id": job_id, "name": name, "nodes": n})
+        return self._handle(attempt_dir, job_id, name, n)
 
     def adopt(self, attempt_dir: Path) -> Handle | None:
         """The full handle of an attempt submitted for `attempt_dir`, from its slurm.json, else
@@ -211,17 +237,23 @@ class SlurmExecutor:
         name = self.job_name(int(m.group(1)), int(m.group(2)))
         info = read_status(attempt_dir / SLURM_JSON)
         if info is not None and str(info.get("slurm_job_id", "")).isdigit():
-            return self._handle(attempt_dir, str(info["slurm_job_id"]), name)
+            nodes = info.get("nodes", 1)
+            n = nodes if isinstance(nodes, int) and 1 <= nodes <= 1024 else 1
+            return self._handle(attempt_dir, str(info["slurm_job_id"]), name, n)
         job_id = self.cli.find(name)
-        return None if job_id is None else self._handle(attempt_dir, job_id, name)
+        if job_id is None:
+            return None
+        queued = self.cli.queue_state(job_id)
+        return self._handle(attempt_dir, job_id, name, queued.nodes if queued else 1)
 
     # -- poll -----------------------------------------------------------------------------
 
     def poll(self, handle: Handle) -> AttemptStatus:
         attempt_dir = self._attempt_dir(handle)
-        ended = _exited(attempt_dir)
-        if ended is not None:
-            return ended
+        dirs = node_dirs(attempt_dir, self._nodes(handle))
+        exits = [exited(d) for d in dirs]
+        if all(exits):
+            return combined([e for e in exits if e is not None])
         job_id = self._job_id(handle)
         if job_id is None:
             return AttemptStatus(
@@ -232,47 +264,75 @@ class SlurmExecutor:
         queued = self.cli.queue_state(job_id)
         if queued is not None:
             if queued.name != name:
-                return AttemptStatus("lost", detail=_not_ours(job_id, queued.name, name))
-            detail = f"pending in Slurm ({queued.reason})" if queued.state == "PENDING" else ""
-            return AttemptStatus("running", detail=detail, heartbeat_at=beat)
-        ended = _exited(attempt_dir)  # the shim writes exit.json just before the job leaves the queue
-        if ended is not None:
-            return ended
+                return AttemptStatus("lost", detail=not_ours(job_id, queued.name, name))
+            if queued.state == "PENDING":
+                return AttemptStatus(
+                    "running", detail=f"pending in Slurm ({queued.reason})", heartbeat_at=beat
+                )
+            return self._running(job_id, exits, beat)
+        exits = [exited(d) for d in dirs]  # a shim writes exit.json just before its step ends
+        if all(exits):
+            return combined([e for e in exits if e is not None])
         record = self.cli.record(job_id)
         if record is None:
             return AttemptStatus(
                 "lost",
-                detail=f"Slurm job {job_id} has ended and Slurm no longer knows it, and it left no exit "
-                f"status; its Slurm output: {log_tail(attempt_dir / SLURM_OUT, 500)}",
+                detail=f"Slurm job {job_id} has ended and Slurm no longer knows it, and "
+                f"{sum(e is None for e in exits)} of its {len(exits)} node(s) left no exit status; "
+                f"its Slurm output: {log_tail(attempt_dir / SLURM_OUT, 500)}",
                 heartbeat_at=beat,
             )
         if record.name and record.name != name:
-            return AttemptStatus("lost", detail=_not_ours(job_id, record.name, name))
-        return _from_record(job_id, record, attempt_dir, beat)
+            return AttemptStatus("lost", detail=not_ours(job_id, record.name, name))
+        rest = from_record(job_id, record, attempt_dir, beat)
+        if rest.state == "lost":
+            return rest
+        return combined([e if e is not None else rest for e in exits])
+
+    def _running(self, job_id: str, exits: list[AttemptStatus | None], beat: float | None) -> AttemptStatus:
+        """A job Slurm runs. A node that failed while the others run gives them `peer_grace_s`
+        to notice (at their next collective) before the job is cancelled; when it ended is in
+        its exit status, so a restarted control plane keeps the count."""
+        if len(exits) == 1:
+            return AttemptStatus("running", heartbeat_at=beat)
+        left = sum(e is None for e in exits)
+        detail = f"running in Slurm on {len(exits)} nodes ({left} still running)"
+        first = failed_node(exits)
+        if first is not None:
+            k, e = first
+            waited = time.time() - (e.heartbeat_at or 0.0)
+            detail += f"; node {k} failed (exit {e.exit_code}) {waited:.0f} s ago"
+            if waited > self.peer_grace_s:
+                self.cli.cancel(job_id)
+                detail += ": the others are stopped"
+        return AttemptStatus("running", detail=detail, heartbeat_at=beat)
 
     # -- signals --------------------------------------------------------------------------
 
     def terminate(self, handle: Handle) -> None:
-        """SIGTERM to the shim only (it forwards it to the job's main process); a job still
-        pending in Slurm is cancelled. No-op once the attempt has ended."""
+        """Ask the job's main process to checkpoint and exit: SIGTERM to the shim (one node),
+        or the stop file every node's shim looks for (several). A job still pending in Slurm
+        is cancelled. No-op once the attempt has ended."""
         attempt_dir = self._attempt_dir(handle)
         job_id = self._job_id(handle)
-        if job_id is None or _exited(attempt_dir) is not None:
+        if job_id is None or all(exited(d) for d in node_dirs(attempt_dir, self._nodes(handle))):
             return
         queued = self.cli.queue_state(job_id)
         if queued is None or queued.name != self._name(handle):  # gone, or not ours to stop
             return
         if queued.state == "PENDING":
             self.cli.cancel(job_id)
+        elif self._nodes(handle) > 1:
+            with contextlib.suppress(FileExistsError):
+                atomic_write_text(attempt_dir / STOP, f"stop requested at {time.time():.3f}\n")
         else:
             self.cli.signal_batch(job_id, "TERM")
 
     def kill(self, handle: Handle) -> None:
         """The job cancelled in Slurm: every process of it ends within Slurm's KillWait (see
         the module docstring). Safe on a finished or lost attempt."""
-        attempt_dir = self._attempt_dir(handle)
         job_id = self._job_id(handle)
-        if job_id is None or _exited(attempt_dir) is not None:
+        if job_id is None:
             return
         queued = self.cli.queue_state(job_id)
         if queued is not None and queued.name == self._name(handle):
@@ -284,30 +344,67 @@ class SlurmExecutor:
         return self._attempt_dir(handle) / shim.LOG
 
     def read_log(self, handle: Handle, offset: int = 0) -> Iterator[bytes]:
-        """The log from byte `offset` to its current end, in chunks; nothing if there is none yet."""
+        """Node 0's log from byte `offset` to its current end, in chunks; nothing if there is
+        none yet (node k's is in `node-k/log` of the attempt folder)."""
         return read_log(self._attempt_dir(handle) / shim.LOG, offset)
 
     # -- internals ------------------------------------------------------------------------
 
-    def _script(self, attempt_dir: Path, command: Sequence[str], *, hide_gpus: bool) -> str:
-        argv = [self.python, "-m", "visionloop.sched.shim", str(attempt_dir)]
-        argv += ["--heartbeat-s", str(self.heartbeat_s), "--", *command]
+    def _script(self, attempt_dir: Path, command: Sequence[str], *, hide_gpus: bool, nodes: int) -> str:
+        shim_cmd = shlex.join([self.python, "-m", "visionloop.sched.shim"])
+        options = ["--heartbeat-s", str(self.heartbeat_s)]
         lines = ["#!/bin/sh", "# Written by visionloop's Slurm executor: the attempt's shim runs the job."]
-        if hide_gpus:
-            # A CPU job sees no GPU: '' hides them all, where unset (what Slurm leaves for a job
-            # without gres) would show every GPU of the node.
-            lines.append("export CUDA_VISIBLE_DEVICES=")
-        # exec: the shim *is* the batch script's process, so `scancel --batch` signals it alone.
-        lines.append("exec " + shlex.join(argv))
+        # A CPU job sees no GPU: '' hides them all, where unset (what Slurm leaves for a job
+        # without gres) would show every GPU of the node.
+        hide = "export CUDA_VISIBLE_DEVICES=; " if hide_gpus else ""
+        if nodes == 1:
+            if hide_gpus:
+                lines.append(hide.rstrip("; "))
+            # exec: the shim *is* the batch script's process, so `scancel --batch` signals it alone.
+            lines.append(
+                f"exec {shim_cmd} {shlex.quote(str(attempt_dir))} {shlex.join([*options, '--', *command])}"
+            )
+            return "\n".join(lines) + "\n"
+        options += ["--stop-file", str(attempt_dir / STOP)]
+        per_node = (
+            f'd={shlex.quote(str(attempt_dir))}; [ "$SLURM_NODEID" = 0 ] || d="$d/node-$SLURM_NODEID"; '
+            f'export VISIONLOOP_NODE_RANK="$SLURM_NODEID"; {hide}'
+            f'exec {shim_cmd} "$d" {shlex.join([*options, "--", *command])}'
+        )
+        lines += [
+            "# One shim per node (node 0's in this folder, node k's in node-k/), with the rendezvous.",
+            'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            "MASTER_ADDR=$(scontrol show node \"$first\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p' "
+            "| head -n 1)",
+            '[ -n "$MASTER_ADDR" ] || MASTER_ADDR="$first"',
+            f"MASTER_PORT=$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))",
+            f"VISIONLOOP_NNODES={nodes}",
+            "export MASTER_ADDR MASTER_PORT VISIONLOOP_NNODES",
+            f"exec srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=0 --export=ALL sh -c "
+            + shlex.quote(per_node),
+        ]
         return "\n".join(lines) + "\n"
 
-    def _handle(self, attempt_dir: Path, job_id: str, name: str) -> Handle:
-        return {"executor": self.name, "attempt_dir": str(attempt_dir), "slurm_job_id": job_id, "name": name}
+    def _handle(self, attempt_dir: Path, job_id: str, name: str, nodes: int) -> Handle:
+        return {
+            "executor": self.name,
+            "attempt_dir": str(attempt_dir),
+            "slurm_job_id": job_id,
+            "name": name,
+            "nodes": nodes,
+        }
 
     def _attempt_dir(self, handle: Handle) -> Path:
         if handle.get("executor", self.name) != self.name or "attempt_dir" not in handle:
             raise ExecutorError(f"not a Slurm executor handle: {handle!r}; pass it to its own executor.")
         return Path(handle["attempt_dir"])
+
+    def _nodes(self, handle: Handle) -> int:
+        nodes = handle.get("nodes")
+        if isinstance(nodes, int) and nodes >= 1:
+            return nodes
+        adopted = self.adopt(self._attempt_dir(handle))
+        return 1 if adopted is None else int(adopted["nodes"])
 
     def _name(self, handle: Handle) -> str:
         """The Slurm job name of the attempt: the handle's (written at launch or by `adopt`),
@@ -333,44 +430,3 @@ class SlurmExecutor:
             if name != self.job_name(job_id, attempt) and name.removeprefix(stem).isdigit():
                 with contextlib.suppress(ExecutorError):
                     self.cli.cancel(slurm_id)
-
-
-def _not_ours(job_id: str, found: str, expected: str) -> str:
-    return (
-        f"Slurm job {job_id} is named {found!r}, not {expected!r}: the attempt's slurm.json was changed "
-        "(the job can write in its folder); that job is left alone, and this attempt counts as lost"
-    )
-
-
-def _exited(attempt_dir: Path) -> AttemptStatus | None:
-    ended = read_status(attempt_dir / shim.EXIT_JSON)
-    if ended is None:
-        return None
-    return AttemptStatus("exited", exit_code=int(ended["exit_code"]), heartbeat_at=ended.get("ended_at"))
-
-
-def _from_record(job_id: str, record: JobRecord, attempt_dir: Path, beat: float | None) -> AttemptStatus:
-    """An attempt that left Slurm's queue without the shim's exit status, by slurmctld's record."""
-    state = record.state.split("+")[0]
-    if state in LOST_STATES:
-        return AttemptStatus(
-            "lost",
-            detail=f"Slurm job {job_id} ended {state} ({record.reason}): its node failed or Slurm took "
-            "it back",
-            heartbeat_at=beat,
-        )
-    if record.signal:
-        code = 128 + record.signal
-    elif state in ("CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"):
-        code = 128 + 9  # Slurm recorded no signal: it ended the job, as a SIGKILL would
-    else:
-        code = record.exit_code
-    why = {
-        "TIMEOUT": "Slurm's time limit",
-        "OUT_OF_MEMORY": "out of memory in Slurm",
-        "CANCELLED": "cancelled in Slurm",
-    }
-    detail = why.get(state, f"Slurm job {job_id} ended {state} before its shim recorded an exit status")
-    if state not in why:
-        detail += f"; its Slurm output: {log_tail(attempt_dir / SLURM_OUT, 500)}"
-    return AttemptStatus("exited", exit_code=code, detail=detail, heartbeat_at=beat)

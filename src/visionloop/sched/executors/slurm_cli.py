@@ -84,6 +84,7 @@ class Queued:
     state: str
     reason: str
     name: str
+    nodes: int = 1
 
 
 class SlurmCli:
@@ -149,7 +150,7 @@ class SlurmCli:
         """The job while it is in the queue (pending, running, completing); None once it has
         left it, or if slurmctld does not know it."""
         code, out = self.run(
-            ["squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%r|%j"], ok_if=_UNKNOWN_JOB
+            ["squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%r|%j|%D"], ok_if=_UNKNOWN_JOB
         )
         if code != 0:
             return None
@@ -234,12 +235,13 @@ def parse_sinfo(text: str) -> list[SlurmNode]:
 
 
 def parse_squeue_state(text: str) -> Queued | None:
-    """squeue --format=%T|%r|%j of one job, if it is still active."""
+    """squeue --format=%T|%r|%j|%D of one job, if it is still active."""
     for line in text.splitlines():
         state, _, rest = line.strip().partition("|")
-        reason, _, name = rest.partition("|")
+        reason, _, rest = rest.partition("|")
+        name, _, nodes = rest.partition("|")
         if state in ACTIVE_STATES:
-            return Queued(state, reason.strip(), name.strip())
+            return Queued(state, reason.strip(), name.strip(), int(nodes) if nodes.strip().isdigit() else 1)
     return None
 
 
