@@ -76,7 +76,7 @@ fi
 # over the fresh folder on its way out.
 stop_daemons() {
   local f pids=""
-  for f in "$DIR"/slurmctld.pid "$DIR"/slurmd-*.pid; do
+  for f in "$DIR"/*.pid; do
     if [ -s "$f" ]; then pids="$pids $(cat "$f")"; fi
   done
   [ -n "$pids" ] || return 0

@@ -88,7 +88,7 @@ from visionloop.sched.executors.attempt_files import log_tail, mtime, read_log, 
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.env import job_env
 from visionloop.sched.executors.ray_ids import PREFIX_PATTERN
-from visionloop.sched.executors.slurm_cli import SlurmCli
+from visionloop.sched.executors.slurm_cli import QUEUE_TTL_S, SlurmCli
 from visionloop.sched.executors.slurm_status import (
     SLURM_OUT,
     combined,
@@ -123,6 +123,7 @@ class SlurmExecutor:
         python: str | None = None,
         heartbeat_s: float = shim.DEFAULT_HEARTBEAT_S,
         peer_grace_s: float = PEER_GRACE_S,
+        queue_ttl_s: float = QUEUE_TTL_S,
     ) -> None:
         if not PREFIX_PATTERN.fullmatch(prefix):
             raise ExecutorError(
@@ -135,7 +136,7 @@ class SlurmExecutor:
         self.python = python or sys.executable
         self.heartbeat_s = heartbeat_s
         self.peer_grace_s = peer_grace_s
-        self.cli = SlurmCli(slurm_conf, command_timeout_s)
+        self.cli = SlurmCli(slurm_conf, command_timeout_s, queue_ttl_s)
 
     # -- capacity -------------------------------------------------------------------------
 
@@ -317,7 +318,7 @@ class SlurmExecutor:
         job_id = self._job_id(handle)
         if job_id is None or all(exited(d) for d in node_dirs(attempt_dir, self._nodes(handle))):
             return
-        queued = self.cli.queue_state(job_id)
+        queued = self.cli.queue_state(job_id, fresh=True)
         if queued is None or queued.name != self._name(handle):  # gone, or not ours to stop
             return
         if queued.state == "PENDING":
@@ -334,7 +335,7 @@ class SlurmExecutor:
         job_id = self._job_id(handle)
         if job_id is None:
             return
-        queued = self.cli.queue_state(job_id)
+        queued = self.cli.queue_state(job_id, fresh=True)
         if queued is not None and queued.name == self._name(handle):
             self.cli.cancel(job_id)
 

@@ -12,9 +12,12 @@ exit status the attempt's shim wrote (see `slurm.py`).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +44,9 @@ ACTIVE_STATES = frozenset(
 )
 # A node in one of these base states takes new work (sinfo's long names, lower case).
 USABLE_NODE_STATES = frozenset({"idle", "mixed", "allocated", "completing", "planned"})
+# What the executor reads of a queued job: state, reason, name and node count.
+_QUEUE_FORMAT = "%T|%r|%j|%D"
+QUEUE_TTL_S = 1.0  # the queue is read whole at most this often (see SlurmCli.queue_state)
 # What slurmctld answers about a job it no longer (or never did) know.
 _UNKNOWN_JOB = re.compile(r"invalid job id", re.IGNORECASE)
 _GRES_GPU = re.compile(r"^gpu(?::(?P<type>[^:(]+))?:(?P<count>\d+)")
@@ -91,9 +97,15 @@ class SlurmCli:
     """Runs Slurm's commands with `timeout_s` each, in an environment that names the cluster
     (`slurm_conf`, else the caller's SLURM_CONF) and holds nothing else of ours but PATH."""
 
-    def __init__(self, slurm_conf: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, slurm_conf: str | None = None, timeout_s: float = 30.0, queue_ttl_s: float = QUEUE_TTL_S
+    ) -> None:
         self.slurm_conf = slurm_conf or os.environ.get("SLURM_CONF") or None
         self.timeout_s = timeout_s
+        self.queue_ttl_s = queue_ttl_s
+        self._lock = threading.Lock()
+        self._queue: dict[str, Queued] = {}
+        self._queue_at = -math.inf
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(extra or {})}
@@ -146,15 +158,38 @@ class SlurmCli:
             argv.append(f"--partition={partition}")
         return parse_sinfo(self.run(argv)[1])
 
-    def queue_state(self, job_id: str) -> Queued | None:
+    def queue_state(self, job_id: str, *, fresh: bool = False) -> Queued | None:
         """The job while it is in the queue (pending, running, completing); None once it has
-        left it, or if slurmctld does not know it."""
+        left it, or if slurmctld does not know it.
+
+        A control plane polls every attempt each cycle: one squeue per job would be a process
+        and an RPC to slurmctld per running job per cycle (which Slurm admins rightly forbid).
+        So the whole queue is read at most once per `queue_ttl_s`, and a job found there is
+        answered from it; a job missing from it (it ended, or was submitted since) is asked
+        about alone, so an answer is never staler than the snapshot for a running job.
+        `fresh`: ask about the job alone now (before signalling it, which depends on whether it
+        has started)."""
+        if self.queue_ttl_s > 0 and not fresh:
+            with self._lock:
+                now = time.monotonic()
+                if now - self._queue_at > self.queue_ttl_s:
+                    out = self.run(["squeue", "--noheader", f"--format=%i|{_QUEUE_FORMAT}"])[1]
+                    self._queue = parse_squeue_all(out)
+                    self._queue_at = now
+                found = self._queue.get(job_id)
+            if found is not None:
+                return found
         code, out = self.run(
-            ["squeue", "--noheader", f"--jobs={job_id}", "--format=%T|%r|%j|%D"], ok_if=_UNKNOWN_JOB
+            ["squeue", "--noheader", f"--jobs={job_id}", f"--format={_QUEUE_FORMAT}"], ok_if=_UNKNOWN_JOB
         )
         if code != 0:
             return None
         return parse_squeue_state(out)
+
+    def forget(self, job_id: str) -> None:
+        """Drop the job from the queue snapshot (it was just signalled or cancelled)."""
+        with self._lock:
+            self._queue.pop(job_id, None)
 
     def find(self, name: str) -> str | None:
         """The id of the queued or running job named `name`, None if there is none."""
@@ -180,6 +215,7 @@ class SlurmCli:
         shim forwards it to the job's main process (a checkpointing trainer needs its
         DataLoader workers)."""
         self.run(["scancel", "--batch", f"--signal={sig}", job_id], ok_if=_UNKNOWN_JOB)
+        self.forget(job_id)
 
     def cancel(self, job_id: str) -> None:
         """Slurm's own stop: SIGTERM to every process of the job, SIGKILL after the cluster's
@@ -188,6 +224,7 @@ class SlurmCli:
         is no quicker: Slurm treats it as this; `--batch --signal=KILL` kills the batch script
         alone, and left its orphaned grandchildren running here.)"""
         self.run(["scancel", job_id], ok_if=_UNKNOWN_JOB)
+        self.forget(job_id)
 
 
 # -- parsers ----------------------------------------------------------------------------------
@@ -232,6 +269,17 @@ def parse_sinfo(text: str) -> list[SlurmNode]:
             ),
         )
     return list(nodes.values())
+
+
+def parse_squeue_all(text: str) -> dict[str, Queued]:
+    """squeue --format=%i|%T|%r|%j|%D of the whole queue: the active jobs by id."""
+    jobs = {}
+    for line in text.splitlines():
+        job_id, _, rest = line.strip().partition("|")
+        queued = parse_squeue_state(rest)
+        if job_id and queued is not None:
+            jobs[job_id] = queued
+    return jobs
 
 
 def parse_squeue_state(text: str) -> Queued | None:
