@@ -427,9 +427,11 @@ def test_on_slurm_a_higher_priority_job_preempts_through_a_checkpoint_and_the_vi
             ("vl1/0", "spot"),
             ("vl1/1", "spot"),
         ]
-        # Jobs that must not run on spot, and one owned GPU out of service: they compete.
-        cp.plane.spot_interrupt("vl0/1", reason="held back by the test")
-        job = {"resources": {"gpus": 1, "cpus": 1, "memory_gb": 0.5}, "spot": "never"}
+        # Three GPUs out of service: the two jobs compete for vl1/0. (vl0's GPUs are left to the
+        # other tests, which a second test worker may run on this cluster meanwhile.)
+        for gpu in ("vl0/0", "vl0/1", "vl1/1"):
+            cp.plane.spot_interrupt(gpu, reason="held back by the test")
+        job = {"resources": {"gpus": 1, "cpus": 1, "memory_gb": 0.5}}
         with cp.client() as c:
             low_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=400), "priority": "low"}
             low = c.post("/v1/jobs", json={"spec": low_spec, "team": "research"}).json()
@@ -448,7 +450,7 @@ def test_on_slurm_a_higher_priority_job_preempts_through_a_checkpoint_and_the_vi
         for attempt in (first, second, *high_show["attempts"]):
             assert attempt["executor"] == "slurm" and attempt["handle"]["slurm_job_id"].isdigit()
             assert attempt["handle"]["name"].startswith(f"vlcp-{os.getpid()}-job-")
-            assert [a["gpu_id"] for a in attempt["allocations"]] == ["vl0/0"]
+            assert [a["gpu_id"] for a in attempt["allocations"]] == ["vl1/0"]
         with cp.client() as c:
             second_log = c.get(f"/v1/jobs/{low['id']}/logs", params={"attempt": 2}).text
         assert "resuming from step-" in second_log, second_log
