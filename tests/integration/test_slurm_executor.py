@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from _dbkit import fresh_database
 from _execkit import log_text, wait_exited, wait_log
 from _slurmkit import PARTITION, slurm_conf
 from visionloop.api.server import build_executor
-from visionloop.core.errors import ConfigError, ExecutorError
+from visionloop.core.errors import ConfigError, ExecutorError, ExecutorUnavailableError
 from visionloop.sched.config import parse_cluster_config
 from visionloop.sched.executors.base import Handle, LaunchRequest
 from visionloop.sched.executors.slurm import SLURM_JSON, SlurmExecutor
@@ -173,6 +174,23 @@ def test_a_job_slurm_no_longer_knows_with_no_exit_status_reads_lost(
     attempt_dir.mkdir(parents=True)
     status = ex.poll({"executor": "slurm", "attempt_dir": str(attempt_dir), "slurm_job_id": "99999999"})
     assert status.state == "lost" and "no longer knows" in status.detail, status
+
+
+def test_a_controller_that_cannot_be_reached_is_unavailable_not_a_failure(tmp_path: Path) -> None:
+    # The test cluster's config with slurmctld's port moved to where nothing listens.
+    conf = Path(slurm_conf())
+    dead = tmp_path / "slurm.conf"
+    dead.write_text(re.sub(r"(?m)^SlurmctldPort=\d+", "SlurmctldPort=9", conf.read_text()))
+    (tmp_path / "gres.conf").write_text((conf.parent / "gres.conf").read_text())
+    ex = SlurmExecutor(PARTITION, prefix=f"vlslurm-{os.getpid()}", slurm_conf=str(dead), command_timeout_s=30)
+    with pytest.raises(ExecutorUnavailableError, match=r"cannot reach slurmctld .*scontrol ping"):
+        ex.capacity()
+    # A launch that meets it (the control plane then requeues the job without counting it).
+    quick = SlurmExecutor(
+        PARTITION, prefix=f"vlslurm-{os.getpid()}", slurm_conf=str(dead), command_timeout_s=1
+    )
+    with pytest.raises(ExecutorUnavailableError, match="did not answer within 1 s"):
+        quick.launch(_request(tmp_path, "print(1)"))
 
 
 # -- pending, adoption, one attempt at a time ----------------------------------------------------

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from visionloop.core.errors import ExecutorError
+from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
 from visionloop.sched.view import PriceClass
 
 # squeue's states of a job that still holds, or waits for, its allocation.
@@ -47,6 +47,12 @@ USABLE_NODE_STATES = frozenset({"idle", "mixed", "allocated", "completing", "pla
 # What the executor reads of a queued job: state, reason, name and node count.
 _QUEUE_FORMAT = "%T|%r|%j|%D"
 QUEUE_TTL_S = 1.0  # the queue is read whole at most this often (see SlurmCli.queue_state)
+# What Slurm's clients say when slurmctld cannot be reached (down, wrong host or port).
+_UNREACHABLE = re.compile(
+    r"unable to contact slurm controller|socket timed out|connection refused|could not establish a "
+    r"configuration source",
+    re.IGNORECASE,
+)
 # What slurmctld answers about a job it no longer (or never did) know.
 _UNKNOWN_JOB = re.compile(r"invalid job id", re.IGNORECASE)
 _GRES_GPU = re.compile(r"^gpu(?::(?P<type>[^:(]+))?:(?P<count>\d+)")
@@ -139,15 +145,20 @@ class SlurmCli:
                 "apt-get install slurm-client."
             ) from e
         except subprocess.TimeoutExpired as e:
-            raise ExecutorError(
+            # Unavailable, not failed: a launch that meets it is not held against the job.
+            raise ExecutorUnavailableError(
                 f"{' '.join(argv[:2])} did not answer within {self.timeout_s:g} s; is slurmctld up "
                 "(`scontrol ping`)? Raise executor.command_timeout_s if it is only slow."
             ) from e
         if done.returncode != 0 and not (ok_if and ok_if.search(done.stderr)):
-            raise ExecutorError(
-                f"{' '.join(argv[:2])} failed (exit {done.returncode}): "
-                f"{done.stderr.strip()[-500:] or '(no message)'}"
-            )
+            said = done.stderr.strip()[-500:] or "(no message)"
+            if _UNREACHABLE.search(done.stderr):
+                raise ExecutorUnavailableError(
+                    f"cannot reach slurmctld ({argv[0]}: {said}); is it running (`scontrol ping`)? The "
+                    f"cluster is the one {self.slurm_conf or 'Slurm finds by default'} names "
+                    "(executor.slurm_conf, else SLURM_CONF)."
+                )
+            raise ExecutorError(f"{' '.join(argv[:2])} failed (exit {done.returncode}): {said}")
         return done.returncode, done.stdout
 
     # -- queries ------------------------------------------------------------------------
