@@ -99,7 +99,8 @@ mkdir -p "$DIR/state" "$DIR/spool-vl0" "$DIR/spool-vl1"
 # has (config_overrides lets slurmd accept it): the tests' jobs are tiny, and two test
 # workers submitting at once should not queue behind two cores.
 CPUS=8
-MEM_MB="$(awk '/MemTotal/ {printf "%d", $2 / 1024 / 4}' /proc/meminfo)"
+# Memory likewise: a job asks for 8 GB by default, which real GPU nodes have.
+MEM_MB=32768
 cat >"$CONF" <<EOF
 ClusterName=visionloop-test
 SlurmctldHost=$HOST(127.0.0.1)

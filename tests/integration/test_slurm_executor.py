@@ -176,6 +176,17 @@ def test_a_job_slurm_no_longer_knows_with_no_exit_status_reads_lost(
     assert status.state == "lost" and "no longer knows" in status.detail, status
 
 
+def test_a_request_no_node_can_hold_says_what_was_asked_and_what_to_do(
+    ex: SlurmExecutor, tmp_path: Path
+) -> None:
+    request = dataclasses.replace(_request(tmp_path, "print(1)"), memory_gb=4096.0)
+    with pytest.raises(ExecutorError) as e:
+        ex.launch(request)
+    said = str(e.value)
+    assert "Memory specification can not be satisfied" in said and "--mem=4194304M" in said, said
+    assert "Lower resources.cpus or memory_gb" in said and "sinfo -N" in said, said
+
+
 def test_a_controller_that_cannot_be_reached_is_unavailable_not_a_failure(tmp_path: Path) -> None:
     # The test cluster's config with slurmctld's port moved to where nothing listens.
     conf = Path(slurm_conf())

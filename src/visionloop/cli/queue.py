@@ -108,8 +108,9 @@ def up(
     Jobs run as local processes by default; to run them on an existing Ray cluster, put
     `\\[executor]` with `kind = "ray"` and `address = "http://HEAD:8265"` in the cluster
     config, or on a Slurm cluster `kind = "slurm"` (with `partition = "gpu"`; Slurm's client
-    commands here, the visionloop home on storage the nodes share). Jobs keep running when it stops; the next `up` re-adopts them. The first start
-    writes an admin token to <home>/admin.token, which this machine's CLI uses by default.
+    commands here, the visionloop home on storage the nodes share). Jobs keep running when it
+    stops; the next `up` re-adopts them. The first start writes an admin token to
+    <home>/admin.token, which this machine's CLI uses by default.
 
     A PostgreSQL job store: put its URL in VISIONLOOP_DB_URL or a 0600 file (--db-url-file), never on
     the command line (other users can read it there).

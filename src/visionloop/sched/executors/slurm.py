@@ -81,7 +81,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from visionloop.core.errors import ExecutorError
+from visionloop.core.errors import ExecutorError, ExecutorUnavailableError
 from visionloop.core.fsutil import atomic_write_json, atomic_write_text
 from visionloop.sched import shim
 from visionloop.sched.executors.attempt_files import log_tail, mtime, read_log, read_status
@@ -105,6 +105,10 @@ SCRIPT = "slurm.sh"
 STOP = "stop"  # a run across nodes: written by `terminate`, answered by every node's shim
 _ATTEMPT_DIR = re.compile(r"job-(\d+)[/\\]attempt-(\d+)[/\\]?$")
 PEER_GRACE_S = 90.0  # as the Ray executor's
+# sbatch's answer to a request that no node of the partition could ever satisfy.
+_NO_SUCH_NODE = re.compile(
+    r"requested node configuration is not available|can not be satisfied", re.IGNORECASE
+)
 PORT_BASE, PORT_SPAN = 20000, 20000  # MASTER_PORT of a run across nodes, by its Slurm job id
 
 
@@ -216,7 +220,21 @@ class SlurmExecutor:
         if request.gpus:
             argv += [f"--nodelist={','.join(nodes)}", f"--gres=gpu:{len(request.gpus) // n}"]
         argv.append(str(attempt_dir / SCRIPT))
-        out = self.cli.run(argv, env=self.cli.env(env))[1].strip()
+        try:
+            out = self.cli.run(argv, env=self.cli.env(env))[1].strip()
+        except ExecutorUnavailableError:
+            raise
+        except ExecutorError as e:
+            if _NO_SUCH_NODE.search(str(e)):
+                asked = [
+                    a for a in argv if a.startswith(("--cpus-per-task", "--mem", "--gres", "--nodelist"))
+                ]
+                raise ExecutorError(
+                    f"{e}. The job asks, per node, for {' '.join(asked)}: no node of the partition has "
+                    "that much. Lower resources.cpus or memory_gb (they are the job's totals, split over "
+                    "its nodes), or see what the nodes have: sinfo -N -o '%N %c %m %G'."
+                ) from e
+            raise
         job_id = out.split(";", 1)[0].strip()
         if not job_id.isdigit():
             raise ExecutorError(
