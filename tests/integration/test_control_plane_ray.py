@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from _cpflows import preempt_and_resume
 from _cpkit import TEAMS, cluster_config, control_plane
 from _cpkit import train_doc as _train
 from _dbkit import fresh_database
@@ -304,33 +305,10 @@ def test_on_ray_a_higher_priority_job_preempts_through_a_checkpoint_and_the_vict
         cp.plane.spot_interrupt(on_demand[1], reason="held back by the test")
         # Each test Ray node has 1 CPU: ask for less, or Ray never starts the job.
         job = {"resources": {"gpus": 1, "cpus": 0.4, "memory_gb": 0.5}, "spot": "never"}
-        with cp.client() as c:
-            # Enough steps that the preemption lands mid-training: 40 took 1.6 s here, done before
-            # the high job was even scheduled, and the SIGTERM met a trainer already exiting (143).
-            low_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=400), "priority": "low"}
-            low = c.post("/v1/jobs", json={"spec": low_spec, "team": "research"}).json()
-            # Once it has checkpointed, the trainer is past start-up and has work to keep.
-            cp.wait_job(low["id"], lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None)
-            high_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=8), "priority": "high"}
-            high = c.post("/v1/jobs", json={"spec": high_spec, "team": "vision"}).json()
-        high_show = cp.wait_job(high["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
-        assert high_show["job"]["state"] == "succeeded", high_show
-        low_show = cp.wait_job(low["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
-        done = low_show["job"]
-        assert done["state"] == "succeeded" and done["preemptions"] == 1 and done["restarts"] == 0, low_show
-        states = [t["to_state"] for t in low_show["transitions"]]
-        assert states == ["queued", "running", "preempting", "queued", "running", "succeeded"]
-        assert f"job {high['id']}" in low_show["transitions"][2]["reason"]
-        first, second = low_show["attempts"]
-        assert (first["outcome"], first["exit_code"], second["outcome"]) == ("preempted", 75, "succeeded")
-        for attempt in (first, second, *high_show["attempts"]):
+        low, high = preempt_and_resume(cp, digits_dataset, job)
+        for attempt in (*low["attempts"], *high["attempts"]):
             assert attempt["executor"] == "ray" and attempt["handle"]["submission_id"].startswith("vlcp")
             assert [a["gpu_id"] for a in attempt["allocations"]] == [on_demand[0]]
-        with cp.client() as c:
-            second_log = c.get(f"/v1/jobs/{low['id']}/logs", params={"attempt": 2}).text
-        assert "resuming from step-" in second_log, second_log
-        for show in (low_show, high_show):
-            assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()
 
 
 def test_the_inventory_follows_ray_nodes_that_join_and_leave(ray_cluster: RayCluster, tmp_path: Path) -> None:

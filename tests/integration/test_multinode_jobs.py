@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from _cpflows import two_node_job
 from _cpkit import TEAMS, cluster_config, control_plane
 from _cpkit import train_doc as _train
 from _dbkit import fresh_database
@@ -41,18 +42,7 @@ def test_on_ray_a_job_with_two_nodes_runs_one_process_group_across_both(
         scheduler={"cycle_s": 0.5},
     )
     with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, cfg) as cp:
-        # A CPU job, one process per node (each test Ray node has 1 CPU: ask for less).
-        train = _train(digits_dataset, epochs=None, steps=6, device="cpu")
-        spec = {"train": train, "resources": {"gpus": 0, "nodes": 2, "cpus": 0.8, "memory_gb": 1}}
-        with cp.client() as c:
-            job = c.post("/v1/jobs", json={"spec": spec, "team": "vision"}).json()
-        assert job["nodes"] == 2
-        show = cp.wait_job(job["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
-        assert show["job"]["state"] == "succeeded", show
-        (attempt,) = show["attempts"]
+        # One process per node (each test Ray node has 1 CPU: ask for less).
+        attempt = two_node_job(cp, digits_dataset, {"gpus": 0, "nodes": 2, "cpus": 0.8, "memory_gb": 1})
         parts = attempt["handle"]["nodes"]
         assert len(parts) == 2 and len({p["node_id"] for p in parts}) == 2  # two machines
-        with cp.client() as c:
-            log = c.get(f"/v1/jobs/{job['id']}/logs", params={"attempt": 1}).text
-        assert ", 2 processes" in log, log[-3000:]  # one process group of two ranks
-        assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()

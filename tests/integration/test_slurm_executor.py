@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
+from _cpflows import preempt_and_resume, two_node_job
 from _cpkit import TEAMS, cluster_config, control_plane
-from _cpkit import train_doc as _train
 from _dbkit import fresh_database
 from _execkit import log_text, wait_exited, wait_log
 from _slurmkit import PARTITION, slurm_conf
@@ -434,20 +434,16 @@ def test_an_inventory_beside_slurm_is_refused() -> None:
 # -- the control plane on Slurm, end to end ----------------------------------------------------------
 
 
+def _slurm_config(prefix: str) -> Any:
+    executor = {"kind": "slurm", "partition": PARTITION, "prefix": prefix, "slurm_conf": slurm_conf()}
+    return cluster_config(executor=executor, teams=TEAMS, scheduler={"cycle_s": 0.5})
+
+
 def test_on_slurm_a_higher_priority_job_preempts_through_a_checkpoint_and_the_victim_resumes(
     digits_dataset: Path, tmp_path: Path
 ) -> None:
-    cfg = cluster_config(
-        executor={
-            "kind": "slurm",
-            "partition": PARTITION,
-            "prefix": f"vlcp-{os.getpid()}",
-            "slurm_conf": slurm_conf(),
-        },
-        teams=TEAMS,
-        scheduler={"cycle_s": 0.5},
-    )
-    with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, cfg) as cp:
+    prefix = f"vlcp-{os.getpid()}"
+    with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, _slurm_config(prefix)) as cp:
         assert isinstance(cp.plane.executor, SlurmExecutor)
         gpus = cp.plane.store.list_gpus()
         assert sorted((g.id, g.price_class) for g in gpus) == [
@@ -460,60 +456,24 @@ def test_on_slurm_a_higher_priority_job_preempts_through_a_checkpoint_and_the_vi
         # other tests, which a second test worker may run on this cluster meanwhile.)
         for gpu in ("vl0/0", "vl0/1", "vl1/1"):
             cp.plane.spot_interrupt(gpu, reason="held back by the test")
-        job = {"resources": {"gpus": 1, "cpus": 1, "memory_gb": 0.5}}
-        with cp.client() as c:
-            low_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=400), "priority": "low"}
-            low = c.post("/v1/jobs", json={"spec": low_spec, "team": "research"}).json()
-            cp.wait_job(low["id"], lambda j: j["state"] == "running" and j["last_checkpoint_at"] is not None)
-            high_spec = {**job, "train": _train(digits_dataset, epochs=None, steps=8), "priority": "high"}
-            high = c.post("/v1/jobs", json={"spec": high_spec, "team": "vision"}).json()
-        high_show = cp.wait_job(high["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
-        assert high_show["job"]["state"] == "succeeded", high_show
-        low_show = cp.wait_job(low["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
-        done = low_show["job"]
-        assert done["state"] == "succeeded" and done["preemptions"] == 1 and done["restarts"] == 0, low_show
-        states = [t["to_state"] for t in low_show["transitions"]]
-        assert states == ["queued", "running", "preempting", "queued", "running", "succeeded"]
-        first, second = low_show["attempts"]
-        assert (first["outcome"], first["exit_code"], second["outcome"]) == ("preempted", 75, "succeeded")
-        for attempt in (first, second, *high_show["attempts"]):
+        low, high = preempt_and_resume(
+            cp, digits_dataset, {"resources": {"gpus": 1, "cpus": 1, "memory_gb": 0.5}}
+        )
+        for attempt in (*low["attempts"], *high["attempts"]):
             assert attempt["executor"] == "slurm" and attempt["handle"]["slurm_job_id"].isdigit()
-            assert attempt["handle"]["name"].startswith(f"vlcp-{os.getpid()}-job-")
+            assert attempt["handle"]["name"].startswith(f"{prefix}-job-")
             assert [a["gpu_id"] for a in attempt["allocations"]] == ["vl1/0"]
-        with cp.client() as c:
-            second_log = c.get(f"/v1/jobs/{low['id']}/logs", params={"attempt": 2}).text
-        assert "resuming from step-" in second_log, second_log
-        for show in (low_show, high_show):
-            assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()
 
 
 def test_on_slurm_a_job_with_two_nodes_runs_one_process_group_across_both(
     digits_dataset: Path, tmp_path: Path
 ) -> None:
-    cfg = cluster_config(
-        executor={
-            "kind": "slurm",
-            "partition": PARTITION,
-            "prefix": f"vlmn-{os.getpid()}",
-            "slurm_conf": slurm_conf(),
-        },
-        teams=TEAMS,
-        scheduler={"cycle_s": 0.5},
-    )
-    with fresh_database("sqlite", tmp_path) as db_url, control_plane(db_url, cfg) as cp:
-        train = _train(digits_dataset, epochs=None, steps=6, device="cpu")
-        spec = {"train": train, "resources": {"gpus": 0, "nodes": 2, "cpus": 2, "memory_gb": 1}}
-        with cp.client() as c:
-            job = c.post("/v1/jobs", json={"spec": spec, "team": "vision"}).json()
-        assert job["nodes"] == 2
-        show = cp.wait_job(job["id"], lambda j: j["state"] in ("succeeded", "failed"), timeout=300)
-        assert show["job"]["state"] == "succeeded", show
-        (attempt,) = show["attempts"]
+    with (
+        fresh_database("sqlite", tmp_path) as db_url,
+        control_plane(db_url, _slurm_config(f"vlmn-{os.getpid()}")) as cp,
+    ):
+        attempt = two_node_job(cp, digits_dataset, {"gpus": 0, "nodes": 2, "cpus": 2, "memory_gb": 1})
         assert attempt["handle"]["nodes"] == 2 and attempt["exit_code"] == 0
-        with cp.client() as c:
-            log = c.get(f"/v1/jobs/{job['id']}/logs", params={"attempt": 1}).text
-        assert ", 2 processes" in log, log[-3000:]  # one process group of two ranks
         # Node 1 ran its own shim (its rank is quiet), which recorded a clean exit.
         node1 = json.loads((Path(attempt["handle"]["attempt_dir"]) / "node-1" / "exit.json").read_text())
         assert node1["exit_code"] == 0
-        assert (Path(show["job"]["run_dir"]) / "final.safetensors").is_file()
