@@ -121,7 +121,7 @@ from visionloop.core.fsutil import NotRegularFileError, NotTextError, TooLargeEr
 from visionloop.core.safetoml import TomlError, load_toml
 from visionloop.sched.config_scheduler import SchedulerTimings, parse_scheduler
 from visionloop.sched.config_values import MAX_GPUS, number, shown, where, whole_number
-from visionloop.sched.executors.ray_ids import PREFIX_PATTERN
+from visionloop.sched.executors.naming import PREFIX_PATTERN
 from visionloop.sched.view import DEFAULT_PRIORITIES, Gpu, PriceClass, Team
 
 DEFAULT_TEAM = "default"

@@ -4,28 +4,21 @@ handle: `{prefix}-job-{job_id}-attempt-{attempt}` for an attempt (its node 0's p
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 from visionloop.core.errors import ExecutorError
 from visionloop.sched.executors.base import Handle
-
-_ATTEMPT_DIR = re.compile(r"job-(\d+)[/\\]attempt-(\d+)[/\\]?$")
-# What a submission id may start with; sched/config.py checks `executor.prefix` with it too.
-PREFIX_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]*")
+from visionloop.sched.executors.naming import attempt_name, attempt_of
+from visionloop.sched.executors.naming import check_prefix as _check_prefix
 
 
 def check_prefix(prefix: str) -> str:
     """`prefix`, if it can start a submission id; ExecutorError otherwise."""
-    if not PREFIX_PATTERN.fullmatch(prefix):
-        raise ExecutorError(
-            f"RayExecutor prefix {prefix!r} is invalid; use lower-case letters, digits and '-', e.g. 'vl'."
-        )
-    return prefix
+    return _check_prefix(prefix, "RayExecutor")
 
 
 def submission_id(prefix: str, job_id: int, attempt: int) -> str:
-    return f"{prefix}-job-{job_id}-attempt-{attempt}"
+    return attempt_name(prefix, job_id, attempt)
 
 
 def node_submission_id(sid: str, rank: int) -> str:
@@ -40,8 +33,8 @@ def handle_sid(prefix: str, handle: Handle) -> str | None:
     sid = handle.get("submission_id")
     if isinstance(sid, str) and sid:
         return sid
-    m = _ATTEMPT_DIR.search(str(handle.get("attempt_dir", "")))
-    return submission_id(prefix, int(m.group(1)), int(m.group(2))) if m else None
+    ids = attempt_of(str(handle.get("attempt_dir", "")))
+    return submission_id(prefix, *ids) if ids else None
 
 
 def handle_sids(prefix: str, handle: Handle, exists: Callable[[str], bool]) -> list[str] | None:

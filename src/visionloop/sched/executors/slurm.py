@@ -87,7 +87,7 @@ from visionloop.sched import shim
 from visionloop.sched.executors.attempt_files import log_tail, mtime, read_log, read_status
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.env import job_env
-from visionloop.sched.executors.ray_ids import PREFIX_PATTERN
+from visionloop.sched.executors.naming import attempt_name, attempt_of, check_prefix
 from visionloop.sched.executors.slurm_cli import QUEUE_TTL_S, SlurmCli
 from visionloop.sched.executors.slurm_status import (
     SLURM_OUT,
@@ -103,7 +103,6 @@ from visionloop.sched.view import Gpu
 SLURM_JSON = "slurm.json"  # {"slurm_job_id", "name", "nodes"}, written once sbatch answers
 SCRIPT = "slurm.sh"
 STOP = "stop"  # a run across nodes: written by `terminate`, answered by every node's shim
-_ATTEMPT_DIR = re.compile(r"job-(\d+)[/\\]attempt-(\d+)[/\\]?$")
 PEER_GRACE_S = 90.0  # as the Ray executor's
 # sbatch's answer to a request that no node of the partition could ever satisfy.
 _NO_SUCH_NODE = re.compile(
@@ -129,11 +128,7 @@ class SlurmExecutor:
         peer_grace_s: float = PEER_GRACE_S,
         queue_ttl_s: float = QUEUE_TTL_S,
     ) -> None:
-        if not PREFIX_PATTERN.fullmatch(prefix):
-            raise ExecutorError(
-                f"SlurmExecutor prefix {prefix!r} is invalid; use lower-case letters, digits and '-', "
-                "e.g. 'vl'."
-            )
+        check_prefix(prefix, "SlurmExecutor")
         self.partition = partition
         self.account = account
         self.prefix = prefix
@@ -155,7 +150,7 @@ class SlurmExecutor:
     # -- launch ---------------------------------------------------------------------------
 
     def job_name(self, job_id: int, attempt: int) -> str:
-        return f"{self.prefix}-job-{job_id}-attempt-{attempt}"
+        return attempt_name(self.prefix, job_id, attempt)
 
     def launch(self, request: LaunchRequest) -> Handle:
         if not request.command:
@@ -248,12 +243,12 @@ class SlurmExecutor:
         from Slurm's queue by name; None if Slurm was never given it. (As the local executor's:
         every method also takes the bare `{"attempt_dir": ...}` handle.)"""
         attempt_dir = Path(attempt_dir).expanduser().resolve()
-        m = _ATTEMPT_DIR.search(str(attempt_dir))
-        if m is None:
+        ids = attempt_of(attempt_dir)
+        if ids is None:
             return None
         # The name comes from the folder, never from slurm.json: the job can write there, and
         # every signal checks that the Slurm job it names is this attempt's.
-        name = self.job_name(int(m.group(1)), int(m.group(2)))
+        name = self.job_name(*ids)
         info = read_status(attempt_dir / SLURM_JSON)
         if info is not None and str(info.get("slurm_job_id", "")).isdigit():
             nodes = info.get("nodes", 1)
@@ -269,17 +264,17 @@ class SlurmExecutor:
 
     def poll(self, handle: Handle) -> AttemptStatus:
         attempt_dir = self._attempt_dir(handle)
-        dirs = node_dirs(attempt_dir, self._nodes(handle))
+        h = self._full(handle)
+        dirs = node_dirs(attempt_dir, h["nodes"] if h else 1)
         exits = [exited(d) for d in dirs]
         if all(exits):
             return combined([e for e in exits if e is not None])
-        job_id = self._job_id(handle)
-        if job_id is None:
+        if h is None:
             return AttemptStatus(
                 "lost", detail="never submitted to Slurm (no slurm.json, and no job of its name queued)"
             )
+        job_id, name = h["slurm_job_id"], h["name"]
         beat = mtime(attempt_dir / shim.HEARTBEAT)
-        name = self._name(handle)
         queued = self.cli.queue_state(job_id)
         if queued is not None:
             if queued.name != name:
@@ -333,15 +328,16 @@ class SlurmExecutor:
         or the stop file every node's shim looks for (several). A job still pending in Slurm
         is cancelled. No-op once the attempt has ended."""
         attempt_dir = self._attempt_dir(handle)
-        job_id = self._job_id(handle)
-        if job_id is None or all(exited(d) for d in node_dirs(attempt_dir, self._nodes(handle))):
+        h = self._full(handle)
+        if h is None or all(exited(d) for d in node_dirs(attempt_dir, h["nodes"])):
             return
+        job_id = h["slurm_job_id"]
         queued = self.cli.queue_state(job_id, fresh=True)
-        if queued is None or queued.name != self._name(handle):  # gone, or not ours to stop
+        if queued is None or queued.name != h["name"]:  # gone, or not ours to stop
             return
         if queued.state == "PENDING":
             self.cli.cancel(job_id)
-        elif self._nodes(handle) > 1:
+        elif h["nodes"] > 1:
             with contextlib.suppress(FileExistsError):
                 atomic_write_text(attempt_dir / STOP, f"stop requested at {time.time():.3f}\n")
         else:
@@ -350,12 +346,12 @@ class SlurmExecutor:
     def kill(self, handle: Handle) -> None:
         """The job cancelled in Slurm: every process of it ends within Slurm's KillWait (see
         the module docstring). Safe on a finished or lost attempt."""
-        job_id = self._job_id(handle)
-        if job_id is None:
+        h = self._full(handle)
+        if h is None:
             return
-        queued = self.cli.queue_state(job_id, fresh=True)
-        if queued is not None and queued.name == self._name(handle):
-            self.cli.cancel(job_id)
+        queued = self.cli.queue_state(h["slurm_job_id"], fresh=True)
+        if queued is not None and queued.name == h["name"]:
+            self.cli.cancel(h["slurm_job_id"])
 
     # -- logs -----------------------------------------------------------------------------
 
@@ -418,28 +414,24 @@ class SlurmExecutor:
             raise ExecutorError(f"not a Slurm executor handle: {handle!r}; pass it to its own executor.")
         return Path(handle["attempt_dir"])
 
-    def _nodes(self, handle: Handle) -> int:
-        nodes = handle.get("nodes")
-        if isinstance(nodes, int) and nodes >= 1:
-            return nodes
-        adopted = self.adopt(self._attempt_dir(handle))
-        return 1 if adopted is None else int(adopted["nodes"])
-
-    def _name(self, handle: Handle) -> str:
-        """The Slurm job name of the attempt: the handle's (written at launch or by `adopt`),
-        else the one its folder gives."""
-        name = handle.get("name")
-        if isinstance(name, str) and name:
-            return name
-        adopted = self.adopt(self._attempt_dir(handle))
-        return "" if adopted is None else str(adopted["name"])
-
-    def _job_id(self, handle: Handle) -> str | None:
+    def _full(self, handle: Handle) -> Handle | None:
+        """The handle with its Slurm job id, name and node count: as stored at launch, else
+        (a bare `{"attempt_dir": ...}` handle) rebuilt once by `adopt`; None if Slurm was never
+        given the attempt."""
+        if all(k in handle for k in ("slurm_job_id", "name", "nodes")):
+            return handle
+        attempt_dir = self._attempt_dir(handle)
         job_id = handle.get("slurm_job_id")
-        if isinstance(job_id, str) and job_id.isdigit():
-            return job_id
-        adopted = self.adopt(self._attempt_dir(handle))
-        return None if adopted is None else str(adopted["slurm_job_id"])
+        if not (isinstance(job_id, str) and job_id.isdigit()):
+            return self.adopt(attempt_dir)
+        # The id stored at launch, with fields missing: the rest from the folder and slurm.json.
+        ids = attempt_of(attempt_dir)
+        name = handle.get("name") or (self.job_name(*ids) if ids else "")
+        nodes = handle.get("nodes")
+        if not isinstance(nodes, int):
+            adopted = self.adopt(attempt_dir)
+            nodes = adopted["nodes"] if adopted else 1
+        return self._handle(attempt_dir, job_id, str(name), nodes)
 
     def _cancel_earlier_attempts(self, job_id: int, attempt: int) -> None:
         """An earlier attempt of the same job that Slurm still runs (its launch was counted as
