@@ -32,7 +32,8 @@ from visionloop.api.server import build_plane
 from visionloop.core.errors import ConfigError, ExecutorError, ExecutorUnavailableError
 from visionloop.core.settings import load_settings
 from visionloop.sched import config as config_module
-from visionloop.sched.config import DEFAULT_RAY_ADDRESS, parse_cluster_config
+from visionloop.sched.config import parse_cluster_config
+from visionloop.sched.config_executor import DEFAULT_RAY_ADDRESS
 from visionloop.sched.executors.base import AttemptStatus, Handle, LaunchRequest
 from visionloop.sched.executors.ray import RayExecutor
 from visionloop.sched.service import ControlPlane, Principal
