@@ -101,10 +101,11 @@ class ServeApp:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.keys is not None:
             self._reload_keys(self.keys)
-            if scope["path"] not in auth.OPEN_PATHS and auth.bearer_token(scope):
+            token = auth.bearer_token(scope)  # read once: the wait and the check both need it
+            if token and scope["path"] not in auth.OPEN_PATHS:
                 await self._settled()
             # Every HTTP request, fast path and FastAPI routes alike, before its body is read.
-            verdict = auth.check(self.keys, scope)
+            verdict = auth.check(self.keys, scope["path"], token)
             if isinstance(verdict, auth.Denied):
                 request = Request(scope, receive)
                 await _error(self.server, request, verdict.status, verdict.message, verdict.headers)(

@@ -46,12 +46,11 @@ def bearer_token(scope: dict[str, Any]) -> str | None:
     return None
 
 
-def check(keys: KeyRing, scope: dict[str, Any]) -> ApiKey | Denied | None:
-    """The key a request is made with, None for an open path, or why it is refused."""
-    path: str = scope["path"]
+def check(keys: KeyRing, path: str, token: str | None) -> ApiKey | Denied | None:
+    """The key a request to `path` is made with (`token`: its bearer token, `bearer_token`),
+    None for an open path, or why it is refused."""
     if path in OPEN_PATHS:
         return None
-    token = bearer_token(scope)
     if token is None:
         return Denied(
             401,
