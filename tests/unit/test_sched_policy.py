@@ -769,6 +769,27 @@ def test_a_job_that_never_runs_on_spot_reclaims_a_borrower_on_gpus_it_can_use() 
     assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-mixed", "a-any")]
 
 
+def test_a_never_spot_reclaim_that_needs_a_partly_spot_borrower_takes_the_one_with_most_fixed_gpus() -> None:
+    """Trace 8's 5-minute wait in miniature: b (nominal 4) holds 8, so it can give back 4.
+    a's job never runs on spot and needs 3 fixed GPUs, none free. The one borrower wholly on
+    fixed GPUs frees 1. The victim order's first, on 1 fixed and 3 spot GPUs, used up all
+    b could give and freed 1 more: a waited. Partly spot borrowers now go by the share of
+    their GPUs a's job can use: the one on 2 fixed and 1 spot GPU."""
+    teams = [Team("a", 4, borrow_limit=4), Team("b", 4, borrow_limit=8)]
+    gpus = node_gpus("n0", 4) + node_gpus("s", 4, "spot")
+    running = [
+        r("b-mixed", ["n0/0", "s/0", "s/1", "s/2"], team="b", ckpt=NOW - 30),
+        r("b-fixed", ["n0/1"], team="b", ckpt=NOW - 3000),
+        r("b-part", ["n0/2", "n0/3", "s/3"], team="b", ckpt=NOW - 2000),
+    ]
+    d = schedule(view(gpus, [q("a-never", 3, spot="never")], running, teams), CFG)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-fixed", "a-never"), ("b-part", "a-never")]
+    assert d.waiting["a-never"].startswith("preempting 2 jobs (b-fixed, b-part) to free 3 GPUs")
+    # A job that may run on spot takes the victim that lost least.
+    d = schedule(view(gpus, [q("a-any", 3)], running, teams), CFG)
+    assert [(e.job_id, e.for_job) for e in d.evictions] == [("b-mixed", "a-any")]
+
+
 def test_a_never_spot_reclaim_takes_the_lenders_higher_class_when_only_its_spot_low_job_borrows() -> None:
     """Trace 3 in miniature: b (nominal 4) holds 6: a low job on 3 spot GPUs, a normal one
     on 3 fixed GPUs. By classes b borrows only through the low job, on spot, which a's job

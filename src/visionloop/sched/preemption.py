@@ -97,10 +97,15 @@ class Preemption(WithinClass):
         if job.spot == "never":
             # Victims wholly on GPUs it can use first: one mostly on spot used up what its
             # team could give (a reclaim stops at the team's nominal) and freed nothing this
-            # job runs on (a 4-minute wait in the jittered runs).
+            # job runs on (a 4-minute wait in the jittered runs). If those are not enough, the
+            # rest by the share of their GPUs it can use, most first, for the same reason (a
+            # borrower on 1 fixed and 5 spot GPUs, first in the victim order, left a 6-GPU
+            # reclaim 5 minutes late).
             whole = [v for v in cands if self._usable_gpus(v, job.spot) == len(v.gpu_ids)]
             if len(whole) < len(cands):
                 found = self._greedy(job, ts, pool, whole, reclaim, cap)
+                if found is None:
+                    cands = sorted(cands, key=lambda v: -self._usable_gpus(v, job.spot) / len(v.gpu_ids))
         if found is None:
             found = self._greedy(job, ts, pool, cands, reclaim, cap)
         if found is None:
