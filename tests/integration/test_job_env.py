@@ -49,6 +49,9 @@ def planted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("HF_HOME", "/data/hf")
     monkeypatch.setenv("NOT_ALLOWED", "nope")
     monkeypatch.setenv("LC_TIME", "C.UTF-8")
+    # Where jobs copy their checkpoints: passed on (not the credentials, in SECRETS above).
+    monkeypatch.setenv("VISIONLOOP_CHECKPOINT_STORE", "s3://vl-ckpt/team-a")
+    monkeypatch.setenv("VISIONLOOP_S3_ENDPOINT_URL", "http://minio.internal:9000")
     yield
 
 
@@ -112,6 +115,8 @@ def test_a_queue_job_gets_the_allow_listed_variables_and_no_secret(
     assert env["VISIONLOOP_HOME"] == str(vl_home)
     assert env["VISIONLOOP_TRACKING_URI"] == cp.plane.settings.tracking_uri
     assert env["VISIONLOOP_PROGRESS"] == "1"  # the job reports its checkpoints in its log
+    assert env["VISIONLOOP_CHECKPOINT_STORE"] == "s3://vl-ckpt/team-a"
+    assert env["VISIONLOOP_S3_ENDPOINT_URL"] == "http://minio.internal:9000"
 
 
 def test_a_ray_job_gets_only_the_requests_env_from_the_control_plane(

@@ -42,12 +42,17 @@ def test_the_spec_reference_validates_and_documents_the_real_defaults() -> None:
 def test_the_settings_example_is_a_valid_visionloop_toml(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (toml,) = [b for b in blocks("toml") if "[visionloop]" in b]
+    found = [b for b in blocks("toml") if "[visionloop]" in b]
+    (toml,) = [b for b in found if "home =" in b]  # "Where state lives"
     (tmp_path / "visionloop.toml").write_text(toml)
     monkeypatch.delenv("VISIONLOOP_HOME")
     s = load_settings(cwd=tmp_path)
     assert str(s.home) == "/data/visionloop" and s.tracking_uri == "http://mlflow.internal:5000"
-    assert s.experiment == "pets"
+    assert s.experiment == "pets" and s.checkpoint_store == "s3://vl-runs/team-a"
+    (store,) = [b for b in found if "s3_endpoint_url" in b]  # checkpoints in an object store
+    (tmp_path / "visionloop.toml").write_text(store)
+    s = load_settings(cwd=tmp_path)
+    assert s.checkpoint_store == "s3://vl-runs/team-a" and s.s3_endpoint_url == "http://minio.internal:9000"
 
 
 def test_the_cluster_config_example_parses_with_its_documented_values() -> None:

@@ -80,3 +80,54 @@ def test_an_open_existing_home_gets_a_warning_and_a_private_one_none(tmp_path: P
     home.chmod(0o700)
     assert open_home_warning(home) is None
     assert open_home_warning(tmp_path / "missing") is None
+
+
+def test_a_checkpoint_store_comes_from_the_home_file_or_the_environment(
+    vl_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert load_settings(cwd=tmp_path).checkpoint_store is None
+    (vl_home / "visionloop.toml").write_text(
+        '[visionloop]\ncheckpoint_store = "s3://vl-runs/team-a/"\ns3_endpoint_url = "http://minio.internal:9000/"\n'
+    )
+    s = load_settings(cwd=tmp_path)
+    assert s.checkpoint_store == "s3://vl-runs/team-a" and s.s3_endpoint_url == "http://minio.internal:9000"
+    monkeypatch.setenv("VISIONLOOP_CHECKPOINT_STORE", "file:///mnt/nas/vl")
+    monkeypatch.setenv("VISIONLOOP_S3_ENDPOINT_URL", "https://s3.example.com")
+    s = load_settings(cwd=tmp_path)
+    assert s.checkpoint_store == "file:///mnt/nas/vl" and s.s3_endpoint_url == "https://s3.example.com"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("gs://bucket/x", "unsupported scheme 'gs'"),
+        ("/mnt/nas", "unsupported scheme '(none)'"),
+        ("s3://UPPER/x", "'UPPER' is not a valid S3 bucket name"),
+        ("s3://ab/x", "'ab' is not a valid S3 bucket name"),
+        ("s3://bucket/../other", "the path segment '..'"),
+        ("s3://bucket/x?versionId=1", "no ?query or #fragment"),
+        ("file://server/share", "names a folder on this machine, not 'server'"),
+        ("s3://bucket/a b", "the path segment 'a b'"),
+    ],
+)
+def test_a_bad_checkpoint_store_is_refused_at_once_saying_where_it_came_from(
+    vl_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, expected: str
+) -> None:
+    monkeypatch.setenv("VISIONLOOP_CHECKPOINT_STORE", value)
+    with pytest.raises(ConfigError) as e:
+        load_settings(cwd=tmp_path)
+    assert expected in str(e.value) and "VISIONLOOP_CHECKPOINT_STORE" in str(e.value)
+    assert "e.g. checkpoint_store = " in str(e.value)
+    monkeypatch.delenv("VISIONLOOP_CHECKPOINT_STORE")
+    (tmp_path / "visionloop.toml").write_text(f'[visionloop]\ncheckpoint_store = "{value}"\n')
+    with pytest.raises(ConfigError, match=f"checkpoint_store in {tmp_path / 'visionloop.toml'}"):
+        load_settings(cwd=tmp_path)
+
+
+@pytest.mark.parametrize("value", ["minio:9000", "http://h:9000/bucket", "ftp://h", "http://h:9000?x=1"])
+def test_an_s3_endpoint_must_be_a_bare_http_url(
+    vl_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("VISIONLOOP_S3_ENDPOINT_URL", value)
+    with pytest.raises(ConfigError, match="VISIONLOOP_S3_ENDPOINT_URL must be an http"):
+        load_settings(cwd=tmp_path)

@@ -1,7 +1,8 @@
 """Where visionloop keeps its state.
 
-Resolution order, first wins: environment (`VISIONLOOP_HOME`, `VISIONLOOP_TRACKING_URI`),
-then `visionloop.toml` in the working directory, then `<home>/visionloop.toml`, then defaults.
+Resolution order, first wins: environment (`VISIONLOOP_HOME`, `VISIONLOOP_TRACKING_URI`,
+`VISIONLOOP_CHECKPOINT_STORE`, `VISIONLOOP_S3_ENDPOINT_URL`), then `visionloop.toml` in the
+working directory, then `<home>/visionloop.toml`, then defaults.
 Everything lives under one home so that a test (or a user) can point the whole tool at a
 temporary folder with a single variable.
 """
@@ -9,6 +10,7 @@ temporary folder with a single variable.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from visionloop.core.fsutil import (
 from visionloop.core.safetoml import TomlError, load_toml
 
 DEFAULT_HOME = Path("~/.visionloop")
-_KNOWN_KEYS = {"home", "tracking_uri", "experiment"}
+_KNOWN_KEYS = {"home", "tracking_uri", "experiment", "checkpoint_store", "s3_endpoint_url"}
 # What labelling one image costs, per task: a table of task name = price, e.g.
 # [visionloop.labelling_cost_per_image]  classification = 0.10  detection = 0.30
 # (`data add` bills a new version's labelled images at it unless --cost-per-image says otherwise).
@@ -41,6 +43,12 @@ class Settings:
     experiment: str = "default"
     # (task, price of labelling one image) pairs: a tuple, so that Settings stays hashable.
     labelling_prices: tuple[tuple[str, float], ...] = ()
+    # Where training runs copy their checkpoints, so that a run resumes on a machine that
+    # never had them (a spot instance's local disk goes with it): an s3:// or file:// URI
+    # (visionloop.core.objectstore), and the endpoint of an S3-compatible server. None: the
+    # run directory only.
+    checkpoint_store: str | None = None
+    s3_endpoint_url: str | None = None
 
     def labelling_cost_per_image(self, task: str) -> float | None:
         """What labelling one image of `task` costs, when the settings say."""
@@ -201,6 +209,46 @@ def load_settings(cwd: Path | None = None) -> Settings:
     )
     experiment = os.environ.get("VISIONLOOP_EXPERIMENT") or file_values.get("experiment") or "default"
     prices = tuple(sorted((file_values.get(_PRICES_KEY) or {}).items()))
-    return Settings(
-        home=home, tracking_uri=str(tracking_uri), experiment=str(experiment), labelling_prices=prices
+    sources = {k: local if k in local_values else home_file for k in ("checkpoint_store", "s3_endpoint_url")}
+    store = _store_uri(
+        os.environ.get("VISIONLOOP_CHECKPOINT_STORE") or file_values.get("checkpoint_store"),
+        "VISIONLOOP_CHECKPOINT_STORE"
+        if os.environ.get("VISIONLOOP_CHECKPOINT_STORE")
+        else f"checkpoint_store in {sources['checkpoint_store']}",
     )
+    endpoint = _endpoint(
+        os.environ.get("VISIONLOOP_S3_ENDPOINT_URL") or file_values.get("s3_endpoint_url"),
+        "VISIONLOOP_S3_ENDPOINT_URL"
+        if os.environ.get("VISIONLOOP_S3_ENDPOINT_URL")
+        else f"s3_endpoint_url in {sources['s3_endpoint_url']}",
+    )
+    return Settings(
+        home=home,
+        tracking_uri=str(tracking_uri),
+        experiment=str(experiment),
+        labelling_prices=prices,
+        checkpoint_store=store,
+        s3_endpoint_url=endpoint,
+    )
+
+
+def _store_uri(value: str | None, source: str) -> str | None:
+    """A checkpoint store URI, checked now: a typo is found at the first command, not after
+    a day of training with nothing copied."""
+    from visionloop.core.objectstore import parse_store_uri
+
+    return parse_store_uri(value, what=source).uri if value else None
+
+
+_ENDPOINT = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?/?$")
+
+
+def _endpoint(value: str | None, source: str) -> str | None:
+    if not value:
+        return None
+    if not _ENDPOINT.match(value.strip()):
+        raise ConfigError(
+            f"{source} must be an http(s) URL of an S3-compatible server, with no path: "
+            f'e.g. s3_endpoint_url = "http://minio.internal:9000"; got {value[:80]!r}.'
+        )
+    return value.strip().rstrip("/")

@@ -356,6 +356,13 @@ class ControlPlane(AdmissionMixin, ReconcileMixin, GpuSyncMixin):
             VISIONLOOP_TRACKING_URI=self.settings.tracking_uri,
             VISIONLOOP_EXPERIMENT=self.settings.experiment,
         )
+        # Where the job copies its checkpoints, as the control plane was told (the job may
+        # run where the home's visionloop.toml is not, or is another's). Credentials are not
+        # passed: an admin allow-lists them (`env_allow`) or the nodes have their own.
+        if self.settings.checkpoint_store:
+            env["VISIONLOOP_CHECKPOINT_STORE"] = self.settings.checkpoint_store
+        if self.settings.s3_endpoint_url:
+            env["VISIONLOOP_S3_ENDPOINT_URL"] = self.settings.s3_endpoint_url
         # The job reports its checkpoints in its log (the control plane reads them there).
         env[PROGRESS_ENV] = "1"
         return env

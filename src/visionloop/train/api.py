@@ -20,6 +20,7 @@ from visionloop.specs import TrainSpec
 from visionloop.train import dist
 from visionloop.train import rng as rng_state
 from visionloop.train.checkpoint import load_verified
+from visionloop.train.checkpoint_store import CheckpointStore
 from visionloop.train.device import configure_determinism, cpu_threads, resolve_device, resolve_precision
 from visionloop.train.finalize import finalize
 from visionloop.train.loop import Loop
@@ -109,7 +110,14 @@ def train(
         if info.rank:
             rng_state.seed_everything(spec.seed + 7919 * info.rank)  # per-rank dropout streams
         precision = resolve_precision(spec.precision, device, spec.deterministic)
-        loop = Loop(c, precision=precision, reporter=reporter, stop=stop, tracker=None)
+        loop = Loop(
+            c,
+            precision=precision,
+            reporter=reporter,
+            stop=stop,
+            tracker=None,
+            store=_checkpoint_store(settings, spec, rd, info, reporter),
+        )
         loop.until_epoch = until_epoch
         resumed_from = _resume(loop, info, reporter)
 
@@ -194,6 +202,25 @@ def _dump(doc: Mapping[str, Any]) -> str:
     return yaml.safe_dump(dict(doc), sort_keys=False)
 
 
+def _checkpoint_store(
+    settings: Settings, spec: TrainSpec, rd: RunDir, info: dist.DistInfo, reporter: Reporter
+) -> CheckpointStore | None:
+    """The object store's copy of the run's checkpoints, when the settings name a store
+    (checkpoint_store.py); the main process writes checkpoints, so only it copies them."""
+    if not settings.checkpoint_store or not info.is_main:
+        return None
+    if spec.distributed == "fsdp":
+        reporter.message(
+            f"warning: sharded (fsdp) checkpoints are not copied to {settings.checkpoint_store}; "
+            "they stay in the run directory only"
+        )
+        return None
+    store = CheckpointStore.for_run(settings, rd.path)
+    if store is not None:
+        reporter.message(f"checkpoints are copied to {store.uri()}")
+    return store
+
+
 def _resume(loop: Loop, info: dist.DistInfo, reporter: Reporter) -> int | None:
     chosen: str | None = None
     state: dict[str, Any] | None = None
@@ -215,7 +242,10 @@ def _resume(loop: Loop, info: dist.DistInfo, reporter: Reporter) -> int | None:
             f"cannot resume from {where}: {e} To resume from the checkpoint before it instead, move "
             f"{where.name} out of {where.parent}."
         ) from e
-    reporter.message(f"resuming from {Path(chosen).name} (step {loop.pos.step})")
+    name = Path(chosen).name
+    store = loop.ckpt.store
+    came = f", downloaded from {store.uri()}" if store is not None and name in store.fetched else ""
+    reporter.message(f"resuming from {name} (step {loop.pos.step}{came})")
     log.info("resumed from %s at step %d", chosen, loop.pos.step)
     return loop.pos.step
 

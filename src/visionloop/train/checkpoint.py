@@ -48,7 +48,9 @@ import torch
 from visionloop.core.errors import CheckpointError
 from visionloop.core.fsutil import UMASK as _UMASK
 from visionloop.core.fsutil import NotRegularFileError, TooLargeError, fsync_dir, open_regular
+from visionloop.core.objectstore import ObjectStoreError
 from visionloop.train import progress
+from visionloop.train.checkpoint_store import CheckpointStore, missing_locally
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +189,7 @@ def encode(state: Mapping[str, Any], step: int, metric: float | None) -> bytes:
     return payload + _trailer(hashlib.sha256(payload).hexdigest(), len(payload), step, metric)
 
 
-def _read_trailer(f: Any, name: str) -> tuple[dict[str, Any], int]:
+def read_trailer(f: Any, name: str) -> tuple[dict[str, Any], int]:
     """(trailer, payload length) from an open checkpoint file."""
     end = f.seek(0, os.SEEK_END)
     tail = len(MAGIC) + _TAIL.size
@@ -238,7 +240,7 @@ def _open_checkpoint(path: Path) -> io.BufferedReader:
 def read_header(path: Path) -> dict[str, Any]:
     """The trailer of a checkpoint file (cheap: reads only the end)."""
     with _open_checkpoint(path) as f:
-        return _read_trailer(f, path.name)[0]
+        return read_trailer(f, path.name)[0]
 
 
 def memory_bytes() -> int:
@@ -260,7 +262,7 @@ def load_verified(path: Path) -> dict[str, Any]:
 
         return load_verified_dir(path)
     with _open_checkpoint(path) as f:
-        trailer, payload_len = _read_trailer(f, path.name)
+        trailer, payload_len = read_trailer(f, path.name)
         if payload_len != trailer["size"]:  # before reading it: the size is all that is known
             raise CheckpointError(
                 f"{path.name}: payload is {payload_len} bytes, the trailer says {trailer['size']}"
@@ -299,8 +301,17 @@ class _ManagerBase(abc.ABC):
     keep_last / keep_best retention. Subclasses say how a checkpoint of their format is named,
     read, loaded and deleted."""
 
-    def __init__(self, directory: Path, *, keep_last: int, keep_best: int, best_mode: str = "max") -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        keep_last: int,
+        keep_best: int,
+        best_mode: str = "max",
+        store: CheckpointStore | None = None,
+    ) -> None:
         self.dir = Path(directory)
+        self.store = store  # the object store's copy (checkpoint_store.py), if one is set
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.best_mode = best_mode
@@ -311,6 +322,7 @@ class _ManagerBase(abc.ABC):
         self._lock = threading.Lock()
         self.last_stall_s = 0.0
         self.last_write_s = 0.0
+        self.last_copy_s = 0.0
 
     # ---------------------------------------------------------------- per format
     @abc.abstractmethod
@@ -354,13 +366,21 @@ class _ManagerBase(abc.ABC):
         set aside (renamed `*.corrupt`) with a warning; if files exist but none verifies, that
         is an error, not a silent restart."""
         self.remove_stale_temporaries()
-        if not self.dir.is_dir():
-            return None
-        named = sorted(
-            ((step, p) for p in self.dir.iterdir() if (step := self._step_of(p)) is not None), reverse=True
+        local = (
+            [(step, p) for p in self.dir.iterdir() if (step := self._step_of(p)) is not None]
+            if self.dir.is_dir()
+            else []
+        )
+        # The store's copies that local disk lacks (a run resumed on another machine), as
+        # (step, None) until fetched: downloaded one at a time, newest first, only as far
+        # as the search needs.
+        remote = self._store_only([step for step, _ in local])
+        named: list[tuple[int, Path | None]] = sorted(
+            [*local, *((step, None) for step in remote)], reverse=True
         )
         bad: list[str] = []
-        for step, path in named:
+        for step, found in named:
+            path = found if found is not None else self._fetch(step, remote[step])
             try:
                 return self._load(step, path)
             except CheckpointError as e:  # the checkpoint itself is damaged: set it aside
@@ -388,6 +408,37 @@ class _ManagerBase(abc.ABC):
             )
         return None
 
+    def _store_only(self, local_steps: list[int]) -> dict[int, tuple[str, int]]:
+        """The store's checkpoints that local disk lacks: step -> (name, size). A store that
+        cannot be listed stops the resume: starting from an older checkpoint, or from
+        scratch, would then replace the store's newer ones at the next checkpoint."""
+        if self.store is None:
+            return {}
+        try:
+            listing = self.store.listing()
+        except ObjectStoreError as e:
+            raise CheckpointError(
+                f"cannot look for this run's checkpoints in {self.store.uri()}: {e} Rerun once the "
+                "store is reachable; to resume from local disk only, unset checkpoint_store."
+            ) from e
+        return {step: (name, size) for step, name, size in missing_locally(listing, local_steps, self.dir)}
+
+    def _fetch(self, step: int, entry: tuple[str, int]) -> Path:
+        assert self.store is not None
+        name, size = entry
+        try:
+            return self.store.fetch(step, name, size, self.dir, memory_bytes() + (1 << 20))
+        except TooLargeError as e:
+            raise CheckpointError(
+                f"cannot load checkpoint {self.store.uri(name)}: it is {(e.size or 0) / 2**30:.1f} GiB, "
+                f"more than this machine's memory ({e.limit / 2**30:.1f} GiB). Resume on a machine with "
+                "more memory."
+            ) from e
+        except ObjectStoreError as e:
+            raise CheckpointError(
+                f"cannot download checkpoint {name} (step {step}): {e} Rerun once it can be downloaded."
+            ) from e
+
     def _quarantine(self, path: Path) -> None:
         try:
             path.rename(path.with_name(path.name + ".corrupt"))
@@ -403,6 +454,12 @@ class _ManagerBase(abc.ABC):
         progress.checkpoint(step)  # durable now: renamed, and its folder synced
         self.last_write_s = time.perf_counter() - t0
         self.prune()
+        if self.store is not None:
+            # On the writer thread, so a stop waits for it (`wait`); the store then holds
+            # what the run directory keeps.
+            t1 = time.perf_counter()
+            self.store.sync([(c.path, c.sha256) for c in self.infos()])
+            self.last_copy_s = time.perf_counter() - t1
 
     def wait(self) -> Path | None:
         """Block until the in-flight write (if any) is durable; re-raise its error."""
@@ -454,8 +511,18 @@ class _ManagerBase(abc.ABC):
 class CheckpointManager(_ManagerBase):
     """Owns `<run_dir>/checkpoints/`: save (async), find the latest valid, prune."""
 
-    def __init__(self, directory: Path, *, keep_last: int, keep_best: int, best_mode: str = "max") -> None:
-        super().__init__(directory, keep_last=keep_last, keep_best=keep_best, best_mode=best_mode)
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        keep_last: int,
+        keep_best: int,
+        best_mode: str = "max",
+        store: CheckpointStore | None = None,
+    ) -> None:
+        super().__init__(
+            directory, keep_last=keep_last, keep_best=keep_best, best_mode=best_mode, store=store
+        )
         self._snapshot = Snapshotter()
 
     # ---------------------------------------------------------------- format

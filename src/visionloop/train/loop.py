@@ -29,6 +29,7 @@ from visionloop.tasks import EvalResult
 from visionloop.train import dist, progress, sharding
 from visionloop.train import rng as rng_state
 from visionloop.train.checkpoint import CheckpointManager
+from visionloop.train.checkpoint_store import CheckpointStore
 from visionloop.train.device import Precision
 from visionloop.train.evaluation import eval_rounds, score_split
 from visionloop.train.report import Reporter
@@ -69,6 +70,7 @@ class Loop:
         reporter: Reporter,
         stop: StopRequest,
         tracker: Any | None,
+        store: CheckpointStore | None = None,
     ) -> None:
         self.c = c
         self.spec = c.spec
@@ -104,6 +106,7 @@ class Loop:
                 keep_last=self.spec.checkpoint.keep_last,
                 keep_best=self.spec.checkpoint.keep_best,
                 best_mode=self.best_mode,
+                store=store,
             )
         self.final_state: dict[str, torch.Tensor] | None = None  # set by run() when training completes
         self.sampler = ResumableBatchSampler(
