@@ -304,3 +304,22 @@ def _server_pid(s3: S3Server) -> int:
         if cmd and cmd[0].endswith(b"weed") and f"-s3.port={port}".encode() in cmd:
             return int(proc.name)
     raise AssertionError(f"no weed process for {s3.endpoint}")
+
+
+def test_a_folder_store_keeps_and_restores_the_same_way(tmp_path: Path) -> None:
+    """file:// (a network share): uploads land whole under their name (a temporary name
+    first), and a fresh machine resumes from them."""
+    shared = tmp_path / "nas"
+    store = CheckpointStore(ObjectStore(parse_store_uri(f"file://{shared}")), "runs/r1")
+    m = manager(tmp_path / "a", store)
+    for step in (1, 2, 3):
+        m.save(state(step), step=step, block=True)
+    m.close()
+    folder = shared / "runs" / "r1" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [checkpoint_name(2), checkpoint_name(3)]
+    assert (folder / checkpoint_name(3)).read_bytes() == (tmp_path / "a" / checkpoint_name(3)).read_bytes()
+    found = manager(
+        tmp_path / "b", CheckpointStore(ObjectStore(parse_store_uri(f"file://{shared}")), "runs/r1")
+    ).load_latest()
+    assert found is not None and found[0].step == 3
+    assert torch.equal(found[1]["model"]["w"], state(3)["model"]["w"])  # type: ignore[index]
