@@ -20,8 +20,19 @@ from pathlib import Path
 import pytest
 
 # weed serves master, volume, filer and S3 in one process; every port is given, as the
-# defaults collide between test processes (../shared/ENGINES.md).
-_PORT_FLAGS = ("-s3.port", "-master.port", "-volume.port", "-filer.port")
+# defaults collide between test processes (../shared/ENGINES.md), the gRPC ones too: by
+# default each is its HTTP port + 10,000, which another engine of the suite may hold (CI
+# saw the S3 server die so: "startS3Server ... s3.go:407").
+_PORT_FLAGS = (
+    "-s3.port",
+    "-s3.port.grpc",
+    "-master.port",
+    "-master.port.grpc",
+    "-volume.port",
+    "-volume.port.grpc",
+    "-filer.port",
+    "-filer.port.grpc",
+)
 
 
 @dataclass(frozen=True)
@@ -63,39 +74,52 @@ def _answers(endpoint: str) -> bool:
 
 
 def start_server() -> Iterator[S3Server]:
-    """Start `weed server` with S3 on free ports; stop it (SIGTERM, then SIGKILL: it does not
-    exit promptly on SIGTERM) when the generator is closed."""
+    """Start `weed server` with S3 on free ports (three tries: a port found free may be
+    taken before weed binds it); stop it (SIGTERM, then SIGKILL: it does not exit promptly
+    on SIGTERM) when the generator is closed."""
     weed = shutil.which("weed")
     if weed is None:
         _needed("the S3 tests need SeaweedFS's `weed` on PATH")
     assert weed is not None
-    data = Path(tempfile.mkdtemp(prefix="vl-s3-"))
-    ports = _free_ports(len(_PORT_FLAGS) + 1)
-    # The master's gRPC port is its port + 10000 (and the volume's, the filer's likewise):
-    # a port above 55535 would overflow, so draw again.
-    while any(p > 55000 for p in ports):
-        ports = _free_ports(len(_PORT_FLAGS) + 1)
+    why = ""
+    for _ in range(3):
+        data = Path(tempfile.mkdtemp(prefix="vl-s3-"))
+        proc, endpoint, why = _start(weed, data)
+        if proc is not None:
+            try:
+                yield S3Server(endpoint, data / "weed.log")
+            finally:
+                with_kill(proc)
+                shutil.rmtree(data, ignore_errors=True)
+            return
+        shutil.rmtree(data, ignore_errors=True)
+    _needed(f"SeaweedFS did not start in three tries: {why}")
+
+
+def _start(weed: str, data: Path) -> tuple[subprocess.Popen[bytes] | None, str, str]:
+    """(the process, its S3 endpoint, "") once S3 answers, or (None, "", why)."""
+    ports = _free_ports(len(_PORT_FLAGS))
     # Small volumes, many of them: every bucket is a collection that gets volumes of its
     # own, and at the default size (30 GB each) the third bucket found no room ("internal
     # error" on PutObject).
     cmd = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3"]
     cmd += ["-master.volumeSizeLimitMB=64", "-volume.max=300"]
-    cmd += [f"{flag}={port}" for flag, port in zip(_PORT_FLAGS, ports, strict=False)]
+    cmd += [f"{flag}={port}" for flag, port in zip(_PORT_FLAGS, ports, strict=True)]
     log = data / "weed.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "vl", "AWS_SECRET_ACCESS_KEY": "vl-secret"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     endpoint = f"http://127.0.0.1:{ports[0]}"
-    try:
-        deadline = time.monotonic() + 60
-        while not _answers(endpoint):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                _needed(f"SeaweedFS did not start (exit {proc.poll()}): {log.read_text()[-800:]}")
-            time.sleep(0.3)
-        yield S3Server(endpoint, log)
-    finally:
-        with_kill(proc)
-        shutil.rmtree(data, ignore_errors=True)
+    deadline = time.monotonic() + 60
+    while not _answers(endpoint):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with_kill(proc)
+            text = log.read_text(errors="replace")
+            # glog's fatal line says why; the goroutine dump after it does not.
+            fatal = [line for line in text.splitlines() if line.startswith("F") or "bind:" in line]
+            return None, "", f"exit {proc.poll()}: {' | '.join(fatal[:3]) or text[-800:]}"
+        time.sleep(0.3)
+    return proc, endpoint, ""
 
 
 def with_kill(proc: subprocess.Popen[bytes]) -> None:

@@ -323,3 +323,44 @@ def test_a_folder_store_keeps_and_restores_the_same_way(tmp_path: Path) -> None:
     ).load_latest()
     assert found is not None and found[0].step == 3
     assert torch.equal(found[1]["model"]["w"], state(3)["model"]["w"])  # type: ignore[index]
+
+
+def test_a_lost_run_folder_with_a_changed_spec_starts_afresh_and_leaves_the_old_copies(
+    s3: S3Server, bucket: str, tmp_path: Path, digits_dataset: Path
+) -> None:
+    """Without its folder the run has no record of its spec: the store's copies are keyed
+    by the spec's fingerprint, so another spec at the same path never resumes from them,
+    nor deletes them."""
+    env = {
+        "VISIONLOOP_CHECKPOINT_STORE": f"s3://{bucket}/team-a",
+        "VISIONLOOP_S3_ENDPOINT_URL": s3.endpoint,
+        "AWS_ACCESS_KEY_ID": "vl",
+        "AWS_SECRET_ACCESS_KEY": "vl-secret",
+    }
+    run = tmp_path / "run"
+    first = write_spec(tmp_path / "a.yaml", spec_doc(digits_dataset, epochs=2))
+    p = cli(
+        "train", str(first), "--run-dir", str(run), "--no-track", "--until-epoch", "1", env=env, timeout=300
+    )
+    assert p.returncode == 76, p.stdout + p.stderr
+    fs = store_for(s3, bucket).store.fs
+    before = sorted(fs.find(f"{bucket}/team-a"))
+    # keep_last 2: the periodic checkpoint at step 20 and the pause's at 22.
+    assert [b.rsplit("/", 2)[1:] for b in before] == [
+        ["checkpoints", "step-000000020.ckpt"],
+        ["checkpoints", "step-000000022.ckpt"],
+    ]
+
+    shutil.rmtree(run)
+    other = write_spec(tmp_path / "b.yaml", spec_doc(digits_dataset, epochs=2, optimizer__lr=0.001))
+    p = cli(
+        "train", str(other), "--run-dir", str(run), "--no-track", "--until-epoch", "1", env=env, timeout=300
+    )
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 76, out
+    assert "resuming" not in out
+    after = sorted(fs.find(f"{bucket}/team-a"))
+    assert set(before) < set(after) and len(after) == 4
+    new = sorted(set(after) - set(before))
+    assert {a.rsplit("/", 3)[0] for a in after} == {before[0].rsplit("/", 3)[0]}  # the same run key...
+    assert {a.rsplit("/", 3)[1] for a in new} != {b.rsplit("/", 3)[1] for b in before}  # ...another spec hash

@@ -116,7 +116,7 @@ def train(
             reporter=reporter,
             stop=stop,
             tracker=None,
-            store=_checkpoint_store(settings, spec, rd, info, reporter),
+            store=_checkpoint_store(settings, spec, rd, spec_fingerprint(resolved), info, reporter),
         )
         loop.until_epoch = until_epoch
         resumed_from = _resume(loop, info, reporter)
@@ -203,7 +203,7 @@ def _dump(doc: Mapping[str, Any]) -> str:
 
 
 def _checkpoint_store(
-    settings: Settings, spec: TrainSpec, rd: RunDir, info: dist.DistInfo, reporter: Reporter
+    settings: Settings, spec: TrainSpec, rd: RunDir, fingerprint: str, info: dist.DistInfo, reporter: Reporter
 ) -> CheckpointStore | None:
     """The object store's copy of the run's checkpoints, when the settings name a store
     (checkpoint_store.py); the main process writes checkpoints, so only it copies them."""
@@ -215,7 +215,7 @@ def _checkpoint_store(
             "they stay in the run directory only"
         )
         return None
-    store = CheckpointStore.for_run(settings, rd.path)
+    store = CheckpointStore.for_run(settings, rd.path, fingerprint)
     if store is not None:
         reporter.message(f"checkpoints are copied to {store.uri()}")
     return store

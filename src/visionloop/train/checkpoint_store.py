@@ -4,7 +4,7 @@ A spot instance's local disk goes with the instance; a checkpoint that only live
 lost with it. With `checkpoint_store` set (visionloop.toml or VISIONLOOP_CHECKPOINT_STORE,
 an s3:// or file:// URI), every checkpoint, once durable on local disk, is also uploaded to
 
-    <store>/<run key>/checkpoints/step-000001234.ckpt
+    <store>/<run key>/<spec hash>/checkpoints/step-000001234.ckpt
 
 and the store keeps what the run directory keeps (`keep_last` and `keep_best`): the writer
 thread makes the store's folder match the local one after each checkpoint (`sync`), so a
@@ -16,7 +16,10 @@ and the one before it is tried.
 
 The run key is the run directory's path under the visionloop home (`runs/job-12`), which
 the control plane gives an attempt on whatever machine it runs; a run directory outside
-the home is keyed by its absolute path (`abs/tmp/run-1`).
+the home is keyed by its absolute path (`abs/tmp/run-1`). The spec hash is the first 16
+hex digits of the fingerprint a resumed run must match (`rundir.spec_fingerprint`): where
+the run directory, and its record of the spec, is gone, a changed spec (or another user's
+on another machine with the same path) finds no checkpoints instead of another run's.
 
 Sharded checkpoints (`distributed: fsdp`) are folders written by every rank; they are not
 copied (a warning says so at start).
@@ -68,12 +71,13 @@ class CheckpointStore:
         self.fetched: set[str] = set()  # names downloaded by this process (said at resume)
 
     @classmethod
-    def for_run(cls, settings: Settings, run_dir: Path) -> CheckpointStore | None:
-        """The run's store copy, if the settings name a store (None otherwise)."""
+    def for_run(cls, settings: Settings, run_dir: Path, fingerprint: str) -> CheckpointStore | None:
+        """The store copy of the run in `run_dir` with spec `fingerprint`, if the settings
+        name a store (None otherwise)."""
         if not settings.checkpoint_store:
             return None
         store = ObjectStore.from_uri(settings.checkpoint_store, endpoint_url=settings.s3_endpoint_url)
-        return cls(store, run_key(run_dir, settings.home))
+        return cls(store, f"{run_key(run_dir, settings.home)}/{fingerprint[:16]}")
 
     def uri(self, name: str = "") -> str:
         return self.store.uri(f"{self.folder}/{name}" if name else self.folder)
