@@ -104,6 +104,9 @@ def _start(weed: str, data: Path) -> tuple[subprocess.Popen[bytes] | None, str, 
     # error" on PutObject).
     cmd = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3"]
     cmd += ["-master.volumeSizeLimitMB=64", "-volume.max=300"]
+    # Its Iceberg and Lance catalogs listen on fixed ports (8181, 9101) by default: off, or a
+    # second server (or anything else on them) made S3 die at start in CI.
+    cmd += ["-s3.port.iceberg=0", "-s3.port.lance=0"]
     cmd += [f"{flag}={port}" for flag, port in zip(_PORT_FLAGS, ports, strict=True)]
     log = data / "weed.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "vl", "AWS_SECRET_ACCESS_KEY": "vl-secret"}
