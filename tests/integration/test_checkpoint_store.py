@@ -269,12 +269,7 @@ def test_a_paused_run_whose_folder_is_gone_resumes_from_s3_and_ends_bitwise_iden
     p = cli("train", str(spec), "--run-dir", str(straight), "--no-track", timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
 
-    env = {
-        "VISIONLOOP_CHECKPOINT_STORE": f"s3://{bucket}/team-a",
-        "VISIONLOOP_S3_ENDPOINT_URL": s3.endpoint,
-        "AWS_ACCESS_KEY_ID": "vl",
-        "AWS_SECRET_ACCESS_KEY": "vl-secret",
-    }
+    env = store_env(s3, bucket)
     run = tmp_path / "run"
     p = cli(
         "train", str(spec), "--run-dir", str(run), "--no-track", "--until-epoch", "1", env=env, timeout=300
@@ -289,6 +284,16 @@ def test_a_paused_run_whose_folder_is_gone_resumes_from_s3_and_ends_bitwise_iden
     assert f"downloaded from s3://{bucket}/team-a/abs/" in out and "resuming from step-000000022.ckpt" in out
     a, b = load_file(str(straight / "final.safetensors")), load_file(str(run / "final.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def store_env(s3: S3Server, bucket: str) -> dict[str, str]:
+    """What `visionloop train` needs to copy its checkpoints to the test server."""
+    return {
+        "VISIONLOOP_CHECKPOINT_STORE": f"s3://{bucket}/team-a",
+        "VISIONLOOP_S3_ENDPOINT_URL": s3.endpoint,
+        "AWS_ACCESS_KEY_ID": "vl",
+        "AWS_SECRET_ACCESS_KEY": "vl-secret",
+    }
 
 
 def _server_pid(s3: S3Server) -> int:
@@ -331,12 +336,7 @@ def test_a_lost_run_folder_with_a_changed_spec_starts_afresh_and_leaves_the_old_
     """Without its folder the run has no record of its spec: the store's copies are keyed
     by the spec's fingerprint, so another spec at the same path never resumes from them,
     nor deletes them."""
-    env = {
-        "VISIONLOOP_CHECKPOINT_STORE": f"s3://{bucket}/team-a",
-        "VISIONLOOP_S3_ENDPOINT_URL": s3.endpoint,
-        "AWS_ACCESS_KEY_ID": "vl",
-        "AWS_SECRET_ACCESS_KEY": "vl-secret",
-    }
+    env = store_env(s3, bucket)
     run = tmp_path / "run"
     first = write_spec(tmp_path / "a.yaml", spec_doc(digits_dataset, epochs=2))
     p = cli(

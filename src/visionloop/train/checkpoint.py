@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -511,19 +512,10 @@ class _ManagerBase(abc.ABC):
 class CheckpointManager(_ManagerBase):
     """Owns `<run_dir>/checkpoints/`: save (async), find the latest valid, prune."""
 
-    def __init__(
-        self,
-        directory: Path,
-        *,
-        keep_last: int,
-        keep_best: int,
-        best_mode: str = "max",
-        store: CheckpointStore | None = None,
-    ) -> None:
-        super().__init__(
-            directory, keep_last=keep_last, keep_best=keep_best, best_mode=best_mode, store=store
-        )
-        self._snapshot = Snapshotter()
+    @functools.cached_property
+    def _snapshot(self) -> Snapshotter:
+        """Its host buffers, reused from one checkpoint to the next."""
+        return Snapshotter()
 
     # ---------------------------------------------------------------- format
     def _step_of(self, path: Path) -> int | None:
