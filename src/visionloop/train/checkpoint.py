@@ -49,9 +49,8 @@ import torch
 from visionloop.core.errors import CheckpointError
 from visionloop.core.fsutil import UMASK as _UMASK
 from visionloop.core.fsutil import NotRegularFileError, TooLargeError, fsync_dir, open_regular
-from visionloop.core.objectstore import ObjectStoreError
 from visionloop.train import progress
-from visionloop.train.checkpoint_store import CheckpointStore, missing_locally
+from visionloop.train.checkpoint_store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +374,7 @@ class _ManagerBase(abc.ABC):
         # The store's copies that local disk lacks (a run resumed on another machine), as
         # (step, None) until fetched: downloaded one at a time, newest first, only as far
         # as the search needs.
-        remote = self._store_only([step for step, _ in local])
+        remote = self.store.missing([step for step, _ in local], self.dir) if self.store is not None else {}
         named: list[tuple[int, Path | None]] = sorted(
             [*local, *((step, None) for step in remote)], reverse=True
         )
@@ -409,36 +408,9 @@ class _ManagerBase(abc.ABC):
             )
         return None
 
-    def _store_only(self, local_steps: list[int]) -> dict[int, tuple[str, int]]:
-        """The store's checkpoints that local disk lacks: step -> (name, size). A store that
-        cannot be listed stops the resume: starting from an older checkpoint, or from
-        scratch, would then replace the store's newer ones at the next checkpoint."""
-        if self.store is None:
-            return {}
-        try:
-            listing = self.store.listing()
-        except ObjectStoreError as e:
-            raise CheckpointError(
-                f"cannot look for this run's checkpoints in {self.store.uri()}: {e} Rerun once the "
-                "store is reachable; to resume from local disk only, unset checkpoint_store."
-            ) from e
-        return {step: (name, size) for step, name, size in missing_locally(listing, local_steps, self.dir)}
-
     def _fetch(self, step: int, entry: tuple[str, int]) -> Path:
         assert self.store is not None
-        name, size = entry
-        try:
-            return self.store.fetch(step, name, size, self.dir, memory_bytes() + (1 << 20))
-        except TooLargeError as e:
-            raise CheckpointError(
-                f"cannot load checkpoint {self.store.uri(name)}: it is {(e.size or 0) / 2**30:.1f} GiB, "
-                f"more than this machine's memory ({e.limit / 2**30:.1f} GiB). Resume on a machine with "
-                "more memory."
-            ) from e
-        except ObjectStoreError as e:
-            raise CheckpointError(
-                f"cannot download checkpoint {name} (step {step}): {e} Rerun once it can be downloaded."
-            ) from e
+        return self.store.fetch(step, *entry, self.dir, memory_bytes() + (1 << 20))
 
     def _quarantine(self, path: Path) -> None:
         try:
@@ -454,12 +426,13 @@ class _ManagerBase(abc.ABC):
     def _committed(self, step: int, t0: float) -> None:
         progress.checkpoint(step)  # durable now: renamed, and its folder synced
         self.last_write_s = time.perf_counter() - t0
-        self.prune()
+        infos = self.infos()
+        removed = set(self._prune(infos))
         if self.store is not None:
             # On the writer thread, so a stop waits for it (`wait`); the store then holds
             # what the run directory keeps.
             t1 = time.perf_counter()
-            self.store.sync([(c.path, c.sha256) for c in self.infos()])
+            self.store.sync([(c.path, c.sha256) for c in infos if c.path not in removed])
             self.last_copy_s = time.perf_counter() - t1
 
     def wait(self) -> Path | None:
@@ -485,7 +458,10 @@ class _ManagerBase(abc.ABC):
     # ---------------------------------------------------------------- retention
     def prune(self) -> list[Path]:
         """Keep the newest `keep_last` plus the best `keep_best` by metric; delete the rest."""
-        infos = self.infos()
+        return self._prune(self.infos())
+
+    def _prune(self, infos: list[CheckpointInfo]) -> list[Path]:
+        """`prune` over `infos` (the checkpoints found, oldest first); the paths deleted."""
         keep = {c.path for c in infos[-self.keep_last :]}
         scored = [c for c in infos if c.metric is not None]
         if self.keep_best and scored:

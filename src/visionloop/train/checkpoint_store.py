@@ -33,7 +33,8 @@ import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from visionloop.core.fsutil import human_bytes
+from visionloop.core.errors import CheckpointError
+from visionloop.core.fsutil import TooLargeError, human_bytes
 from visionloop.core.objectstore import ObjectStore, ObjectStoreError
 from visionloop.core.settings import Settings
 
@@ -122,8 +123,7 @@ class CheckpointStore:
     def _remote_sha256(self, name: str) -> str | None:
         """The checksum in the trailer of the store's copy of `name` (a few KiB read from its
         end), or None if it has none that parses."""
-        from visionloop.core.errors import CheckpointError
-        from visionloop.train.checkpoint import read_trailer
+        from visionloop.train.checkpoint import read_trailer  # it imports this module
 
         try:
             with self.store.open(f"{self.folder}/{name}") as f:
@@ -132,42 +132,57 @@ class CheckpointStore:
             log.info("reading the trailer of %s: %s (uploading it again)", self.uri(name), e)
             return None
 
+    def missing(self, local_steps: Iterable[int], directory: Path) -> dict[int, tuple[str, int]]:
+        """The store's checkpoints that local disk (`directory`) lacks: step -> (name, size);
+        not one set aside there as corrupt (`*.corrupt`), which would only be set aside
+        again. A store that cannot be listed stops the resume (CheckpointError): starting
+        from an older checkpoint, or from scratch, would then replace the store's newer ones
+        at the next checkpoint."""
+        try:
+            listing = self.listing()
+        except ObjectStoreError as e:
+            raise CheckpointError(
+                f"cannot look for this run's checkpoints in {self.uri()}: {e} Rerun once the "
+                "store is reachable; to resume from local disk only, unset checkpoint_store."
+            ) from e
+        have = set(local_steps)
+        return {
+            step: (name, size)
+            for step, (name, size) in listing.items()
+            if step not in have and not (directory / f"{name}.corrupt").exists()
+        }
+
     def fetch(self, step: int, name: str, size: int, directory: Path, max_bytes: int) -> Path:
         """Download checkpoint `name` into `directory` (the run's checkpoints folder), under
-        its own name once complete. CheckpointError-free: ObjectStoreError if the store
-        fails, TooLargeError if it is larger than `max_bytes` or the local disk's room."""
+        its own name once complete; CheckpointError if the store fails, or it is larger than
+        `max_bytes` (this machine's memory) or the local disk's room."""
         directory.mkdir(parents=True, exist_ok=True)
-        room = shutil.disk_usage(directory).free - DISK_MARGIN
-        if size > room:
-            raise ObjectStoreError(
-                f"cannot download {self.uri(name)}: it is {size / 2**30:.2f} GiB and {directory} has "
-                f"{max(room, 0) / 2**30:.2f} GiB free (less a {human_bytes(DISK_MARGIN)} margin). Free "
-                "disk space, then rerun to resume."
+        try:
+            room = shutil.disk_usage(directory).free - DISK_MARGIN
+            if size > room:
+                raise ObjectStoreError(
+                    f"cannot download {self.uri(name)}: it is {size / 2**30:.2f} GiB and {directory} "
+                    f"has {max(room, 0) / 2**30:.2f} GiB free (less a {human_bytes(DISK_MARGIN)} margin). "
+                    "Free disk space, then rerun to resume."
+                )
+            target = directory / name
+            self.store.get(
+                f"{self.folder}/{name}",
+                target,
+                max_bytes=max_bytes,
+                what="a checkpoint on this machine (its memory)",
+                size=size,
             )
-        target = directory / name
-        self.store.get(
-            f"{self.folder}/{name}",
-            target,
-            max_bytes=max_bytes,
-            what="a checkpoint on this machine (its memory)",
-            size=size,
-        )
+        except TooLargeError as e:
+            raise CheckpointError(
+                f"cannot load checkpoint {self.uri(name)}: it is {(e.size or 0) / 2**30:.1f} GiB, "
+                f"more than this machine's memory ({e.limit / 2**30:.1f} GiB). Resume on a machine with "
+                "more memory."
+            ) from e
+        except ObjectStoreError as e:
+            raise CheckpointError(
+                f"cannot download checkpoint {name} (step {step}): {e} Rerun once it can be downloaded."
+            ) from e
         log.info("downloaded %s (step %d) from %s", name, step, self.uri())
         self.fetched.add(name)
         return target
-
-
-def missing_locally(
-    remote: dict[int, tuple[str, int]], local_steps: Iterable[int], directory: Path
-) -> list[tuple[int, str, int]]:
-    """The store's checkpoints that local disk lacks (step, name, size), newest first; not
-    one set aside here as corrupt (`*.corrupt`), which would only be set aside again."""
-    have = set(local_steps)
-    return sorted(
-        (
-            (step, name, size)
-            for step, (name, size) in remote.items()
-            if step not in have and not (directory / f"{name}.corrupt").exists()
-        ),
-        reverse=True,
-    )
